@@ -1,0 +1,49 @@
+"""The Backend protocol: what a model needs from wherever inference and training run."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ..types import TrainConfig, TrainResult, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from ..model import Model, TrainableModel
+
+__all__ = ["Backend"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Implemented by `LocalBackend` (everything in this process)."""
+
+    async def register(self, model: Model) -> None:
+        """Start serving (and, for a TrainableModel, training) `model`."""
+
+    async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
+        """(OpenAI base_url, api_key) that `model.openai_client()` talks to."""
+
+    def _model_inference_name(self, model: Model, step: int | None = None) -> str:
+        """The name to send as `model` in requests: `name` (latest) or `name@step`."""
+
+    async def _get_step(self, model: TrainableModel) -> int:
+        """The latest trained step (0 before any)."""
+
+    async def train(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
+        """One training step (ART >= 0.5.18 keyword style)."""
+
+    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+        """One training step with a TrainConfig (what `model.train` calls)."""
+
+    async def _log(
+        self, model: Model, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]
+    ) -> None:
+        """Append a history row and store the groups' trajectories."""
+
+    async def _read_history(self, model: Model) -> list[dict[str, Any]]:
+        """The model's history rows, oldest first."""
+
+    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> list[int]:
+        """Delete every checkpoint not in `steps_to_keep`; returns the deleted steps."""
+
+    async def close(self) -> None:
+        """Stop serving and free the models."""

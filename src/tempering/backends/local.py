@@ -1,0 +1,223 @@
+"""LocalBackend: serve and train in this process.
+
+Each registered `TrainableModel` gets a `ModelService` (weights, engine, trainer, checkpoints).
+An OpenAI-compatible server (FastAPI + uvicorn) runs in a background thread on 127.0.0.1, on a
+free port, protected by a generated API key; `model.openai_client()` points at it. Training
+steps run in a worker thread, so the user's event loop keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import BackendError, ConfigError
+from ..service import ModelService, ServiceRegistry, create_app
+from ..service.auth import generate_api_key
+from ..service.server import ServerThread
+from ..storage import ModelPaths, append_history, delete_checkpoints, latest_step, read_history, write_trajectories
+from ..types import TrainConfig, TrainResult, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from ..model import Model, TrainableModel
+
+__all__ = ["LocalBackend"]
+
+# ART's backend.train options that tempering accepts only at ART's default (no effect yet).
+_ART_NOOP_OPTIONS: dict[str, Any] = {
+    "allow_training_without_logprobs": False,
+    "plot_tensors": False,
+    "truncated_importance_sampling": None,
+    "scale_learning_rate_by_reward_std_dev": False,
+    "packed_sequence_length": None,
+    "importance_sampling_level": "token",
+    "advantage_balance": 0.0,
+    "mask_prob_ratio": False,
+    "kimi_k2_tau": None,
+    "precalculate_logprobs": False,
+    "max_negative_advantage_importance_sampling_weight": None,
+    "num_trajectories_learning_rate_multiplier_power": 0.0,
+    "kl_penalty_reference_step": None,
+    "kl_ref_adapter_path": None,
+    "kl_penalty_source": "current_learner",
+    "loss_fn_config": None,
+    "adam_params": None,
+    "megatron_topology": None,
+}
+_ART_IGNORED_OPTIONS = {"verbose", "logprob_calculation_chunk_size"}
+
+
+class LocalBackend:
+    """Inference and training in this process (CPU or one GPU).
+
+    Args:
+        path: storage root (default `./.tempering`); models live in `<path>/<project>/models/<name>`.
+        device: "cpu", "cuda", ...; default CUDA when available.
+        host, port: where the OpenAI-compatible server listens (default 127.0.0.1 and a free port).
+        api_key: the server's key (default: a random one per backend).
+        max_batch_size: most samples the engine decodes together.
+        in_process: accepted for ART compatibility; tempering always runs in process.
+    """
+
+    def __init__(
+        self,
+        *,
+        path: str | Path | None = None,
+        device: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        max_batch_size: int = 64,
+        in_process: bool = True,
+    ) -> None:
+        self.path = Path(path) if path is not None else Path(".tempering")
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self._host, self._port = host, port
+        self._api_key = api_key or generate_api_key()
+        self._registry = ServiceRegistry()
+        self._server: ServerThread | None = None
+        self._projects: dict[str, str] = {}  # model name -> project
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> LocalBackend:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def __enter__(self) -> LocalBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._close_sync()
+
+    async def close(self) -> None:
+        """Stop the server and free every model. The backend cannot be used afterwards."""
+        await asyncio.to_thread(self._close_sync)
+
+    def _close_sync(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.stop()
+        for service in self._registry.services():
+            service.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("this LocalBackend is closed; create a new one")
+
+    # ---- registration -------------------------------------------------------------------------
+
+    def _paths(self, model: Model) -> ModelPaths:
+        return ModelPaths(self.path, model.project, model.name)
+
+    async def register(self, model: Model) -> None:
+        """Start serving `model` (loading its weights, resuming from its latest checkpoint).
+
+        Raises:
+            ConfigError: if another model of the same name is already registered.
+            UnknownModelError: if a TrainableModel's `base_model` cannot be found.
+        """
+        self._check_open()
+        paths = self._paths(model)
+        other = self._projects.get(model.name)
+        if other is not None and other != model.project:
+            raise ConfigError(f"a model named {model.name!r} is already registered in project {other!r}; use another name")
+        paths.model_dir.mkdir(parents=True, exist_ok=True)
+        paths.model_json.write_text(json.dumps(model.model_dump(mode="json"), indent=2))
+        self._projects[model.name] = model.project
+        if not getattr(model, "trainable", False) or self._registry.get(model.name) is not None:
+            return
+        lora = getattr(model, "lora_config", None)
+        service = await asyncio.to_thread(
+            ModelService, paths, model.base_model, lora=lora, device=self.device, max_batch_size=self.max_batch_size
+        )
+        self._registry.add(model.name, service)
+        await asyncio.to_thread(self._ensure_server)
+
+    def _ensure_server(self) -> None:
+        if self._server is None:
+            server = ServerThread(create_app(self._registry, api_key=self._api_key), host=self._host, port=self._port)
+            server.start()
+            self._server = server
+
+    def _service(self, model: Model) -> ModelService:
+        self._check_open()
+        service = self._registry.get(model.name)
+        if service is None:
+            raise BackendError(f"model {model.name!r} is not registered with this backend; await model.register(backend) first")
+        return service
+
+    async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
+        self._service(model)
+        assert self._server is not None
+        return f"{self._server.base_url}/v1", self._api_key
+
+    def _model_inference_name(self, model: Model, step: int | None = None) -> str:
+        return model.name if step is None else f"{model.name}@{step}"
+
+    @property
+    def base_url(self) -> str | None:
+        """The server's OpenAI base URL (None before a trainable model is registered)."""
+        return f"{self._server.base_url}/v1" if self._server else None
+
+    async def _get_step(self, model: TrainableModel) -> int:
+        service = self._registry.get(model.name)
+        if service is not None:
+            return service.step
+        return latest_step(self._paths(model).checkpoints_dir)
+
+    # ---- training -----------------------------------------------------------------------------
+
+    async def train(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
+        """One RL step, ART >= 0.5.18 style: `await backend.train(model, groups, learning_rate=1e-5)`.
+
+        Options are TrainConfig's fields plus ART's names: `normalize_advantages`/`scale_rewards`,
+        `loss_fn` ("ppo" or "cispo"), `epsilon`, `epsilon_high`, `kl_penalty_coef`,
+        `save_checkpoint`. ART options tempering does not implement are accepted at their
+        default value and raise ConfigError otherwise.
+        """
+        fields: dict[str, Any] = {}
+        for key, value in options.items():
+            if key in _ART_IGNORED_OPTIONS:
+                continue
+            if key in _ART_NOOP_OPTIONS:
+                if value != _ART_NOOP_OPTIONS[key]:
+                    raise ConfigError(f"backend.train({key}={value!r}) is not supported by tempering yet; leave it out")
+                continue
+            if key == "scale_rewards":
+                fields["normalize_advantages"] = fields.get("normalize_advantages", True) and bool(value)
+                continue
+            if key not in TrainConfig.model_fields:
+                raise TypeError(f"backend.train() got an unexpected option {key!r}")
+            fields[key] = value
+        return await self._train_model(model, trajectory_groups, TrainConfig(**fields))
+
+    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+        service = self._service(model)
+        groups = list(trajectory_groups)
+        if any(getattr(g, "is_pending", False) for g in groups):
+            raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
+        return await asyncio.to_thread(service.train, groups, config)
+
+    # ---- logs and checkpoints -----------------------------------------------------------------
+
+    async def _log(self, model: Model, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
+        paths = self._paths(model)
+        append_history(paths.history, {"step": step, **metrics})
+        if groups:
+            write_trajectories(paths.trajectories(split, step), groups)
+
+    async def _read_history(self, model: Model) -> list[dict[str, Any]]:
+        return read_history(self._paths(model).history)
+
+    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> list[int]:
+        keep = set(steps_to_keep) | {await self._get_step(model)}  # never the live one
+        return delete_checkpoints(self._paths(model).checkpoints_dir, keep)

@@ -1,0 +1,262 @@
+"""A batched generation engine on a `transformers` causal LM with its KV cache.
+
+Requests from concurrent rollouts queue up; a worker thread takes those that share a policy
+(adapter), pads them on the left into one batch, prefills it, and decodes token by token with
+a `DynamicCache`, dropping finished rows from the cache as it goes. Sampling and logprobs are
+ours (`sampler.py`), so every sampled token comes back with its logprob.
+
+Requests that arrive while a batch runs wait for the next batch (static batching); the engine
+holds `lock` for a whole batch so that a training step never changes the weights mid-sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, EngineError
+from .request import Completion, GenerationRequest, Policy
+from .sampler import sample
+from .sampling_params import SamplingParams
+
+__all__ = ["HFEngine"]
+
+
+@dataclass(slots=True)
+class _Row:
+    """The state of one sample while it decodes."""
+
+    request: GenerationRequest
+    sample_index: int
+    max_tokens: int
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_at: int | None = None  # char offset of the stop string in the text, when one matched
+
+
+class HFEngine:
+    """Batched sampling with logprobs on a transformers model.
+
+    Args:
+        model: a `transformers` causal LM (LoRA layers may be injected into it).
+        tokenizer: its tokenizer, used to detect stop strings and decode text.
+        stop_token_ids: ids that end a sample (end of turn).
+        lock: held for each batch; the trainer takes it for each step.
+        max_batch_size: most samples decoded together.
+        max_seq_len: prompt + completion limit in tokens (the model's context length).
+        batch_wait_s: after the first request arrives, how long to wait for more to batch with it.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        stop_token_ids: list[int],
+        lock: threading.RLock,
+        max_batch_size: int = 64,
+        max_seq_len: int = 8192,
+        batch_wait_s: float = 0.01,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_token_ids = list(stop_token_ids)
+        self.lock = lock
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.batch_wait_s = batch_wait_s
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_token_ids[0]
+        self._queue: collections.deque[GenerationRequest] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._generator = torch.Generator(device=self.device).manual_seed(torch.seed())
+        self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy):
+        """Queue a request; returns a `concurrent.futures.Future` of `n` Completions.
+
+        Raises:
+            ConfigError: if the prompt is empty or leaves no room for a token in the context.
+            EngineError: if the engine is closed.
+        """
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty: send at least one message or token")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ConfigError(
+                f"the prompt has {len(prompt_ids)} tokens, but the model's context is {self.max_seq_len}; shorten it"
+            )
+        if n < 1:
+            raise ConfigError(f"n must be >= 1, got {n}")
+        request = GenerationRequest(list(prompt_ids), params, n, policy)
+        with self._cond:
+            if self._closed:
+                raise EngineError("the engine is closed; register the model with a new backend")
+            self._queue.append(request)
+            self._cond.notify()
+        return request.future
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy) -> list[Completion]:
+        """`submit` for asyncio callers."""
+        return await asyncio.wrap_future(self.submit(prompt_ids, params, n=n, policy=policy))
+
+    def close(self) -> None:
+        """Stop the worker; queued requests fail with EngineError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+        while self._queue:
+            self._queue.popleft().future.set_exception(EngineError("the engine was closed before this request ran"))
+
+    # ---- worker -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                completions = self._run_batch(batch)
+            except BaseException as exc:  # never let the worker die: fail this batch's requests
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(EngineError(f"generation failed: {exc!r}"))
+                continue
+            for request, result in zip(batch, completions):
+                request.future.set_result(result)
+
+    def _next_batch(self) -> list[GenerationRequest] | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+        time.sleep(self.batch_wait_s)  # let requests sent at the same moment join this batch
+        with self._cond:
+            key = self._queue[0].policy.key
+            batch, rest, num_rows = [], collections.deque(), 0
+            while self._queue:
+                request = self._queue.popleft()
+                fits = num_rows + request.n <= self.max_batch_size or not batch
+                if request.policy.key == key and fits and request.future.set_running_or_notify_cancel():
+                    batch.append(request)
+                    num_rows += request.n
+                elif not request.future.cancelled():
+                    rest.append(request)
+            self._queue.extendleft(reversed(rest))
+            return batch
+
+    def _run_batch(self, batch: list[GenerationRequest]) -> list[list[Completion]]:
+        rows = []
+        for request in batch:
+            room = self.max_seq_len - len(request.prompt_ids)
+            for i in range(request.n):
+                seed = request.params.seed
+                generator = None
+                if seed is not None and not request.params.is_greedy:
+                    generator = torch.Generator(device=self.device).manual_seed(seed + i)
+                rows.append(_Row(request, i, min(request.params.max_tokens, room), generator))
+        with self.lock, batch[0].policy.activate(), torch.inference_mode():
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                self._decode(rows)
+            finally:
+                self.model.train(was_training)
+        return [[self._completion(r) for r in rows if r.request is request] for request in batch]
+
+    def _decode(self, rows: list[_Row]) -> None:
+        from transformers import DynamicCache
+
+        device = self.device
+        B = len(rows)
+        T = max(len(r.request.prompt_ids) for r in rows)
+        input_ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((B, T), dtype=torch.long)
+        for b, r in enumerate(rows):  # left padding: every row's next token lands in the same column
+            ids = r.request.prompt_ids
+            input_ids[b, T - len(ids):] = torch.tensor(ids)
+            attention_mask[b, T - len(ids):] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        cache = DynamicCache()
+        active = list(range(B))  # indices into rows of the cache's rows, in cache order
+        while True:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1, :]  # [B', V]
+            live = [rows[i] for i in active]
+            result = sample(logits, [r.request.params for r in live], [r.generator for r in live], self._generator)
+            ids = result.token_ids.tolist()  # the one device→host sync per step
+            lps = result.logprobs.tolist()
+            tops = None
+            if result.top_ids is not None:
+                tops = list(zip(result.top_ids.tolist(), result.top_logprobs.tolist()))
+            keep = []
+            for j, r in enumerate(live):
+                self._append(r, ids[j], lps[j], tops[j] if tops else None)
+                if r.finish_reason is None:
+                    keep.append(j)
+            if not keep:
+                return
+            next_ids = torch.tensor([[ids[j]] for j in keep], device=device)  # [B', 1]
+            if len(keep) < len(live):
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                attention_mask = attention_mask[index]
+                position_ids = position_ids[index]
+                active = [active[j] for j in keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(keep), 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+            input_ids = next_ids
+
+    def _append(self, row: _Row, token_id: int, logprob: float, top: tuple[list[int], list[float]] | None) -> None:
+        params = row.request.params
+        row.token_ids.append(token_id)
+        row.logprobs.append(logprob)
+        k = params.num_top_logprobs
+        row.top_logprobs.append(list(zip(top[0][:k], top[1][:k])) if top and k else [])
+        if not params.ignore_eos and (token_id in self.stop_token_ids or token_id in params.stop_token_ids):
+            row.finish_reason = "stop"
+        elif params.stop:
+            text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+            if hits:
+                row.finish_reason, row.stop_at = "stop", min(hits)
+        if row.finish_reason is None and len(row.token_ids) >= row.max_tokens:
+            row.finish_reason = "length"
+
+    def _completion(self, row: _Row) -> Completion:
+        text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        if row.stop_at is not None:
+            text = text[: row.stop_at]
+        return Completion(
+            token_ids=row.token_ids,
+            logprobs=row.logprobs,
+            top_logprobs=row.top_logprobs,
+            text=text,
+            finish_reason=row.finish_reason or "length",
+            logprob_temperature=row.request.params.logprob_temperature,
+        )

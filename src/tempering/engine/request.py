@@ -1,0 +1,66 @@
+"""One generation request, the policy it samples from, and what it returns."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .sampling_params import SamplingParams
+
+__all__ = ["BasePolicy", "Completion", "GenerationRequest", "Policy"]
+
+
+class Policy(Protocol):
+    """The weights a request samples from: the base model, the live adapter, or an older step.
+
+    `key` groups requests that can share a batch; `activate()` makes these weights the ones the
+    model computes with, for the duration of a batch.
+    """
+
+    key: Hashable
+
+    def activate(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class BasePolicy:
+    """The model as loaded, with nothing switched."""
+
+    key: Hashable = "base"
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        yield
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sample.
+
+    Attributes:
+        token_ids: the sampled ids, including the final stop token when there is one.
+        logprobs: natural-log probability of each sampled id, at `logprob_temperature`.
+        top_logprobs: per sampled token, the (id, logprob) pairs of the most likely tokens
+            (empty lists when none were asked for).
+        text: the decoded completion without special tokens, cut before any stop string.
+        finish_reason: "stop" (a stop token or string) or "length" (max_tokens reached).
+        logprob_temperature: the temperature the logprobs were computed at.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    text: str
+    finish_reason: str
+    logprob_temperature: float
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    policy: Policy
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)

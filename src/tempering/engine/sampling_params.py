@@ -1,0 +1,62 @@
+"""What one generation request asks for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+__all__ = ["SamplingParams"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling options of one request (OpenAI semantics).
+
+    Attributes:
+        max_tokens: most new tokens per sample, including the final stop token.
+        temperature: 0 means greedy decoding; otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1]; 1 turns it off.
+        top_k: sample among the k most likely tokens; 0 or -1 turns it off.
+        seed: makes sampling reproducible; sample i of a request with n > 1 uses `seed + i`.
+        stop: strings that end a sample; the returned text stops before the first one.
+        stop_token_ids: ids that end a sample besides the model's end-of-turn ids.
+        ignore_eos: keep sampling past end-of-turn ids (benchmarks).
+        num_top_logprobs: how many most likely alternatives to return per token (0-20).
+
+    Raises:
+        ConfigError: for out-of-range values.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    num_top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ConfigError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ConfigError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not 0 <= self.num_top_logprobs <= 20:
+            raise ConfigError(f"top_logprobs must be in [0, 20], got {self.num_top_logprobs}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature logprobs are computed at: the sampling one, or 1 for greedy decoding."""
+        return 1.0 if self.is_greedy else self.temperature

