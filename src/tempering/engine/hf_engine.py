@@ -53,7 +53,9 @@ class HFEngine:
         lock: held for each batch; the trainer takes it for each step.
         max_batch_size: most samples decoded together.
         max_seq_len: prompt + completion limit in tokens (the model's context length).
-        batch_wait_s: after the first request arrives, how long to wait for more to batch with it.
+        batch_quiet_s: after a request arrives, wait this long for more before starting a batch
+            (rollouts launched together reach the server over some milliseconds).
+        batch_wait_max_s: but never wait longer than this in total.
     """
 
     def __init__(
@@ -65,7 +67,8 @@ class HFEngine:
         lock: threading.RLock,
         max_batch_size: int = 64,
         max_seq_len: int = 8192,
-        batch_wait_s: float = 0.01,
+        batch_quiet_s: float = 0.02,
+        batch_wait_max_s: float = 0.2,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -73,7 +76,8 @@ class HFEngine:
         self.lock = lock
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.batch_wait_s = batch_wait_s
+        self.batch_quiet_s = batch_quiet_s
+        self.batch_wait_max_s = batch_wait_max_s
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_token_ids[0]
         self._queue: collections.deque[GenerationRequest] = collections.deque()
         self._cond = threading.Condition()
@@ -131,6 +135,8 @@ class HFEngine:
             batch = self._next_batch()
             if batch is None:
                 return
+            if not batch:  # every request taken was cancelled meanwhile
+                continue
             try:
                 completions = self._run_batch(batch)
             except BaseException as exc:  # never let the worker die: fail this batch's requests
@@ -147,8 +153,19 @@ class HFEngine:
                 self._cond.wait()
             if self._closed:
                 return None
-        time.sleep(self.batch_wait_s)  # let requests sent at the same moment join this batch
-        with self._cond:
+            # let requests sent at about the same moment join this batch: wait until none has
+            # arrived for batch_quiet_s, the batch is full, or batch_wait_max_s has passed
+            deadline = time.monotonic() + self.batch_wait_max_s
+            while sum(r.n for r in self._queue) < self.max_batch_size:
+                size = len(self._queue)
+                timeout = min(self.batch_quiet_s, deadline - time.monotonic())
+                if timeout <= 0:
+                    break
+                self._cond.wait(timeout)
+                if self._closed:
+                    return None
+                if len(self._queue) == size:
+                    break
             key = self._queue[0].policy.key
             batch, rest, num_rows = [], collections.deque(), 0
             while self._queue:

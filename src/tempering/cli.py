@@ -1,0 +1,70 @@
+"""The `tempering` command: `tempering demo`, `tempering plot`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Reinforcement learning for LLM agents.")
+
+
+@app.command()
+def demo(
+    steps: Annotated[int, typer.Option(help="training steps")] = 12,
+    groups_per_step: Annotated[int, typer.Option(help="problems per step")] = 4,
+    group_size: Annotated[int, typer.Option(help="rollouts per problem")] = 8,
+    learning_rate: Annotated[float, typer.Option(help="LoRA learning rate")] = 2e-4,
+    num_val: Annotated[int, typer.Option(help="held-out validation problems")] = 64,
+    path: Annotated[Path, typer.Option(help="storage root")] = Path(".tempering"),
+    seed: Annotated[int, typer.Option(help="seed of the problem sets")] = 0,
+) -> None:
+    """Train the default model (SmolLM2-135M-Instruct) on addition and show the reward rising."""
+    from transformers.utils import logging as hf_logging
+
+    from .demo import run_demo
+
+    hf_logging.disable_progress_bar()
+    result = run_demo(
+        path=path, steps=steps, groups_per_step=groups_per_step, group_size=group_size,
+        learning_rate=learning_rate, num_val=num_val, seed=seed, echo=typer.echo,
+    )
+    typer.echo("")
+    typer.echo(f"validation reward: {result.val_reward_before:.3f} -> {result.val_reward_after:.3f} "
+               f"({result.improvement:+.3f}) in {result.seconds / 60:.1f} min")
+    typer.echo(f"history: {result.history_path}")
+    typer.echo(f"plot:    {result.plot_path}")
+
+
+@app.command()
+def plot(
+    project: Annotated[str, typer.Argument(help="project name")],
+    models: Annotated[list[str] | None, typer.Argument(help="model names (default: every model of the project)")] = None,
+    path: Annotated[Path, typer.Option(help="storage root")] = Path(".tempering"),
+    metric: Annotated[list[str] | None, typer.Option(help="history keys to draw (repeatable)")] = None,
+    out: Annotated[Path | None, typer.Option(help="PNG file to write")] = None,
+) -> None:
+    """Draw reward (and other metrics) over steps for one or several models to a PNG."""
+    from .storage import ModelPaths, plot_history, read_history
+
+    project_dir = path / project / "models"
+    names = models or (sorted(p.name for p in project_dir.iterdir() if p.is_dir()) if project_dir.is_dir() else [])
+    if not names:
+        raise typer.BadParameter(f"no models under {project_dir}")
+    histories = {name: read_history(ModelPaths(path, project, name).history) for name in names}
+    metrics = tuple(metric) if metric else ("train/reward", "val/reward", "loss/train", "loss/entropy")
+    target = out or (path / project / "plots" / ("reward.png" if len(names) > 1 else f"{names[0]}.png"))
+    try:
+        written = plot_history(histories, target, metrics=metrics, title=project)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(str(written))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

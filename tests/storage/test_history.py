@@ -1,0 +1,21 @@
+import math
+
+from tempering.storage import append_history, plot_history, read_history
+
+
+def test_history_rows_round_trip_and_nan_becomes_null(tmp_path):
+    path = tmp_path / "history.jsonl"
+    append_history(path, {"step": 0, "train/reward": 0.5})
+    append_history(path, {"step": 1, "train/reward": math.nan})
+    with open(path, "a") as f:
+        f.write('{"step": 2, "torn')  # a crash mid-write
+    rows = read_history(path)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[1]["train/reward"] is None
+    assert "recorded_at" in rows[0]
+
+
+def test_plot_writes_a_png(tmp_path):
+    rows = [{"step": s, "train/reward": s / 10} for s in range(5)] + [{"step": 4, "val/reward": 0.6}]
+    out = plot_history({"m": rows}, tmp_path / "plots" / "r.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

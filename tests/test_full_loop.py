@@ -1,0 +1,214 @@
+"""The whole loop on the real default model: gather → train → get_step, resume, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+import torch
+from openai.types.chat.chat_completion import Choice
+
+import tempering as art
+from tempering.errors import CheckpointError, TrajectoryError, UnknownModelError
+
+PROMPTS = ["What is 3+4? Answer with just the number.", "Name a color."]
+PROBE = [{"role": "user", "content": "What is 5+6? Answer with just the number."}]
+
+
+async def rollout(model: art.TrainableModel, prompt: str) -> art.Trajectory:
+    traj = art.Trajectory(messages_and_choices=[{"role": "user", "content": prompt}])
+    completion = await model.openai_client().chat.completions.create(
+        model=model.name, messages=traj.messages(), max_tokens=8, temperature=1.0)
+    choice = completion.choices[0]
+    traj.messages_and_choices.append(choice)
+    # a continuous reward in (0, 1] that differs between samples, so every group has spread
+    logprobs = [c.logprob for c in choice.logprobs.content]
+    traj.reward = math.exp(sum(logprobs) / len(logprobs))
+    return traj
+
+
+async def gather(model, group_size=4):
+    return await art.gather_trajectory_groups(
+        (art.TrajectoryGroup(rollout(model, p) for _ in range(group_size)) for p in PROMPTS), pbar_desc=None)
+
+
+async def probe_logprobs(model, name=None):
+    completion = await model.openai_client().chat.completions.create(
+        model=name or model.name, messages=PROBE, max_tokens=6, temperature=0)
+    choice = completion.choices[0]
+    return choice.token_ids, [c.logprob for c in choice.logprobs.content]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, loop, default_model_dir):
+    """A model trained for one step with model.train; yields (model, backend, root, probes)."""
+    root = tmp_path_factory.mktemp("loop")
+    backend = art.LocalBackend(path=root)
+    model = art.TrainableModel(name="loop", project="tests", base_model="SmolLM2-135M-Instruct")
+
+    async def setup():
+        await model.register(backend)
+        assert await model.get_step() == 0
+        before = await probe_logprobs(model)
+        groups = await gather(model)
+        result = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
+        after = await probe_logprobs(model)
+        return result, before, after
+
+    result, before, after = loop.run_until_complete(setup())
+    yield model, backend, root, {"result": result, "before": before, "after": after}
+    loop.run_until_complete(backend.close())
+
+
+def test_a_train_step_advances_the_step_and_serves_the_new_adapter(trained, loop):
+    model, _, root, probes = trained
+    assert probes["result"].step == 1
+    assert loop.run_until_complete(model.get_step()) == 1
+    (ids_before, lp_before), (ids_after, lp_after) = probes["before"], probes["after"]
+    n = min(len(lp_before), len(lp_after))
+    assert ids_before[:1] == ids_after[:1]
+    assert max(abs(a - b) for a, b in zip(lp_before[:n], lp_after[:n])) > 1e-4  # the policy changed
+    # name@0 still serves the policy the model started from
+    ids0, lp0 = loop.run_until_complete(probe_logprobs(model, f"{model.name}@0"))
+    assert ids0 == ids_before
+    assert max(abs(a - b) for a, b in zip(lp0, lp_before)) < 1e-4
+
+
+def test_the_checkpoint_is_a_peft_adapter_with_optimizer_state(trained, default_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, _, root, _ = trained
+    checkpoint = root / "tests" / "models" / "loop" / "checkpoints" / "0001"
+    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"):
+        assert (checkpoint / name).is_file(), name
+    base = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(checkpoint))
+    lora_b = [p for n, p in peft_model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # B started at 0: the step changed it
+
+
+def test_history_and_trajectories_are_written(trained):
+    _, _, root, _ = trained
+    model_dir = root / "tests" / "models" / "loop"
+    [row] = [json.loads(line) for line in (model_dir / "history.jsonl").read_text().splitlines()]
+    for key in ("train/reward", "train/reward_std_dev", "loss/train", "loss/grad_norm", "data/step_trainer_tokens",
+                "data/step_num_groups_skipped", "time/step_wall_s"):
+        assert key in row and math.isfinite(row[key]), key
+    assert row["step"] == 0
+    lines = (model_dir / "trajectories" / "train" / "0000.jsonl").read_text().splitlines()
+    assert len(lines) == 8
+    assert json.loads((model_dir / "model.json").read_text())["base_model"] == "SmolLM2-135M-Instruct"
+
+
+def test_bad_input_is_rejected_and_nothing_changes(trained, loop):
+    model, backend, _, probes = trained
+
+    async def check():
+        with pytest.raises(TrajectoryError, match="empty list"):
+            await model.train([])
+        groups = await gather(model, group_size=2)
+        groups[0].trajectories[0].reward = float("nan")
+        with pytest.raises(TrajectoryError, match="finite"):
+            await model.train(groups)
+        no_choice = art.TrajectoryGroup([
+            art.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], reward=r)
+            for r in (0.0, 1.0)
+        ])
+        with pytest.raises(TrajectoryError, match="nothing to train on"):
+            await model.train([no_choice])
+        assert await model.get_step() == 1
+        assert await probe_logprobs(model) == probes["after"]
+
+    loop.run_until_complete(check())
+
+
+def test_a_crash_during_a_step_leaves_the_checkpoint_and_the_live_policy_intact(trained, loop, monkeypatch):
+    model, backend, root, probes = trained
+    checkpoints = root / "tests" / "models" / "loop" / "checkpoints"
+
+    def bad_choice(token_id):  # a token id outside the vocabulary: the forward pass raises
+        return Choice.model_validate({
+            "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "?"},
+            "logprobs": {"content": [{"token": "?", "logprob": -1.0, "bytes": [], "top_logprobs": []}]},
+            "token_ids": [token_id], "prompt_token_ids": [1, 2, 3],
+        })
+
+    async def check():
+        groups = await gather(model, group_size=2)
+        broken = art.TrajectoryGroup([
+            art.Trajectory(messages_and_choices=[bad_choice(10**9)], reward=r) for r in (0.0, 1.0)
+        ])
+        with pytest.raises(Exception):
+            await model.train([*groups, broken])
+        assert await model.get_step() == 1
+        assert await probe_logprobs(model) == probes["after"]
+
+        def disk_full(*args, **kwargs):
+            raise OSError("No space left on device")
+
+        monkeypatch.setattr(torch, "save", disk_full)  # the checkpoint write fails after the update
+        with pytest.raises(CheckpointError, match="No space left"):
+            await model.train(groups)
+        monkeypatch.undo()
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["0001"]
+        assert await model.get_step() == 1
+        assert await probe_logprobs(model) == probes["after"]
+
+    loop.run_until_complete(check())
+
+
+def test_a_fresh_backend_resumes_at_the_saved_step_and_serves_the_saved_adapter(trained, loop):
+    model, backend, root, probes = trained
+
+    async def check():
+        saved = json.loads((root / "tests" / "models" / "loop" / "checkpoints" / "0001" / "trainer_state.json").read_text())
+        async with art.LocalBackend(path=root) as fresh:
+            again = art.TrainableModel(name="loop", project="tests", base_model="SmolLM2-135M-Instruct")
+            await again.register(fresh)
+            assert await again.get_step() == 1
+            ids, lps = await probe_logprobs(again)
+            assert ids == probes["after"][0]
+            assert max(abs(a - b) for a, b in zip(lps, probes["after"][1])) < 1e-4
+            trainer = fresh._registry.get("loop").trainer
+            assert trainer.num_updates == saved["num_updates"]
+            assert len(trainer.optimizer.state) > 0  # Adam moments restored
+            # ART >= 0.5.18 style call on the resumed model
+            result = await fresh.train(again, await gather(again, group_size=2), learning_rate=1e-4)
+            assert result.step == 2 and await again.get_step() == 2
+
+    loop.run_until_complete(check())
+
+
+def test_a_peft_adapter_directory_as_base_model_starts_from_that_adapter(trained, loop, tmp_path):
+    model, _, root, probes = trained
+    adapter = root / "tests" / "models" / "loop" / "checkpoints" / "0001"
+
+    async def check():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            child = art.TrainableModel(name="child", project="tests", base_model=str(adapter))
+            await child.register(backend)
+            assert await child.get_step() == 0
+            ids, lps = await probe_logprobs(child)
+            assert ids == probes["after"][0]
+            assert max(abs(a - b) for a, b in zip(lps, probes["after"][1])) < 1e-4
+
+    loop.run_until_complete(check())
+
+
+def test_unknown_base_model_is_a_clear_error(tmp_path, loop):
+    async def check():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            with pytest.raises(UnknownModelError, match="SmolLM2-135M-Instruct"):
+                await art.TrainableModel(name="x", project="tests", base_model="no/such-model-anywhere").register(backend)
+
+    loop.run_until_complete(check())
