@@ -12,11 +12,13 @@ so the live policy always equals the last checkpoint or a complete step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,15 @@ from .losses import policy_loss
 from .tokenize import TokenizedSequence
 
 __all__ = ["StepMetrics", "Trainer"]
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """Silence one FutureWarning: peft 0.21 reads `model.is_gradient_checkpointing`, which
+    transformers 5 deprecated in favour of `is_activation_checkpointing`."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 ADAPTER_NAME = "default"
 
@@ -78,7 +89,7 @@ class Trainer:
             bias="none",
             task_type="CAUSAL_LM",
         )
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _quiet_peft():
             torch.manual_seed(seed)  # reproducible A init (B starts at 0)
             peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
         return cls(peft_model, lora, **kwargs)
@@ -88,7 +99,10 @@ class Trainer:
         from peft import PeftModel
 
         try:
-            peft_model = PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=ADAPTER_NAME, is_trainable=True)
+            with _quiet_peft():
+                peft_model = PeftModel.from_pretrained(
+                    model, str(adapter_dir), adapter_name=ADAPTER_NAME, is_trainable=True
+                )
         except Exception as exc:
             raise CheckpointError(f"could not load the LoRA adapter in {adapter_dir}: {exc}") from exc
         config = peft_model.peft_config[ADAPTER_NAME]

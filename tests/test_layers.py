@@ -1,0 +1,75 @@
+"""House rules that a test can check: no upward imports, a sorted public surface."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tempering
+
+SRC = Path(tempering.__file__).parent
+
+# Lower layers never import higher ones (DESIGN.md "Layers"); the leaves import no other layer.
+RANK = {
+    "errors": 0, "types": 0, "chat": 0,
+    "storage": 1,
+    "engine": 2, "training": 2,
+    "service": 3,
+    "backends": 4,
+    "model": 5, "gather": 5,
+    "demo": 6, "cli": 7, "__init__": 8,
+}
+LEAVES = {"errors", "types", "chat"}
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _imports(path: Path) -> set[str]:
+    """tempering-internal modules imported by `path`, as dotted names relative to the package."""
+    package = path.relative_to(SRC).with_suffix("").parts[:-1]
+    out = set()
+    tree = ast.parse(path.read_text())
+    type_only = {  # imports under `if TYPE_CHECKING:` are annotations, not dependencies
+        id(n) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[: len(package) - node.level + 1])
+                target = ".".join(base + ([node.module] if node.module else []))
+                if target:
+                    out.add(target)
+                else:  # `from . import x` at the package root
+                    out.update(a.name for a in node.names)
+            elif node.module and node.module.startswith("tempering"):
+                out.add(node.module.removeprefix("tempering").lstrip(".") or "__init__")
+        elif isinstance(node, ast.Import):
+            out.update(a.name.removeprefix("tempering.") for a in node.names if a.name.startswith("tempering."))
+    return out
+
+
+def test_no_module_imports_a_higher_layer_and_leaves_import_only_leaves():
+    problems = []
+    for path in SRC.rglob("*.py"):
+        here = _layer(".".join(path.relative_to(SRC).with_suffix("").parts))
+        for target in _imports(path):
+            there = _layer(target)
+            if there == here:
+                continue
+            if here in LEAVES and there not in LEAVES - {"chat"} | {"errors"}:
+                problems.append(f"{path.relative_to(SRC)} (leaf) imports {target}")
+            elif there not in LEAVES and RANK[there] >= RANK[here]:
+                problems.append(f"{path.relative_to(SRC)} imports {target} (a higher or sibling layer)")
+    assert not problems, "\n".join(problems)
+
+
+def test_public_names_are_sorted_and_importable():
+    assert list(tempering.__all__) == sorted(tempering.__all__)
+    for name in tempering.__all__:
+        assert getattr(tempering, name) is not None
