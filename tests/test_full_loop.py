@@ -212,3 +212,35 @@ def test_unknown_base_model_is_a_clear_error(tmp_path, loop):
                 await art.TrainableModel(name="x", project="tests", base_model="no/such-model-anywhere").register(backend)
 
     loop.run_until_complete(check())
+
+
+def test_delete_checkpoints_keeps_the_latest_and_the_best(tmp_path, loop, default_model_dir):
+    async def check():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            model = art.TrainableModel(name="prune", project="tests", base_model=str(default_model_dir))
+            await model.register(backend)  # a local HF model directory as base_model
+            for reward in (0.2, 0.9, 0.1):
+                await model.train(await gather(model, group_size=2), config=art.TrainConfig(learning_rate=1e-5))
+                val = art.Trajectory(messages_and_choices=[], reward=reward)
+                await model.log([val], split="val")  # logged at the new step
+            checkpoints = tmp_path / "tests" / "models" / "prune" / "checkpoints"
+            assert sorted(p.name for p in checkpoints.iterdir()) == ["0001", "0002", "0003"]
+            deleted = await model.delete_checkpoints("val/reward")
+            assert deleted == [1]  # step 2 is the best (0.9), step 3 the latest
+            assert sorted(p.name for p in checkpoints.iterdir()) == ["0002", "0003"]
+            history = [json.loads(line) for line in (checkpoints.parent / "history.jsonl").read_text().splitlines()]
+            assert [(r["step"], r["val/reward"]) for r in history if "val/reward" in r] == [(1, 0.2), (2, 0.9), (3, 0.1)]
+
+    loop.run_until_complete(check())
+
+
+def test_a_plain_model_logs_metrics_without_a_trainer(tmp_path, loop):
+    async def check():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            baseline = art.Model(name="gpt-baseline", project="tests", inference_base_url="http://127.0.0.1:9/v1")
+            await baseline.register(backend)
+            metrics = await baseline.log([art.Trajectory(messages_and_choices=[], reward=0.5, metrics={"turns": 3})])
+            assert metrics["val/reward"] == 0.5 and metrics["val/turns"] == 3
+            assert baseline.get_inference_name() == "gpt-baseline"
+
+    loop.run_until_complete(check())
