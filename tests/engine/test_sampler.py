@@ -1,12 +1,17 @@
 import torch
 
-from tempering.engine.sampler import sample
+from tempering.engine.sampler import hash_uniform, sample, sampling_tensors
 from tempering.engine.sampling_params import SamplingParams
+
+
+def _options(params, seeds=None, counters=None):
+    B = len(params)
+    return sampling_tensors(params, seeds or list(range(B)), counters or [0] * B, torch.device("cpu"))
 
 
 def test_greedy_rows_take_the_argmax_and_report_temperature_one_logprobs():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
-    out = sample(logits, [SamplingParams(temperature=0.0)] * 2, [None, None])
+    out = sample(logits, _options([SamplingParams(temperature=0.0)] * 2))
     assert out.token_ids.tolist() == [1, 0]
     expected = torch.log_softmax(logits, -1)[[0, 1], [1, 0]]
     assert torch.allclose(out.logprobs, expected)
@@ -14,32 +19,51 @@ def test_greedy_rows_take_the_argmax_and_report_temperature_one_logprobs():
 
 def test_logprobs_are_at_the_sampling_temperature():
     logits = torch.tensor([[0.0, 2.0, 1.0]])
-    g = torch.Generator().manual_seed(0)
-    out = sample(logits, [SamplingParams(temperature=0.5)], [g])
+    out = sample(logits, _options([SamplingParams(temperature=0.5)]))
     expected = torch.log_softmax(logits / 0.5, -1)[0, out.token_ids[0]]
     assert torch.allclose(out.logprobs[0], expected)
 
 
-def test_same_seed_same_tokens_and_frequencies_follow_the_distribution():
-    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).repeat(4000, 1)
-    params = [SamplingParams(temperature=1.0)] * 4000
-    a = sample(logits, params, [None] * 4000, torch.Generator().manual_seed(1)).token_ids
-    b = sample(logits, params, [None] * 4000, torch.Generator().manual_seed(1)).token_ids
-    assert torch.equal(a, b)
-    freq = torch.bincount(a, minlength=3).float() / 4000
-    assert torch.allclose(freq, torch.tensor([0.1, 0.6, 0.3]), atol=0.03)
+def test_same_seed_and_counter_give_the_same_token_whatever_the_batch():
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=1.0)] * 6
+    full = sample(logits, _options(params, seeds=[7, 8, 9, 10, 11, 12], counters=[3] * 6)).token_ids
+    alone = sample(logits[2:3], _options(params[:1], seeds=[9], counters=[3])).token_ids
+    assert full[2] == alone[0]
+
+
+def test_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    logits = probs.log().repeat(6000, 1)
+    out = sample(logits, _options([SamplingParams(temperature=1.0)] * 6000, seeds=list(range(6000)))).token_ids
+    freq = torch.bincount(out, minlength=3).float() / 6000
+    assert torch.allclose(freq, probs, atol=0.025)
+
+
+def test_hash_uniform_is_uniform_and_depends_on_seed_and_counter():
+    u = hash_uniform(torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01
+    hist = torch.histc(u.float(), bins=10, min=0, max=1) / 20000
+    assert torch.all((hist - 0.1).abs() < 0.01)
+    v = hash_uniform(torch.zeros(20000, dtype=torch.long), torch.arange(20000))
+    assert abs(v.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u, v)
 
 
 def test_top_k_and_top_p_restrict_the_candidates():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(500, 1)
-    top_k = sample(logits, [SamplingParams(top_k=2)] * 500, [None] * 500, torch.Generator().manual_seed(0)).token_ids
+    top_k = sample(logits, _options([SamplingParams(top_k=2)] * 500)).token_ids
     assert set(top_k.tolist()) == {0, 1}
     # top_p 0.7: keep 0.5 and the token that crosses 0.7 (0.3)
-    top_p = sample(logits, [SamplingParams(top_p=0.7)] * 500, [None] * 500, torch.Generator().manual_seed(0)).token_ids
+    top_p = sample(logits, _options([SamplingParams(top_p=0.7)] * 500)).token_ids
     assert set(top_p.tolist()) == {0, 1}
+    # rows without truncation in the same batch still reach every token
+    mixed = sample(logits, _options([SamplingParams(top_k=1)] * 250 + [SamplingParams()] * 250)).token_ids
+    assert set(mixed[:250].tolist()) == {0} and set(mixed[250:].tolist()) == {0, 1, 2, 3}
 
 
 def test_top_logprobs_are_the_most_likely_tokens():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
-    out = sample(logits, [SamplingParams(temperature=0.0, num_top_logprobs=2)], [None])
+    out = sample(logits, _options([SamplingParams(temperature=0.0, num_top_logprobs=2)]))
     assert out.top_ids.tolist() == [[1, 3]]

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..engine import EngineConfig
 from ..errors import BackendError, ConfigError
 from ..service import ModelService, ServiceRegistry, create_app
 from ..service.auth import generate_api_key
@@ -57,7 +58,8 @@ class LocalBackend:
         device: "cpu", "cuda", ...; default CUDA when available.
         host, port: where the OpenAI-compatible server listens (default 127.0.0.1 and a free port).
         api_key: the server's key (default: a random one per backend).
-        max_batch_size: most samples the engine decodes together.
+        max_batch_size: most sequences the engine decodes together.
+        engine_config: the engine's batching and KV-cache settings (overrides max_batch_size).
         in_process: accepted for ART compatibility; tempering always runs in process.
     """
 
@@ -69,12 +71,13 @@ class LocalBackend:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
-        max_batch_size: int = 64,
+        max_batch_size: int = 256,
+        engine_config: EngineConfig | None = None,
         in_process: bool = True,
     ) -> None:
         self.path = Path(path) if path is not None else Path(".tempering")
         self.device = device
-        self.max_batch_size = max_batch_size
+        self.engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
         self._host, self._port = host, port
         self._api_key = api_key or generate_api_key()
         self._registry = ServiceRegistry()
@@ -137,7 +140,7 @@ class LocalBackend:
             return
         lora = getattr(model, "lora_config", None)
         service = await asyncio.to_thread(
-            ModelService, paths, model.base_model, lora=lora, device=self.device, max_batch_size=self.max_batch_size
+            ModelService, paths, model.base_model, lora=lora, device=self.device, engine_config=self.engine_config
         )
         self._registry.add(model.name, service)
         await asyncio.to_thread(self._ensure_server)

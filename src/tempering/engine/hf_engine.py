@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ import torch
 
 from ..errors import ConfigError, EngineError
 from .request import Completion, GenerationRequest, Policy
-from .sampler import sample
-from .sampling_params import SamplingParams
+from .sampler import sample, sampling_tensors
+from .sampling_params import SamplingParams, row_seed
+from .stopping import completion_of, finish_reason_of
 
 __all__ = ["HFEngine"]
 
@@ -35,12 +37,11 @@ class _Row:
     request: GenerationRequest
     sample_index: int
     max_tokens: int
-    generator: torch.Generator | None
+    seed: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_at: int | None = None  # char offset of the stop string in the text, when one matched
 
 
 class HFEngine:
@@ -82,7 +83,7 @@ class HFEngine:
         self._queue: collections.deque[GenerationRequest] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
-        self._generator = torch.Generator(device=self.device).manual_seed(torch.seed())
+        self._rng = random.Random()
         self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
         self._thread.start()
 
@@ -184,11 +185,8 @@ class HFEngine:
         for request in batch:
             room = self.max_seq_len - len(request.prompt_ids)
             for i in range(request.n):
-                seed = request.params.seed
-                generator = None
-                if seed is not None and not request.params.is_greedy:
-                    generator = torch.Generator(device=self.device).manual_seed(seed + i)
-                rows.append(_Row(request, i, min(request.params.max_tokens, room), generator))
+                seed = row_seed(request.params.seed, i, self._rng)
+                rows.append(_Row(request, i, min(request.params.max_tokens, room), seed))
         with self.lock, batch[0].policy.activate(), torch.inference_mode():
             was_training = self.model.training
             self.model.eval()
@@ -225,7 +223,10 @@ class HFEngine:
             )
             logits = out.logits[:, -1, :]  # [B', V]
             live = [rows[i] for i in active]
-            result = sample(logits, [r.request.params for r in live], [r.generator for r in live], self._generator)
+            options = sampling_tensors(
+                [r.request.params for r in live], [r.seed for r in live], [len(r.token_ids) for r in live], device
+            )
+            result = sample(logits, options)
             ids = result.token_ids.tolist()  # the one device→host sync per step
             lps = result.logprobs.tolist()
             tops = None
@@ -250,30 +251,15 @@ class HFEngine:
             input_ids = next_ids
 
     def _append(self, row: _Row, token_id: int, logprob: float, top: tuple[list[int], list[float]] | None) -> None:
-        params = row.request.params
+        k = row.request.params.num_top_logprobs
         row.token_ids.append(token_id)
         row.logprobs.append(logprob)
-        k = params.num_top_logprobs
         row.top_logprobs.append(list(zip(top[0][:k], top[1][:k])) if top and k else [])
-        if not params.ignore_eos and (token_id in self.stop_token_ids or token_id in params.stop_token_ids):
-            row.finish_reason = "stop"
-        elif params.stop:
-            text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
-            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-            if hits:
-                row.finish_reason, row.stop_at = "stop", min(hits)
-        if row.finish_reason is None and len(row.token_ids) >= row.max_tokens:
-            row.finish_reason = "length"
+        row.finish_reason = finish_reason_of(
+            row.token_ids, row.request.params, row.max_tokens, self.stop_token_ids, self.tokenizer
+        )
 
     def _completion(self, row: _Row) -> Completion:
-        text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
-        if row.stop_at is not None:
-            text = text[: row.stop_at]
-        return Completion(
-            token_ids=row.token_ids,
-            logprobs=row.logprobs,
-            top_logprobs=row.top_logprobs,
-            text=text,
-            finish_reason=row.finish_reason or "length",
-            logprob_temperature=row.request.params.logprob_temperature,
+        return completion_of(
+            row.token_ids, row.logprobs, row.top_logprobs, row.finish_reason, row.request.params, self.tokenizer
         )

@@ -16,11 +16,17 @@ __all__ = ["BasePolicy", "Completion", "GenerationRequest", "Policy"]
 class Policy(Protocol):
     """The weights a request samples from: the base model, the live adapter, or an older step.
 
-    `key` groups requests that can share a batch; `activate()` makes these weights the ones the
-    model computes with, for the duration of a batch.
+    Attributes:
+        key: requests with equal keys may share a batch of the transformers engine.
+        adapter_name: the PEFT adapter to apply (None: the base weights).
+        cache_version: changes whenever that adapter's weights change, so KV blocks computed
+            under older weights are never reused (part of the prefix-cache key).
+    `activate()` makes these weights the ones the transformers model computes with.
     """
 
     key: Hashable
+    adapter_name: str | None
+    cache_version: Hashable
 
     def activate(self) -> contextlib.AbstractContextManager[None]: ...
 
@@ -29,6 +35,8 @@ class BasePolicy:
     """The model as loaded, with nothing switched."""
 
     key: Hashable = "base"
+    adapter_name: str | None = None
+    cache_version: Hashable = 0
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[None]:

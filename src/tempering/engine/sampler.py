@@ -1,10 +1,16 @@
 """Logits → sampled token ids and their logprobs, for a batch of rows with their own options.
 
-Sampling uses the exponential race (`argmax(p / E)`, E ~ Exp(1)), which draws exactly from `p`
-like `torch.multinomial` but needs no host sync and lets each seeded row use its own generator.
-The returned logprob of a token is `log_softmax(logits / T)[token]` at the row's temperature T
-(T = 1 for greedy rows), before top-k/top-p truncation: the distribution the trainer recomputes,
-so the on-policy importance ratio is exactly 1.
+Everything is batched tensor work with no host sync, so it can run on the GPU inside a step.
+
+- Temperature T per row; T = 0 rows are greedy.
+- top-k / top-p per row, applied on the sorted distribution only when a row asks for them.
+- Sampling draws one uniform number per row and inverts the CDF (`searchsorted` on the cumsum),
+  which samples exactly from the categorical distribution. The uniform number comes from a
+  counter-based hash of (row seed, token index), so a seeded request gives the same tokens
+  whatever else shares its batch, and rows need no generator objects.
+- The returned logprob of a token is `log_softmax(logits / T)[token]` at the row's temperature
+  (T = 1 for greedy rows), before top-k/top-p truncation: the distribution the trainer recomputes,
+  so the on-policy importance ratio is exactly 1.
 """
 
 from __future__ import annotations
@@ -13,79 +19,105 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling_params import SamplingParams
+__all__ = ["SampleOutput", "SamplingTensors", "hash_uniform", "sample"]
 
-__all__ = ["SampleOutput", "sample"]
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling options as tensors on the logits' device.
+
+    Attributes:
+        temperature: [B] float32; 0 means greedy.
+        top_k: [B] int64; 0 means off.
+        top_p: [B] float32; 1 means off.
+        seeds: [B] int64 in [0, 2^31), the row's random stream.
+        counters: [B] int64, the index of the token being drawn (the stream position).
+        needs_truncation: whether any row has top-k or top-p on (host-side flag).
+        num_top_logprobs: largest number of top logprobs any row asks for.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    counters: torch.Tensor
+    needs_truncation: bool
+    num_top_logprobs: int
 
 
 @dataclass(slots=True)
 class SampleOutput:
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32
-    top_ids: torch.Tensor | None  # [B, K] int64, K = the largest num_top_logprobs of the batch
+    top_ids: torch.Tensor | None  # [B, K] int64
     top_logprobs: torch.Tensor | None  # [B, K] float32
 
 
-def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator | None = None,
-) -> SampleOutput:
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on int64 tensors holding values in [0, 2^32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32  # int64 products wrap; the low 32 bits are exact
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """A uniform number in (0, 1) per row, a pure function of (seed, counter). Shapes: [B] → [B] float64."""
+    h = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ (counters & _MASK32))
+    h = _mix32((h + 0x7F4A7C15) & _MASK32)
+    return (h.double() + 0.5) / 4294967296.0
+
+
+def sample(logits: torch.Tensor, options: SamplingTensors) -> SampleOutput:
     """Draw one token per row.
 
     Args:
-        logits: [B, V] float logits of the next token.
-        params: B sampling options, one per row.
-        generators: B generators; a row with None draws from `default_generator`.
-        default_generator: generator of the unseeded rows (torch's global one when None).
+        logits: [B, V] logits of the next token (any float dtype).
+        options: per-row options (see SamplingTensors).
 
     Returns:
-        SampleOutput with ids [B], logprobs [B] (natural log, float32) and, when any row asks for
-        top logprobs, the K most likely ids and their logprobs [B, K].
+        SampleOutput: ids [B], their logprobs [B] (natural log, float32) and, when a row asks
+        for them, the K most likely ids and logprobs [B, K] under the same distribution.
     """
-    logits = logits.float()
-    B, V = logits.shape
-    temperature = torch.tensor([p.logprob_temperature for p in params], dtype=torch.float32, device=logits.device)
-    logprobs_all = torch.log_softmax(logits / temperature[:, None], dim=-1)  # [B, V]
+    greedy = options.temperature <= 0
+    temperature = torch.where(greedy, torch.ones_like(options.temperature), options.temperature)
+    logprobs_all = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)  # [B, V]
 
-    token_ids = logprobs_all.argmax(dim=-1)  # greedy rows keep this
-    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        probs = _truncate(logprobs_all[rows], [params[i] for i in sampled_rows]).exp_()  # [S, V]
-        noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), V, device=logits.device).exponential_(generator=default_generator)
-        for j, i in enumerate(sampled_rows):
-            if generators[i] is not None:
-                noise[j].exponential_(generator=generators[i])
-        token_ids[rows] = (probs / noise).argmax(dim=-1)
+    if options.needs_truncation:
+        sorted_lp, order = logprobs_all.sort(dim=-1, descending=True)  # [B, V]
+        probs = sorted_lp.exp()
+        ranks = torch.arange(probs.shape[-1], device=probs.device)
+        remove = (options.top_k[:, None] > 0) & (ranks[None, :] >= options.top_k[:, None])
+        remove |= (probs.cumsum(-1) - probs) >= options.top_p[:, None]  # keep the token crossing top_p
+        probs = probs.masked_fill(remove, 0.0)
+    else:
+        probs, order = logprobs_all.exp(), None
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    u = hash_uniform(options.seeds, options.counters) * cdf[:, -1]  # [B]
+    drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    if order is not None:
+        drawn = order.gather(1, drawn[:, None]).squeeze(1)
+    token_ids = torch.where(greedy, logprobs_all.argmax(dim=-1), drawn)
 
     logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
-    k = max(p.num_top_logprobs for p in params)
     top_ids = top_logprobs = None
-    if k:
-        top_logprobs, top_ids = logprobs_all.topk(k, dim=-1)
+    if options.num_top_logprobs:
+        top_logprobs, top_ids = logprobs_all.topk(options.num_top_logprobs, dim=-1)
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
 
 
-def _truncate(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Set to -inf the logprobs outside each row's top-k and top-p set. logprobs: [S, V]."""
-    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-    top_p = [p.top_p for p in params]
-    if not any(top_k) and all(p >= 1.0 for p in top_p):
-        return logprobs
-    out = logprobs.clone()
-    sorted_lp, order = out.sort(dim=-1, descending=True)  # [S, V]
-    remove = torch.zeros_like(sorted_lp, dtype=torch.bool)
-    ranks = torch.arange(out.shape[-1], device=out.device)
-    for row, (k, p) in enumerate(zip(top_k, top_p)):
-        if k:
-            remove[row] |= ranks >= k
-        if p < 1.0:
-            cumulative = sorted_lp[row].exp().cumsum(-1)
-            remove[row] |= (cumulative - sorted_lp[row].exp()) >= p  # keep the token that crosses p
-    out.scatter_(1, order, sorted_lp.masked_fill(remove, float("-inf")))
-    return out
+def sampling_tensors(params: list, seeds: list[int], counters: list[int], device: torch.device) -> SamplingTensors:
+    """Build SamplingTensors from per-row SamplingParams, seeds and token counters."""
+    return SamplingTensors(
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+        top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+        counters=torch.tensor(counters, dtype=torch.int64, device=device),
+        needs_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        num_top_logprobs=max((p.num_top_logprobs for p in params), default=0),
+    )

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "row_seed"]
 
 
 @dataclass(slots=True)
@@ -18,7 +18,8 @@ class SamplingParams:
         temperature: 0 means greedy decoding; otherwise logits are divided by it.
         top_p: nucleus sampling mass in (0, 1]; 1 turns it off.
         top_k: sample among the k most likely tokens; 0 or -1 turns it off.
-        seed: makes sampling reproducible; sample i of a request with n > 1 uses `seed + i`.
+        seed: makes sampling reproducible: the same seed gives the same tokens, whatever else
+            shares the batch; the n samples of one request use different streams.
         stop: strings that end a sample; the returned text stops before the first one.
         stop_token_ids: ids that end a sample besides the model's end-of-turn ids.
         ignore_eos: keep sampling past end-of-turn ids (benchmarks).
@@ -60,3 +61,13 @@ class SamplingParams:
     def logprob_temperature(self) -> float:
         """The temperature logprobs are computed at: the sampling one, or 1 for greedy decoding."""
         return 1.0 if self.is_greedy else self.temperature
+
+
+def row_seed(seed: int | None, sample_index: int, rng) -> int:
+    """The random stream (a 31-bit int) of sample `sample_index` of a request.
+
+    A request's seed gives reproducible streams; without one, `rng` (a random.Random) draws one.
+    """
+    if seed is None:
+        return rng.getrandbits(31)
+    return (seed * 0x9E3779B1 + sample_index * 0x85EBCA77 + 0x165667B1) & 0x7FFFFFFF

@@ -15,6 +15,8 @@ class NoAdapterPolicy:
     """The base model: LoRA layers (if any) switched off for the batch."""
 
     key = ("base",)
+    adapter_name = None
+    cache_version = 0
 
     def __init__(self, get_peft_model: Any) -> None:
         self._get_peft_model = get_peft_model
@@ -32,9 +34,10 @@ class NoAdapterPolicy:
 class AdapterPolicy:
     """A named adapter of the PEFT model: the live one (the trainer's) or an older step's."""
 
-    def __init__(self, peft_model: Any, adapter_name: str) -> None:
+    def __init__(self, peft_model: Any, adapter_name: str, cache_version: int) -> None:
         self.peft_model = peft_model
         self.adapter_name = adapter_name
+        self.cache_version = cache_version  # the step: the live adapter's weights change every step
         self.key = ("adapter", adapter_name)
 
     @contextlib.contextmanager

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..chat import ChatRenderer
-from ..engine import HFEngine, Policy, SamplingParams
+from ..engine import Engine, EngineConfig, HFEngine, Policy, SamplingParams, engine_model_for
 from ..errors import ConfigError, TrajectoryError, UnknownModelError
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
@@ -45,6 +45,7 @@ class ModelService:
         device: defaults to CUDA when available, else CPU.
         dtype: defaults to bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs).
         max_batch_size: most samples the engine decodes together.
+        engine_config: batching and KV-cache settings of the engine.
 
     Raises:
         UnknownModelError: if `base_model` cannot be resolved.
@@ -58,7 +59,8 @@ class ModelService:
         lora: LoRAConfig | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
-        max_batch_size: int = 64,
+        max_batch_size: int = 256,
+        engine_config: EngineConfig | None = None,
         cache_dir: Path | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -89,13 +91,28 @@ class ModelService:
             write_atomically(paths.checkpoint(0), lambda tmp: self.trainer.save(tmp, step=0))
         self._step_adapters: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._max_step_adapters = 4
-        self.engine = HFEngine(
-            self.model,
+        self.engine = self._make_engine(engine_config or EngineConfig(max_num_seqs=max_batch_size))
+
+    def _make_engine(self, config: EngineConfig) -> Engine | HFEngine:
+        """tempering's engine when it has model code for the architecture, else the transformers one."""
+        decoder = engine_model_for(self.model, self.max_seq_len)
+        if decoder is None:
+            return HFEngine(
+                self.model,
+                self.tokenizer,
+                stop_token_ids=self.renderer.stop_token_ids,
+                lock=self.lock,
+                max_batch_size=min(config.max_num_seqs, 64),
+                max_seq_len=self.max_seq_len,
+            )
+        return Engine(
+            decoder,
             self.tokenizer,
             stop_token_ids=self.renderer.stop_token_ids,
             lock=self.lock,
-            max_batch_size=max_batch_size,
+            config=config,
             max_seq_len=self.max_seq_len,
+            peft_model=lambda: self.peft_model,
         )
 
     @property
@@ -113,7 +130,7 @@ class ModelService:
         if step is None or step == self.step:
             if self.trainer is None:
                 return NoAdapterPolicy(lambda: self.peft_model)
-            return AdapterPolicy(self.trainer.peft_model, ADAPTER_NAME)
+            return AdapterPolicy(self.trainer.peft_model, ADAPTER_NAME, self.step)
         checkpoint = self.paths.checkpoint(step)
         if not (checkpoint / "adapter_config.json").is_file():
             if step == 0:
@@ -130,8 +147,10 @@ class ModelService:
                 if len(self._step_adapters) > self._max_step_adapters:
                     _, evicted = self._step_adapters.popitem(last=False)
                     self.peft_model.delete_adapter(evicted)
+                    if isinstance(self.engine, Engine):
+                        self.engine.forget_adapter(evicted)
             self._step_adapters.move_to_end(step)
-        return AdapterPolicy(self.trainer.peft_model, name)
+        return AdapterPolicy(self.trainer.peft_model, name, step)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, step: int | None = None):
         """Queue a generation; returns a concurrent Future of n Completions (see HFEngine.submit)."""

@@ -1,0 +1,47 @@
+"""Engine settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine batches and how much KV cache it keeps.
+
+    Attributes:
+        max_num_seqs: most sequences in one step (prefill and decode together).
+        max_num_batched_tokens: token budget of one step; longer prompts are prefilled in chunks.
+        block_size: tokens per KV-cache block.
+        num_kv_blocks: cache size in blocks; None sizes it from memory (below).
+        gpu_memory_fraction: on GPU, the share of the memory free after loading the weights that
+            the KV cache takes (the rest is left to the trainer and activations).
+        cpu_kv_cache_bytes: on CPU, the KV cache size.
+        enable_prefix_caching: share the KV blocks of identical prompt prefixes.
+        use_cuda_graphs: capture decode steps in CUDA graphs (GPU only).
+        max_graph_batch_size: largest decode batch captured in a graph.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_fraction: float = 0.5
+    cpu_kv_cache_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    use_cuda_graphs: bool = True
+    max_graph_batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError("num_kv_blocks must be >= 2 (block 0 is a scratch block)")
+        if not 0.0 < self.gpu_memory_fraction < 1.0:
+            raise ConfigError(f"gpu_memory_fraction must be in (0, 1), got {self.gpu_memory_fraction}")

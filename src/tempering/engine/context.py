@@ -1,0 +1,47 @@
+"""Per-step metadata the attention layers need (built by the model runner)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["PrefillSpan", "StepContext"]
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence's prefill chunk in the flat batch.
+
+    Attributes:
+        start: index of its first new token in the flat batch.
+        num_new: tokens computed this step (the queries).
+        context_len: tokens in the cache once this step has stored its K/V (the keys).
+        block_table: [num_blocks] int64 cache blocks of the sequence.
+    """
+
+    start: int
+    num_new: int
+    context_len: int
+    block_table: torch.Tensor
+
+
+@dataclass(slots=True)
+class StepContext:
+    """Attention metadata of one flat batch of N tokens.
+
+    The first `num_decode` tokens are decode rows, one per sequence; prefill chunks follow.
+
+    Attributes:
+        slot_mapping: [N] int64, cache slot (block_id * block_size + offset) each token's K/V goes to.
+        num_decode: number of decode rows.
+        decode_block_tables: [num_decode, max_blocks] int64 (padding points at scratch block 0).
+        decode_context_lens: [num_decode] int64, keys per decode row including its new token.
+        prefill: the prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode: int
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    prefill: list[PrefillSpan] = field(default_factory=list)

@@ -1,0 +1,223 @@
+"""The continuous-batching engine: requests in, one scheduler step at a time, completions out.
+
+A worker thread owns the scheduler, block manager and model runner. `submit()` (any thread)
+queues a request and returns a Future; the worker turns it into n sequences, steps while there
+is work, and resolves the Future when all n samples are done. Each step holds `lock`, which the
+trainer takes for a whole training step, so weights never change inside a step. A sequence
+that spans a training step samples its later tokens from the new policy; each token's logprob
+is recorded under the policy that sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConfigError, EngineError
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .lora import AdapterWeights, collect_adapter
+from .model_runner import ModelRunner
+from .models import LlamaFamilyModel
+from .request import Completion, GenerationRequest, Policy
+from .sampling_params import SamplingParams, row_seed
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stopping import completion_of, finish_reason_of
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("tempering")
+
+
+class Engine:
+    """Continuous batching with a paged KV cache over a LlamaFamilyModel.
+
+    Args:
+        model: the engine's decoder, bound to the HF model's weights.
+        tokenizer: for stop strings and text.
+        stop_token_ids: ids that end a sample.
+        lock: held during each step; the trainer holds it during a training step.
+        config: batching and cache settings.
+        max_seq_len: the model's context length.
+        peft_model: returns the PEFT model whose adapters requests name (None before training).
+    """
+
+    def __init__(
+        self,
+        model: LlamaFamilyModel,
+        tokenizer: Any,
+        *,
+        stop_token_ids: list[int],
+        lock: threading.RLock,
+        config: EngineConfig | None = None,
+        max_seq_len: int = 8192,
+        peft_model: Callable[[], Any] = lambda: None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_token_ids = list(stop_token_ids)
+        self.lock = lock
+        self.config = config or EngineConfig()
+        self._peft_model = peft_model
+        self._adapters: dict[tuple[str, int], AdapterWeights] = {}
+        self.runner = ModelRunner(model, self.config, self._adapter_weights)
+        self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.blocks)
+        self.max_seq_len = min(max_seq_len, self.blocks.capacity_tokens)
+        self._inbox: collections.deque[GenerationRequest] = collections.deque()
+        self._pending: dict[int, list[Sequence]] = {}  # id(request) -> its sequences
+        self._cond = threading.Condition()
+        self._closed = False
+        self._rng = random.Random()
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def device(self):
+        return self.model.device
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy):
+        """Queue a request; returns a `concurrent.futures.Future` of `n` Completions.
+
+        Raises:
+            ConfigError: if the prompt is empty or does not fit in the context or the KV cache.
+            EngineError: if the engine is closed.
+        """
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty: send at least one message or token")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ConfigError(
+                f"the prompt has {len(prompt_ids)} tokens but at most {self.max_seq_len - 1} fit "
+                f"(context {self.max_seq_len}, KV cache {self.blocks.capacity_tokens} tokens); shorten it"
+            )
+        if n < 1:
+            raise ConfigError(f"n must be >= 1, got {n}")
+        request = GenerationRequest(list(prompt_ids), params, n, policy)
+        with self._cond:
+            if self._closed:
+                raise EngineError("the engine is closed; register the model with a new backend")
+            self._inbox.append(request)
+            self._cond.notify()
+        return request.future
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy) -> list[Completion]:
+        """`submit` for asyncio callers."""
+        return await asyncio.wrap_future(self.submit(prompt_ids, params, n=n, policy=policy))
+
+    def close(self) -> None:
+        """Stop the worker; unfinished requests fail with EngineError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+        error = EngineError("the engine was closed before this request finished")
+        for request in list(self._inbox):
+            request.future.set_exception(error)
+        for seqs in self._pending.values():
+            if not seqs[0].request.future.done():
+                seqs[0].request.future.set_exception(error)
+
+    # ---- adapters -------------------------------------------------------------------------------
+
+    def _adapter_weights(self, name: str) -> AdapterWeights:
+        peft_model = self._peft_model()
+        if peft_model is None:
+            raise EngineError(f"adapter {name!r} was requested but the model has no adapters")
+        key = (name, id(peft_model))
+        weights = self._adapters.get(key)
+        if weights is None:
+            if name not in peft_model.peft_config:
+                raise EngineError(f"adapter {name!r} is not loaded")
+            weights = collect_adapter(self.model.hf_layers, name, self.model.fused_slices)
+            self._adapters = {k: v for k, v in self._adapters.items() if k[1] == id(peft_model)}
+            self._adapters[key] = weights
+        return weights
+
+    def forget_adapter(self, name: str) -> None:
+        """Drop cached references to an adapter that was unloaded or replaced."""
+        self._adapters = {k: v for k, v in self._adapters.items() if k[0] != name}
+
+    # ---- worker ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self.scheduler.has_work and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                arrivals = list(self._inbox)
+                self._inbox.clear()
+            for request in arrivals:
+                self._admit(request)
+            if not self.scheduler.has_work:
+                continue
+            try:
+                self._step()
+            except BaseException as exc:  # never let the worker die: fail what was running
+                log.exception("engine step failed")
+                self._fail_all(EngineError(f"generation failed: {exc!r}"))
+
+    def _admit(self, request: GenerationRequest) -> None:
+        if not request.future.set_running_or_notify_cancel():
+            return
+        room = self.max_seq_len - len(request.prompt_ids)
+        max_tokens = min(request.params.max_tokens, room)
+        seqs = [
+            Sequence.from_request(request, i, row_seed(request.params.seed, i, self._rng), max_tokens)
+            for i in range(request.n)
+        ]
+        self._pending[id(request)] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise EngineError("the scheduler could not place any request (KV cache too small?)")
+        with self.lock:
+            sampled = self.runner.run(batch)
+        self.num_steps += 1
+        for seq, n in batch.items():
+            seq.num_computed_tokens += n
+        for out in sampled:
+            seq = out.seq
+            seq.token_ids.append(out.token_id)
+            seq.logprobs.append(out.logprob)
+            seq.top_logprobs.append(out.top)
+            seq.finish_reason = finish_reason_of(
+                seq.completion_ids, seq.request.params, seq.max_tokens, self.stop_token_ids, self.tokenizer
+            )
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self._maybe_complete(seq.request)
+
+    def _maybe_complete(self, request: GenerationRequest) -> None:
+        seqs = self._pending[id(request)]
+        if not all(s.is_finished for s in seqs):
+            return
+        del self._pending[id(request)]
+        completions = [
+            completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params, self.tokenizer)
+            for s in seqs
+        ]
+        request.future.set_result(completions)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for seqs in list(self._pending.values()):
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+            if not seqs[0].request.future.done():
+                seqs[0].request.future.set_exception(error)
+        self._pending.clear()
+        self.blocks.forget_cached()  # blocks of the failed step may hold garbage

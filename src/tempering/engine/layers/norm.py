@@ -1,0 +1,23 @@
+"""RMSNorm exactly as Hugging Face's Llama/Qwen implementations compute it."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)`, computed in float32 (Zhang & Sennrich 2019, arXiv 1910.07467).
+
+    Args:
+        x: [..., H] activations.
+        weight: [H] gain.
+
+    Returns:
+        [..., H] in x's dtype.
+    """
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)

@@ -1,0 +1,134 @@
+"""What runs next: continuous batching under a token budget, chunked prefill, preemption.
+
+Every step takes all running sequences that are decoding (one token each) and fills the rest of
+the token budget with prefill work: first the unfinished chunks of running prompts, then new
+sequences from the waiting queue (their cached prefix skipped). Prefill and decode share one
+flat batch. When the cache cannot hold the next token of a decoding sequence, the most recently
+started sequence is preempted: its blocks are freed and it is recomputed later (its prefix often
+still cached).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledBatch", "Scheduler"]
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: decoding sequences first, then prefill chunks.
+
+    Attributes:
+        decode: sequences computing their one newest token.
+        prefill: (sequence, number of tokens computed this step).
+    """
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+    def items(self) -> list[tuple[Sequence, int]]:
+        """(sequence, new tokens) in batch order."""
+        return [(s, 1) for s in self.decode] + self.prefill
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        num_seqs = 0
+
+        # 1. decoding sequences, oldest first; preempt from the newest when blocks run out
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        for seq in decoding:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below by an older sequence
+            if budget < 1 or num_seqs >= self.config.max_num_seqs:
+                break
+            while not self.blocks.can_allocate(seq, 1):
+                victim = self._newest_running(exclude=batch.decode)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.blocks.allocate(seq, 1)
+            batch.decode.append(seq)
+            budget -= 1
+            num_seqs += 1
+
+        # 2. running prompts that are part-way through a chunked prefill
+        for seq in self.running:
+            if seq.num_uncomputed_tokens > 1 and budget > 0 and num_seqs < self.config.max_num_seqs:
+                chunk = min(seq.num_uncomputed_tokens, budget)
+                if not self.blocks.can_allocate(seq, chunk):
+                    continue
+                self.blocks.allocate(seq, chunk)
+                batch.prefill.append((seq, chunk))
+                budget -= chunk
+                num_seqs += 1
+
+        # 3. new sequences, first come first served
+        while self.waiting and budget > 0 and num_seqs < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.blocks.allocate_prefix(seq)
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_allocate(seq, chunk):
+                self.blocks.free(seq)  # do not hold cached blocks while waiting
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, chunk)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.prefill.append((seq, chunk))
+            budget -= chunk
+            num_seqs += 1
+        return batch
+
+    def _newest_running(self, exclude: list[Sequence]) -> Sequence:
+        for seq in reversed(self.running):
+            if seq not in exclude:
+                return seq
+        return self.running[-1]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished (or failed) sequence's blocks and drop it from the queues."""
+        self.blocks.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,87 @@
+"""One sample being generated: its tokens, KV blocks, sampled logprobs and finish state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from .request import GenerationRequest
+
+__all__ = ["Sequence", "SequenceStatus"]
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """Sample `sample_index` of `request`.
+
+    `token_ids` holds the prompt followed by the sampled tokens. The KV cache holds the first
+    `num_computed_tokens` of them, in the blocks of `block_table`; the first `num_cached_tokens`
+    of those came from the prefix cache.
+    """
+
+    request: GenerationRequest
+    sample_index: int
+    seed: int
+    max_tokens: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    adapter_key: Hashable
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks whose chained hash is known (prefix cache)
+    last_block_hash: int | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_request(cls, request: GenerationRequest, sample_index: int, seed: int, max_tokens: int) -> Sequence:
+        return cls(
+            request=request,
+            sample_index=sample_index,
+            seed=seed,
+            max_tokens=max_tokens,
+            token_ids=list(request.prompt_ids),
+            num_prompt_tokens=len(request.prompt_ids),
+            adapter_key=(request.policy.adapter_name, request.policy.cache_version),
+        )
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not in the cache yet (the whole prompt before prefill, 1 when decoding)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        return (len(self.token_ids) + block_size - 1) // block_size
+
+    def block_tokens(self, index: int, block_size: int) -> list[int]:
+        return self.token_ids[index * block_size:(index + 1) * block_size]

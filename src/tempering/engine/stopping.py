@@ -1,0 +1,55 @@
+"""When a sample ends, and the Completion it becomes (shared by both engines)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .request import Completion
+from .sampling_params import SamplingParams
+
+__all__ = ["completion_of", "finish_reason_of"]
+
+
+def finish_reason_of(
+    completion_ids: list[int], params: SamplingParams, max_tokens: int, stop_token_ids: list[int], tokenizer: Any
+) -> str | None:
+    """"stop", "length" or None (go on), after the newest token of `completion_ids` was appended.
+
+    Stop strings are looked for in the decoded tail only (long enough to hold the longest one),
+    so the check costs the same at token 10 and at token 10,000.
+    """
+    last = completion_ids[-1]
+    if not params.ignore_eos and (last in stop_token_ids or last in params.stop_token_ids):
+        return "stop"
+    if params.stop:
+        window = max(len(s) for s in params.stop) + 4
+        tail = tokenizer.decode(completion_ids[-window:], skip_special_tokens=True)
+        if any(s in tail for s in params.stop):
+            return "stop"
+    if len(completion_ids) >= max_tokens:
+        return "length"
+    return None
+
+
+def completion_of(
+    completion_ids: list[int],
+    logprobs: list[float],
+    top_logprobs: list[list[tuple[int, float]]],
+    finish_reason: str | None,
+    params: SamplingParams,
+    tokenizer: Any,
+) -> Completion:
+    """The Completion of a finished sample: text without special tokens, cut before the first stop string."""
+    text = tokenizer.decode(completion_ids, skip_special_tokens=True)
+    if params.stop:
+        hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+        if hits:
+            text = text[: min(hits)]
+    return Completion(
+        token_ids=completion_ids,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        text=text,
+        finish_reason=finish_reason or "length",
+        logprob_temperature=params.logprob_temperature,
+    )
