@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, EngineError
@@ -30,9 +31,20 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .stopping import completion_of, finish_reason_of
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "EngineStats"]
 
 log = logging.getLogger("tempering")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens computed (cache hits excluded)
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
 
 
 class Engine:
@@ -75,7 +87,7 @@ class Engine:
         self._cond = threading.Condition()
         self._closed = False
         self._rng = random.Random()
-        self.num_steps = 0
+        self.stats = EngineStats()
         self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
         self._thread.start()
 
@@ -186,7 +198,14 @@ class Engine:
             raise EngineError("the scheduler could not place any request (KV cache too small?)")
         with self.lock:
             sampled = self.runner.run(batch)
-        self.num_steps += 1
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_decode_tokens += len(batch.decode)
+        stats.num_preemptions = self.scheduler.num_preemptions
+        for seq, n in batch.prefill:
+            stats.num_prefill_tokens += n
+            if seq.num_computed_tokens == seq.num_cached_tokens:  # its first chunk
+                stats.num_cached_tokens += seq.num_cached_tokens
         for seq, n in batch.items():
             seq.num_computed_tokens += n
         for out in sampled:

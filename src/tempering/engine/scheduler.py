@@ -50,6 +50,7 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -122,6 +123,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:

@@ -1,0 +1,109 @@
+import random
+
+from tempering.engine.block_manager import BlockManager
+from tempering.engine.request import BasePolicy, GenerationRequest
+from tempering.engine.sampling_params import SamplingParams
+from tempering.engine.sequence import Sequence
+
+
+def seq(tokens, adapter=BasePolicy()):
+    request = GenerationRequest(list(tokens), SamplingParams(), 1, adapter)
+    return Sequence.from_request(request, 0, 0, 100)
+
+
+def prefill(bm, s):
+    bm.allocate_prefix(s)
+    n = s.num_uncomputed_tokens
+    bm.allocate(s, n)
+    s.num_computed_tokens += n
+
+
+def test_block_zero_is_never_handed_out_and_blocks_cover_the_sequence():
+    bm = BlockManager(8, 4)
+    s = seq(range(10))
+    prefill(bm, s)
+    assert 0 not in s.block_table and len(s.block_table) == 3
+    assert bm.num_free_blocks == 7 - 3
+
+
+def test_a_shared_prompt_prefix_reuses_full_blocks_but_not_the_last_token():
+    bm = BlockManager(16, 4)
+    a, b = seq(range(10)), seq(list(range(8)) + [50, 51])
+    prefill(bm, a)
+    bm.allocate_prefix(b)
+    assert b.num_cached_tokens == 8 and b.block_table == a.block_table[:2]
+    same = seq(range(10))
+    bm.allocate_prefix(same)
+    assert same.num_cached_tokens == 8  # the block holding the last token is always recomputed
+    exact = seq(range(12))
+    bm.allocate_prefix(exact)
+    assert exact.num_cached_tokens == 8
+
+
+def test_blocks_are_shared_within_one_step_once_allocated():
+    bm = BlockManager(16, 4)
+    a, b = seq(range(9)), seq(range(9))
+    bm.allocate_prefix(a)
+    bm.allocate(a, a.num_uncomputed_tokens)  # same step: a's blocks are published at allocation
+    bm.allocate_prefix(b)
+    assert b.num_cached_tokens == 8
+
+
+def test_different_adapters_never_share_blocks():
+    class Other(BasePolicy):
+        adapter_name, cache_version = "default", 3
+
+    bm = BlockManager(16, 4)
+    a = seq(range(9))
+    prefill(bm, a)
+    b = seq(range(9), Other())
+    bm.allocate_prefix(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_freed_blocks_stay_findable_until_reused():
+    bm = BlockManager(6, 4)
+    a = seq(range(9))
+    prefill(bm, a)
+    bm.free(a)
+    b = seq(range(9))
+    bm.allocate_prefix(b)
+    assert b.num_cached_tokens == 8
+    bm.forget_cached()
+    c = seq(range(9))
+    bm.allocate_prefix(c)
+    assert c.num_cached_tokens == 0
+
+
+def test_ref_counts_return_to_zero_after_random_workloads():
+    rng = random.Random(0)
+    bm = BlockManager(64, 4)
+    live = []
+    for _ in range(300):
+        if live and (rng.random() < 0.4 or bm.num_free_blocks < 8):
+            bm.free(live.pop(rng.randrange(len(live))))
+            continue
+        prefix = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        s = seq(prefix + [rng.randrange(100) for _ in range(rng.randrange(1, 6))])
+        bm.allocate_prefix(s)
+        if not bm.can_allocate(s, s.num_uncomputed_tokens):
+            bm.free(s)
+            continue
+        bm.allocate(s, s.num_uncomputed_tokens)
+        s.num_computed_tokens = len(s)
+        for _ in range(rng.randrange(4)):  # decode a few tokens
+            s.token_ids.append(rng.randrange(100))
+            if not bm.can_allocate(s, 1):
+                break
+            bm.allocate(s, 1)
+            s.num_computed_tokens += 1
+        live.append(s)
+        owners = {}
+        for t in live:
+            for block_id in t.block_table:
+                owners[block_id] = owners.get(block_id, 0) + 1
+        assert all(bm.blocks[b].ref_count == n for b, n in owners.items())
+    for s in live:
+        bm.free(s)
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == 63

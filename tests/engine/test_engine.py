@@ -1,0 +1,162 @@
+"""The continuous-batching engine on the real default model (fp32, CPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from tempering.chat import ChatRenderer
+from tempering.engine import BasePolicy, Engine, EngineConfig, SamplingParams, engine_model_for
+from tempering.errors import ConfigError
+
+QUESTIONS = ["Write a poem about the sea.", "Explain gravity in one paragraph.", "List some fruits and their colors."]
+
+
+class LivePolicy:
+    """The trainer's adapter, as the service's policy presents it."""
+
+    key = ("adapter", "default")
+    adapter_name = "default"
+
+    def __init__(self, version=1):
+        self.cache_version = version
+
+    @contextlib.contextmanager
+    def activate(self):
+        yield
+
+
+@pytest.fixture(scope="module")
+def setup(default_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    renderer = ChatRenderer(tokenizer)
+    holder = {"peft": None}
+    engine = Engine(
+        engine_model_for(model, 8192), tokenizer, stop_token_ids=renderer.stop_token_ids, lock=threading.RLock(),
+        config=EngineConfig(cpu_kv_cache_bytes=256 << 20), peft_model=lambda: holder["peft"],
+    )
+    yield engine, model, tokenizer, renderer, holder
+    engine.close()
+
+
+def prompt(renderer, text):
+    return renderer.render_prompt([{"role": "user", "content": text}])
+
+
+def hf_greedy(model, prompt_ids, num_tokens):
+    """Greedy decoding with the transformers model and its own KV cache (no logits processors)."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        ids = []
+        for _ in range(num_tokens):
+            token = int(out.logits[0, -1].argmax())
+            ids.append(token)
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return ids
+
+
+def test_greedy_output_equals_transformers_for_64_tokens_in_a_batch(setup, hf_model):
+    engine, _, _, renderer, _ = setup
+    reference, _ = hf_model
+    prompts = [prompt(renderer, q) for q in QUESTIONS]
+    futures = [engine.submit(p, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True), policy=BasePolicy()) for p in prompts]
+    for p, f in zip(prompts, futures):
+        assert f.result()[0].token_ids == hf_greedy(reference, p, 64)
+
+
+def test_seeds_reproduce_whatever_else_is_batched(setup):
+    engine, _, _, renderer, _ = setup
+    p = prompt(renderer, "Tell me a story.")
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=42)
+    alone = engine.submit(p, params, n=3, policy=BasePolicy()).result()
+    noise = [engine.submit(prompt(renderer, q), SamplingParams(max_tokens=16), policy=BasePolicy()) for q in QUESTIONS]
+    crowded = engine.submit(p, params, n=3, policy=BasePolicy()).result()
+    for f in noise:
+        f.result()
+    assert [c.token_ids for c in alone] == [c.token_ids for c in crowded]
+    assert len({tuple(c.token_ids) for c in alone}) == 3
+    other = engine.submit(p, SamplingParams(max_tokens=16, temperature=1.0, seed=43), n=3, policy=BasePolicy()).result()
+    assert [c.token_ids for c in other] != [c.token_ids for c in alone]
+
+
+def test_stop_strings_and_stop_tokens_end_a_sample(setup):
+    engine, _, tokenizer, renderer, _ = setup
+    p = prompt(renderer, "What is 12+13? Answer with just the number.")
+    full = engine.submit(p, SamplingParams(max_tokens=20, temperature=0), policy=BasePolicy()).result()[0]
+    assert "=" in full.text and full.finish_reason == "stop" and full.token_ids[-1] == tokenizer.eos_token_id
+    cut = engine.submit(p, SamplingParams(max_tokens=20, temperature=0, stop=["="]), policy=BasePolicy()).result()[0]
+    assert cut.finish_reason == "stop" and "=" not in cut.text and full.text.startswith(cut.text)
+    stop_id = full.token_ids[1]
+    by_id = engine.submit(p, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id]), policy=BasePolicy()).result()[0]
+    assert by_id.token_ids == full.token_ids[:2]
+    length = engine.submit(p, SamplingParams(max_tokens=3, temperature=0), policy=BasePolicy()).result()[0]
+    assert length.finish_reason == "length" and len(length.token_ids) == 3
+
+
+def test_n_samples_prefill_their_shared_prompt_once(setup):
+    engine, _, _, renderer, _ = setup
+    p = prompt(renderer, "Describe a sunrise over the mountains in great detail, please, " * 3)
+    before_prefill, before_cached = engine.stats.num_prefill_tokens, engine.stats.num_cached_tokens
+    engine.submit(p, SamplingParams(max_tokens=4, temperature=1.0), n=8, policy=BasePolicy()).result()
+    prefilled = engine.stats.num_prefill_tokens - before_prefill
+    cached = engine.stats.num_cached_tokens - before_cached
+    block = engine.config.block_size
+    assert cached >= 7 * (len(p) // block - 1) * block  # samples 2..8 reuse the full blocks
+    assert prefilled < 2 * len(p) + 8 * block
+
+
+def test_a_full_kv_cache_queues_and_preempts_without_changing_results(setup, default_model_dir):
+    engine, model, tokenizer, renderer, _ = setup
+    small = Engine(
+        engine_model_for(model, 8192), tokenizer, stop_token_ids=renderer.stop_token_ids, lock=threading.RLock(),
+        config=EngineConfig(num_kv_blocks=12, block_size=16, enable_prefix_caching=False),
+    )
+    try:
+        prompts = [prompt(renderer, f"{q} ({i})") for i, q in enumerate(QUESTIONS * 2)]
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        futures = [small.submit(p, params, policy=BasePolicy()) for p in prompts]
+        squeezed = [f.result(timeout=300)[0].token_ids for f in futures]
+        roomy = [engine.submit(p, params, policy=BasePolicy()).result()[0].token_ids for p in prompts]
+        assert squeezed == roomy
+        assert small.stats.num_preemptions > 0 or small.stats.num_steps > len(prompts) * 40 // 4
+        with pytest.raises(ConfigError, match="KV cache"):
+            small.submit(list(range(1, 400)), params, policy=BasePolicy())
+    finally:
+        small.close()
+
+
+def test_adapter_is_read_live_from_the_trainer_tensors(setup, hf_model):
+    from tempering.training import Trainer
+    from tempering.types import LoRAConfig
+
+    engine, model, _, renderer, holder = setup
+    trainer = Trainer.new(model, LoRAConfig(rank=4, alpha=8))
+    holder["peft"] = trainer.peft_model
+    try:
+        with torch.no_grad():
+            for p in trainer.params:  # B starts at zero; give the adapter an effect
+                if p.dim() == 2 and p.shape[1] == 4:
+                    p.normal_(0, 0.02)
+        p = prompt(renderer, "What is 2+2?")
+        params = SamplingParams(max_tokens=12, temperature=0)
+        base = engine.submit(p, params, policy=BasePolicy()).result()[0]
+        tuned = engine.submit(p, params, policy=LivePolicy(1)).result()[0]
+        assert tuned.logprobs != base.logprobs
+        with torch.no_grad():  # the PEFT model computes the same logprobs
+            logits = trainer.peft_model(torch.tensor([p + tuned.token_ids])).logits[0, len(p) - 1:-1]
+        expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tuned.token_ids)[:, None])[:, 0]
+        assert (expected - torch.tensor(tuned.logprobs)).abs().max() < 1e-4
+        with torch.no_grad():  # an in-place update (what the optimizer does) is served at once
+            for q in trainer.params:
+                q.mul_(3.0)
+        moved = engine.submit(p, params, policy=LivePolicy(2)).result()[0]
+        assert moved.logprobs != tuned.logprobs
+    finally:
+        holder["peft"] = None
+        trainer.peft_model.unload()  # take the LoRA layers out of the shared model again
