@@ -38,6 +38,10 @@ class StepContext:
         decode_block_tables: [num_decode, max_blocks] int64 (padding points at scratch block 0).
         decode_context_lens: [num_decode] int64, keys per decode row including its new token.
         prefill: the prefill chunks.
+        prefill_key_slots: [Nk] int64, on GPU: the cache slots of every prefill chunk's keys
+            (cached prefix and new tokens), chunk after chunk, for a packed varlen attention.
+        cu_q, cu_k: [S + 1] int32 cumulative query and key lengths of the prefill chunks.
+        max_q, max_k: their largest query and key lengths.
     """
 
     slot_mapping: torch.Tensor
@@ -45,3 +49,8 @@ class StepContext:
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
     prefill: list[PrefillSpan] = field(default_factory=list)
+    prefill_key_slots: torch.Tensor | None = None
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0

@@ -78,7 +78,7 @@ class Engine:
         self.config = config or EngineConfig()
         self._peft_model = peft_model
         self._adapters: dict[tuple[str, int], AdapterWeights] = {}
-        self.runner = ModelRunner(model, self.config, self._adapter_weights)
+        self.runner = ModelRunner(model, self.config, self._adapter_weights, max_seq_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.max_seq_len = min(max_seq_len, self.blocks.capacity_tokens)
@@ -150,13 +150,15 @@ class Engine:
             if name not in peft_model.peft_config:
                 raise EngineError(f"adapter {name!r} is not loaded")
             weights = collect_adapter(self.model.hf_layers, name, self.model.fused_slices)
-            self._adapters = {k: v for k, v in self._adapters.items() if k[1] == id(peft_model)}
+            for stale in [k for k in self._adapters if k[1] != id(peft_model)]:  # a replaced PEFT model
+                self.runner.forget_adapter(self._adapters.pop(stale))
             self._adapters[key] = weights
         return weights
 
     def forget_adapter(self, name: str) -> None:
-        """Drop cached references to an adapter that was unloaded or replaced."""
-        self._adapters = {k: v for k, v in self._adapters.items() if k[0] != name}
+        """Drop every reference to an adapter that is being unloaded (call it under `lock`)."""
+        for key in [k for k in self._adapters if k[0] == name]:
+            self.runner.forget_adapter(self._adapters.pop(key))
 
     # ---- worker ---------------------------------------------------------------------------------
 

@@ -110,14 +110,21 @@ def sample(logits: torch.Tensor, options: SamplingTensors) -> SampleOutput:
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
 
 
-def sampling_tensors(params: list, seeds: list[int], counters: list[int], device: torch.device) -> SamplingTensors:
-    """Build SamplingTensors from per-row SamplingParams, seeds and token counters."""
+def sampling_tensors(params: list, seeds: list[int], counters: list[int], device: torch.device | None = None,
+                     *, to_device=None) -> SamplingTensors:
+    """Build SamplingTensors from per-row SamplingParams, seeds and token counters.
+
+    `to_device(values, dtype)` moves a host list to the device (default: `torch.tensor(..., device=device)`).
+    """
+    if to_device is None:
+        def to_device(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
     return SamplingTensors(
-        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-        top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
-        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-        counters=torch.tensor(counters, dtype=torch.int64, device=device),
+        temperature=to_device([p.temperature for p in params], torch.float32),
+        top_k=to_device([max(p.top_k, 0) for p in params], torch.int64),
+        top_p=to_device([p.top_p for p in params], torch.float32),
+        seeds=to_device(seeds, torch.int64),
+        counters=to_device(counters, torch.int64),
         needs_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         num_top_logprobs=max((p.num_top_logprobs for p in params), default=0),
     )

@@ -1,12 +1,15 @@
-"""Attention over the paged KV cache, in plain PyTorch (the CPU path and the reference).
+"""Attention over the paged KV cache.
 
 The cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V.
-A token's K/V lives at slot `block_id * block_size + offset`.
+A token's K/V lives at slot `block_id * block_size + offset`. The flat batch holds decode rows
+(one query each) first, then prefill chunks.
 
-Decode rows (one query each) are batched: their blocks are gathered into a padded
-`[B, max_blocks * block_size]` key range and one SDPA call with a length mask attends over it.
-Prefill chunks attend one sequence at a time, causally, over the cached prefix and themselves
-(queries are aligned to the end of the keys: lower-right causal).
+- CPU (and the reference): decode rows gather their blocks into a padded
+  `[B, max_blocks * block_size]` key range and share one SDPA call with a length mask; each
+  prefill chunk attends over its cached prefix and itself with one SDPA call, causally with the
+  queries aligned to the end of the keys (lower-right).
+- GPU: decode rows use the Triton paged kernel (no gather); prefill chunks use one packed
+  `varlen_attn` call (see triton_attention.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ from ..context import StepContext
 
 __all__ = ["paged_attention", "store_kv"]
 
+try:  # the GPU kernels need Triton, which CPU builds of torch do not bring
+    from .triton_attention import paged_decode_attention, varlen_prefill_attention
+except ImportError:  # pragma: no cover - depends on the installation
+    paged_decode_attention = varlen_prefill_attention = None
+
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v [N, kv_heads, D] into the caches at `slot_mapping` [N]."""
@@ -28,8 +36,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """The cache rows of `block_table` [..., nb] → [..., nb * block_size, kv_heads, D]."""
-    blocks = cache[block_table]  # [..., nb, bs, kvh, D]
-    return blocks.flatten(-4, -3)
+    return cache[block_table].flatten(-4, -3)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
@@ -44,22 +51,45 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns:
         [N, num_heads, D].
     """
-    out = torch.empty_like(q)
+    gpu = q.is_cuda and paged_decode_attention is not None
     B = ctx.num_decode
-    if B:
-        keys = _gather(k_cache, ctx.decode_block_tables).transpose(1, 2)  # [B, kvh, T, D]
-        values = _gather(v_cache, ctx.decode_block_tables).transpose(1, 2)
-        T = keys.shape[2]
-        mask = torch.arange(T, device=q.device)[None, :] < ctx.decode_context_lens[:, None]  # [B, T]
-        o = F.scaled_dot_product_attention(
-            q[:B, :, None, :], keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-        )  # [B, H, 1, D]
-        out[:B] = o[:, :, 0, :]
+    if gpu and not ctx.prefill:  # the CUDA-graph path: no host work, no extra copy
+        return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale)
+    out = torch.empty_like(q)
+    if B and gpu:
+        out[:B] = paged_decode_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale)
+    elif B:
+        out[:B] = _decode_sdpa(q[:B], k_cache, v_cache, ctx, scale)
+    if ctx.prefill:
+        if gpu and ctx.prefill_key_slots is not None:
+            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+            keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx.prefill_key_slots)
+            values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx.prefill_key_slots)
+            out[B:] = varlen_prefill_attention(q[B:], keys, values, ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k, scale)
+        else:
+            _prefill_sdpa(q, k_cache, v_cache, ctx, scale, out)
+    return out
+
+
+def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
+    keys = _gather(k_cache, ctx.decode_block_tables).transpose(1, 2)  # [B, kvh, T, D]
+    values = _gather(v_cache, ctx.decode_block_tables).transpose(1, 2)
+    T = keys.shape[2]
+    mask = torch.arange(T, device=q.device)[None, :] < ctx.decode_context_lens[:, None]  # [B, T]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [B, H, 1, D]
+    return o[:, :, 0, :]
+
+
+def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float, out: torch.Tensor) -> None:
+    block_size = k_cache.shape[1]
     for span in ctx.prefill:
         queries = q[span.start:span.start + span.num_new].transpose(0, 1)[None]  # [1, H, Lq, D]
-        num_blocks = -(-span.context_len // k_cache.shape[1])
-        keys = _gather(k_cache, span.block_table[:num_blocks])[: span.context_len].transpose(0, 1)[None]  # [1, kvh, Lk, D]
-        values = _gather(v_cache, span.block_table[:num_blocks])[: span.context_len].transpose(0, 1)[None]
+        num_blocks = -(-span.context_len // block_size)
+        table = span.block_table[:num_blocks]
+        keys = _gather(k_cache, table)[: span.context_len].transpose(0, 1)[None]  # [1, kvh, Lk, D]
+        values = _gather(v_cache, table)[: span.context_len].transpose(0, 1)[None]
         if span.num_new == span.context_len:
             o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:  # queries are the last num_new positions: lower-right causal
@@ -68,4 +98,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             mask = torch.arange(span.context_len, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[span.start:span.start + span.num_new] = o[0].transpose(0, 1)
-    return out

@@ -1,0 +1,139 @@
+"""GPU attention kernels: paged decode in Triton, packed prefill with PyTorch's varlen_attn.
+
+Decode (one query per sequence) reads K/V straight from the paged cache, with no gather: a
+split-K kernel whose grid is (rows, kv_heads, NUM_SPLITS) processes every query head of one KV
+head together (one `tl.dot` per page), walks its share of the sequence's pages through the
+block table with an online softmax, and writes a partial output and log-sum-exp; a few tensor
+ops merge the splits. Rows with context length 0 (padding of a CUDA-graph bucket) exit at
+once. The grid depends only on the batch bucket, so the kernel can be captured in a CUDA graph.
+Design after lightllm/SGLang's grouped decode kernels and vLLM's block-table addressing (see
+reference/ENGINE_NOTES.md, section 2); the code is ours.
+
+Prefill chunks gather their keys (cached prefix + new tokens) into one packed buffer and call
+`torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 inside PyTorch >= 2.10), causal with
+queries aligned to the end of their keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["HAS_VARLEN", "paged_decode_attention", "varlen_prefill_attention"]
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10: prefill falls back to one SDPA call per chunk
+    varlen_attn = None
+
+HAS_VARLEN = varlen_attn is not None
+NUM_SPLITS = 8
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, BlockTables, ContextLens, OutPartial, LsePartial,
+    scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kp, stride_kh,
+    stride_vb, stride_vp, stride_vh,
+    stride_bt,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(ContextLens + b)
+    num_pages = tl.cdiv(context_len, PAGE)
+    pages_per_split = tl.cdiv(num_pages, NUM_SPLITS)
+    page_start = split * pages_per_split
+    page_end = tl.minimum(page_start + pages_per_split, num_pages)
+
+    g = tl.arange(0, GROUP_PAD)
+    head_mask = g < GROUP
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_mask[:, None], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    offsets = tl.arange(0, PAGE)
+    for page in range(page_start, page_end):
+        block = tl.load(BlockTables + b * stride_bt + page).to(tl.int64)
+        valid = page * PAGE + offsets < context_len
+        k = tl.load(K + block * stride_kb + offsets[:, None] * stride_kp + kv_head * stride_kh + d[None, :],
+                    mask=valid[:, None], other=0.0)  # [PAGE, D]
+        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, PAGE]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + block * stride_vb + offsets[:, None] * stride_vp + kv_head * stride_vh + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(OutPartial + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=head_mask[:, None])
+    tl.store(LsePartial + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per row against its paged keys.
+
+    Args:
+        q: [B, Hq, D] (contiguous in D).
+        k_cache, v_cache: [num_blocks, PAGE, Hkv, D].
+        block_tables: [B, max_blocks] int (rows may be wider than needed).
+        context_lens: [B] int; 0 for padding rows (their output is 0).
+        scale: softmax scale.
+
+    Returns:
+        [B, Hq, D] in q's dtype.
+    """
+    B, Hq, D = q.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    group = Hq // num_kv_heads
+    out_partial = torch.empty(B, Hq, NUM_SPLITS, D, dtype=torch.float32, device=q.device)
+    lse_partial = torch.empty(B, Hq, NUM_SPLITS, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, num_kv_heads, NUM_SPLITS)](
+        q, k_cache, v_cache, block_tables, context_lens, out_partial, lse_partial,
+        scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
+        lse_partial.stride(0), lse_partial.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, NUM_SPLITS=NUM_SPLITS,
+    )
+    m = lse_partial.amax(-1, keepdim=True)  # merge the splits: softmax-weighted by their log-sum-exp
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse_partial - m)  # [B, Hq, S]
+    out = (out_partial * w[..., None]).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    return out.to(q.dtype)
+
+
+def varlen_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    max_q: int, max_k: int, scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed query chunks over their packed keys (queries end-aligned).
+
+    Args:
+        q: [Nq, Hq, D]; k, v: [Nk, Hkv, D]; cu_q, cu_k: [S + 1] int32 cumulative lengths.
+
+    Returns:
+        [Nq, Hq, D].
+    """
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
