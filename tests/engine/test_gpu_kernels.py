@@ -64,3 +64,30 @@ def test_varlen_prefill_matches_per_sequence_sdpa():
                                              v.transpose(0, 1)[None].float(), attn_mask=mask, enable_gqa=True)
         assert (out[start:start + nq].float() - ref[0].transpose(0, 1)).abs().max() < 2e-2
         start += nq
+
+
+def test_fused_elementwise_kernels_match_their_pytorch_twins():
+    from tempering.engine.layers import activation, norm, rotary, triton_ops
+
+    torch.manual_seed(0)
+    N, H, heads, D = 37, 1536, 12, 128
+    x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(triton_ops.rms_norm(x, w, 1e-6), norm.rms_norm(x, w, 1e-6))
+    y, res = triton_ops.add_rms_norm(x, r, w, 1e-6)
+    y_ref, res_ref = norm.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(res, res_ref)
+    assert (y.float() - y_ref.float()).abs().max() <= 1e-2 * y_ref.float().abs().max()
+    qkv = torch.randn(N, (heads + 4) * D, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : heads * D].view(N, heads, D)  # a strided view, as in the model
+    cos, sin = torch.randn(N, D, device="cuda", dtype=torch.bfloat16), torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    expected = rotary.apply_rotary(q.clone(), cos, sin)
+    triton_ops.rotary_(q, cos, sin)
+    assert (q.float() - expected.float()).abs().max() <= 2e-2 * expected.float().abs().max()
+    qn = q.clone()
+    assert (triton_ops.rms_norm(qn, w[:D], 1e-6).float() - norm.rms_norm(qn, w[:D], 1e-6).float()).abs().max() < 5e-2
+    gate_up = torch.randn(N, 2 * 8960, device="cuda", dtype=torch.bfloat16)
+    act = triton_ops.silu_and_mul(gate_up)
+    act_ref = activation.silu_and_mul(gate_up)
+    assert (act.float() - act_ref.float()).abs().max() <= 2e-2 * act_ref.float().abs().max()

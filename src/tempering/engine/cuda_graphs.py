@@ -11,6 +11,7 @@ outside the graph. Pattern after nano-vllm's model runner.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ from .context import StepContext
 from .lora import AdapterWeights, LoRASegment
 
 __all__ = ["DecodeGraphs"]
+
+log = logging.getLogger("tempering")
 
 
 @dataclass(slots=True)
@@ -50,8 +53,9 @@ class DecodeGraphs:
         self.slot_mapping = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(self.max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.graphs: dict[tuple[int, int], _Captured | None] = {}  # None: capture failed, run eagerly
         self.pool = None
+        self.stream = torch.cuda.Stream(device)  # warm-up and capture on the same stream
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
@@ -77,9 +81,11 @@ class DecodeGraphs:
             self.slot_mapping[B:bucket].zero_()
             self.context_lens[B:bucket].zero_()
         key = (bucket, id(adapter) if adapter is not None else 0)
-        captured = self.graphs.get(key)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, adapter)
+        captured = self.graphs[key]
         if captured is None:
-            captured = self.graphs[key] = self._capture(bucket, adapter)
+            return self._forward(bucket, adapter)[:B]
         captured.graph.replay()
         return captured.hidden[:B]
 
@@ -93,16 +99,21 @@ class DecodeGraphs:
         lora = [LoRASegment(0, bucket, adapter)] if adapter is not None else []
         return self.model.forward(self.input_ids[:bucket], self.positions[:bucket], ctx, self.kv_cache, lora)
 
-    def _capture(self, bucket: int, adapter: AdapterWeights | None) -> _Captured:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up (Triton JIT, allocator) outside the graph
+    def _capture(self, bucket: int, adapter: AdapterWeights | None) -> _Captured | None:
+        """Capture a graph; on failure log it and return None (that bucket then runs eagerly)."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):  # warm up (Triton JIT, cuBLAS workspaces) on the capture stream
                 self._forward(bucket, adapter)
-        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._forward(bucket, adapter)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                hidden = self._forward(bucket, adapter)
+        except RuntimeError as exc:  # includes torch.AcceleratorError
+            log.warning("CUDA graph capture of decode bucket %d failed (%s); running it eagerly", bucket, exc)
+            torch.cuda.synchronize()
+            return None
+        torch.cuda.current_stream().wait_stream(self.stream)
         if self.pool is None:
             self.pool = graph.pool()
         return _Captured(graph, hidden, adapter)

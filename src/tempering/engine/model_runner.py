@@ -18,7 +18,7 @@ from .context import PrefillSpan, StepContext
 from .layers.attention import paged_decode_attention
 from .lora import AdapterWeights, LoRASegment
 from .models import LlamaFamilyModel
-from .sampler import sample, sampling_tensors
+from .sampler import SamplingTensors, sample
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -75,11 +75,6 @@ class ModelRunner:
                 max_blocks_per_seq=-(-max_seq_len // self.block_size),
             )
 
-    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """A host list on the device; on CUDA through pinned memory, without blocking."""
-        if not self.is_cuda:
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @property
     def block_bytes(self) -> int:
@@ -100,6 +95,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken]:
         """Compute one step; returns the token sampled by each sequence that samples this step."""
+        ints, floats = _Pack(), _Pack()  # every host array of the step goes over in two transfers
         input_ids, positions, slots = [], [], []
         samplers: list[tuple[Sequence, int]] = []  # (sequence, flat row of its last token)
         for seq in batch.decode:
@@ -108,11 +104,12 @@ class ModelRunner:
             positions.append(pos)
             slots.append(self._slot(seq, pos))
             samplers.append((seq, len(input_ids) - 1))
-        spans, key_slots, cu_q, cu_k = [], [], [0], [0]
+        spans, key_slots, cu_q, cu_k, tables = [], [], [0], [0], []
         for seq, n in batch.prefill:
             start = seq.num_computed_tokens
-            table = None if self.use_varlen else self._tensor(seq.block_table)
-            spans.append(PrefillSpan(len(input_ids), n, start + n, table))
+            if not self.use_varlen:
+                tables.append(ints.add(seq.block_table))
+            spans.append(PrefillSpan(len(input_ids), n, start + n, None))
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
             new_slots = [self._slot(seq, p) for p in range(start + n)]
@@ -123,38 +120,53 @@ class ModelRunner:
                 cu_k.append(cu_k[-1] + start + n)
             if start + n == len(seq):
                 samplers.append((seq, len(input_ids) - 1))
+        seqs = [s for s, _ in samplers]
+        params = [s.request.params for s in seqs]
 
-        ctx = StepContext(slot_mapping=self._tensor(slots), num_decode=len(batch.decode), prefill=spans)
-        if self.use_varlen and spans:
-            ctx.prefill_key_slots = self._tensor(key_slots)
-            ctx.cu_q, ctx.cu_k = self._tensor(cu_q, torch.int32), self._tensor(cu_k, torch.int32)
-            ctx.max_q, ctx.max_k = max(s.num_new for s in spans), max(s.context_len for s in spans)
+        f_ids, f_pos, f_slots = ints.add(input_ids), ints.add(positions), ints.add(slots)
+        f_rows = ints.add([r for _, r in samplers])
+        f_seeds, f_counters = ints.add([s.seed for s in seqs]), ints.add([s.num_completion_tokens for s in seqs])
+        f_top_k = ints.add([max(p.top_k, 0) for p in params])
+        f_temp, f_top_p = floats.add([p.temperature for p in params]), floats.add([p.top_p for p in params])
         if batch.decode:
             width = max(len(s.block_table) for s in batch.decode)
-            tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.decode]
-            ctx.decode_block_tables = self._tensor(tables)
-            ctx.decode_context_lens = self._tensor([len(s) for s in batch.decode])
+            f_tables = ints.add([b for s in batch.decode for b in s.block_table + [0] * (width - len(s.block_table))])
+            f_lens = ints.add([len(s) for s in batch.decode])
+        if self.use_varlen and spans:
+            f_keys, f_cu = ints.add(key_slots), ints.add(cu_q + cu_k)
+        i = ints.send(torch.long, self.device, self.is_cuda)
+        f = floats.send(torch.float32, self.device, self.is_cuda)
 
-        input_ids_t, positions_t = self._tensor(input_ids), self._tensor(positions)
+        ctx = StepContext(slot_mapping=i(f_slots), num_decode=len(batch.decode), prefill=spans)
+        for span, t in zip(spans, tables):
+            span.block_table = i(t)
+        if batch.decode:
+            ctx.decode_block_tables = i(f_tables).view(len(batch.decode), width)
+            ctx.decode_context_lens = i(f_lens)
+        if self.use_varlen and spans:
+            ctx.prefill_key_slots = i(f_keys)
+            cu = i(f_cu).to(torch.int32)
+            ctx.cu_q, ctx.cu_k = cu[: len(cu_q)], cu[len(cu_q):]
+            ctx.max_q, ctx.max_k = max(s.num_new for s in spans), max(s.context_len for s in spans)
+
         lora = self._lora_segments(batch)
         if self._graphable(batch, lora):
             hidden = self.graphs.run(
-                input_ids_t, positions_t, ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_context_lens,
+                i(f_ids), i(f_pos), ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_context_lens,
                 lora[0].adapter if lora else None,
             )
         else:
-            hidden = self.model.forward(input_ids_t, positions_t, ctx, self.kv_cache, lora)
+            hidden = self.model.forward(i(f_ids), i(f_pos), ctx, self.kv_cache, lora)
         if not samplers:
             return []
-        rows = self._tensor([r for _, r in samplers])
-        logits = self.model.logits(hidden[rows])  # [S, V]
-        seqs = [s for s, _ in samplers]
-        options = sampling_tensors(
-            [s.request.params for s in seqs], [s.seed for s in seqs], [s.num_completion_tokens for s in seqs],
-            to_device=self._tensor,
+        logits = self.model.logits(hidden[i(f_rows)])  # [S, V]
+        options = SamplingTensors(
+            temperature=f(f_temp), top_k=i(f_top_k), top_p=f(f_top_p), seeds=i(f_seeds), counters=i(f_counters),
+            needs_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            num_top_logprobs=max(p.num_top_logprobs for p in params),
         )
         out = sample(logits, options)
-        ids, lps = out.token_ids.tolist(), out.logprobs.tolist()
+        ids, lps = out.token_ids.tolist(), out.logprobs.tolist()  # the step's one device→host sync
         tops = [[] for _ in seqs]
         if out.top_ids is not None:
             top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
@@ -195,3 +207,22 @@ class _Segment:
     start: int
     end: int
     adapter_name: str | None
+
+
+class _Pack:
+    """Host lists concatenated into one buffer, sent to the device in one (pinned, async) copy."""
+
+    def __init__(self) -> None:
+        self.values: list = []
+
+    def add(self, values: list) -> tuple[int, int]:
+        start = len(self.values)
+        self.values.extend(values)
+        return start, len(values)
+
+    def send(self, dtype: torch.dtype, device: torch.device, pinned: bool):
+        """Copy to `device`; returns a function from an `add` handle to its device slice."""
+        buffer = torch.tensor(self.values, dtype=dtype, pin_memory=pinned)
+        if pinned:
+            buffer = buffer.to(device, non_blocking=True)
+        return lambda handle: buffer[handle[0]:handle[0] + handle[1]]

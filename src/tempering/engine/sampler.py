@@ -4,10 +4,11 @@ Everything is batched tensor work with no host sync, so it can run on the GPU in
 
 - Temperature T per row; T = 0 rows are greedy.
 - top-k / top-p per row, applied on the sorted distribution only when a row asks for them.
-- Sampling draws one uniform number per row and inverts the CDF (`searchsorted` on the cumsum),
-  which samples exactly from the categorical distribution. The uniform number comes from a
-  counter-based hash of (row seed, token index), so a seeded request gives the same tokens
-  whatever else shares its batch, and rows need no generator objects.
+- Sampling draws one uniform number per row and inverts the CDF, which samples exactly from the
+  categorical distribution: first over chunks of 1024 token probabilities (float64 cumsum of the
+  chunk sums), then inside the chosen chunk, so no full-vocabulary float64 cumsum is needed. The
+  uniform number comes from a counter-based hash of (row seed, token index), so a seeded request
+  gives the same tokens whatever else shares its batch, and rows need no generator objects.
 - The returned logprob of a token is `log_softmax(logits / T)[token]` at the row's temperature
   (T = 1 for greedy rows), before top-k/top-p truncation: the distribution the trainer recomputes,
   so the on-policy importance ratio is exactly 1.
@@ -96,9 +97,7 @@ def sample(logits: torch.Tensor, options: SamplingTensors) -> SampleOutput:
         probs = probs.masked_fill(remove, 0.0)
     else:
         probs, order = logprobs_all.exp(), None
-    cdf = probs.double().cumsum(-1)  # [B, V]
-    u = hash_uniform(options.seeds, options.counters) * cdf[:, -1]  # [B]
-    drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    drawn = _invert_cdf(probs, hash_uniform(options.seeds, options.counters))
     if order is not None:
         drawn = order.gather(1, drawn[:, None]).squeeze(1)
     token_ids = torch.where(greedy, logprobs_all.argmax(dim=-1), drawn)
@@ -108,6 +107,24 @@ def sample(logits: torch.Tensor, options: SamplingTensors) -> SampleOutput:
     if options.num_top_logprobs:
         top_logprobs, top_ids = logprobs_all.topk(options.num_top_logprobs, dim=-1)
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
+
+
+_CHUNK = 1024
+
+
+def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index j per row with CDF(j-1) <= u * total < CDF(j). probs: [B, V] (unnormalized); u: [B] in (0, 1)."""
+    B, V = probs.shape
+    C = -(-V // _CHUNK)
+    padded = probs if V == C * _CHUNK else torch.nn.functional.pad(probs, (0, C * _CHUNK - V))
+    chunks = padded.view(B, C, _CHUNK)
+    chunk_cdf = chunks.sum(-1, dtype=torch.float64).cumsum(-1)  # [B, C]
+    target = u * chunk_cdf[:, -1]  # [B] float64
+    chunk = torch.searchsorted(chunk_cdf, target[:, None], right=True).clamp_(max=C - 1)  # [B, 1]
+    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(target[:, None]))
+    inner = chunks.gather(1, chunk[:, :, None].expand(B, 1, _CHUNK))[:, 0].double().cumsum(-1)  # [B, CHUNK]
+    offset = torch.searchsorted(inner, (target[:, None] - before), right=True).clamp_(max=_CHUNK - 1)
+    return (chunk * _CHUNK + offset).squeeze(1).clamp_(max=V - 1)
 
 
 def sampling_tensors(params: list, seeds: list[int], counters: list[int], device: torch.device | None = None,

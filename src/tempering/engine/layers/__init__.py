@@ -1,7 +1,7 @@
 """Building blocks of the engine's decoder models."""
 
 from .attention import paged_attention, store_kv
-from .norm import rms_norm
-from .rotary import RotaryTable, apply_rotary
+from .ops import ops_for
+from .rotary import RotaryTable
 
-__all__ = ["RotaryTable", "apply_rotary", "paged_attention", "rms_norm", "store_kv"]
+__all__ = ["RotaryTable", "ops_for", "paged_attention", "store_kv"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RotaryTable", "apply_rotary", "rope_is_static"]
+__all__ = ["RotaryTable", "apply_rotary", "rope_is_static", "rotary_"]
 
 
 def rope_is_static(config: Any) -> bool:
@@ -39,12 +39,17 @@ class RotaryTable:
         self.sin = sin[0].to(dtype)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [N] → each [N, 1, D] (broadcast over heads)."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        """cos, sin for `positions` [N] → each [N, D]."""
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, heads, D] by the cos/sin [N, 1, D] of its positions."""
+    """Rotate x [N, heads, D] by the cos/sin [N, D] of its positions."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` written back into x (a view of q or k) in place."""
+    return x.copy_(apply_rotary(x, cos, sin))

@@ -117,11 +117,14 @@ def paged_decode_attention(
         lse_partial.stride(0), lse_partial.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, NUM_SPLITS=NUM_SPLITS,
     )
-    m = lse_partial.amax(-1, keepdim=True)  # merge the splits: softmax-weighted by their log-sum-exp
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse_partial - m)  # [B, Hq, S]
-    out = (out_partial * w[..., None]).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
-    return out.to(q.dtype)
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    _merge_splits_kernel[(B, Hq)](  # the splits, weighted by their log-sum-exp
+        out_partial, lse_partial, out,
+        out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
+        lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
+        D=D, S=NUM_SPLITS,
+    )
+    return out
 
 
 def varlen_prefill_attention(
@@ -137,3 +140,19 @@ def varlen_prefill_attention(
         [Nq, Hq, D].
     """
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+
+
+@triton.jit
+def _merge_splits_kernel(OutPartial, LsePartial, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                         stride_yb, stride_yh, D: tl.constexpr, S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S)
+    d = tl.arange(0, D)
+    lse = tl.load(LsePartial + b * stride_lb + h * stride_lh + s)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)  # [S]; 0 for empty splits
+    o = tl.load(OutPartial + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :])
+    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(Out + b * stride_yb + h * stride_yh + d, out.to(Out.dtype.element_ty))

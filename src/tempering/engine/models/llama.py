@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..context import StepContext
-from ..layers import RotaryTable, apply_rotary, paged_attention, rms_norm, store_kv
+from ..layers import RotaryTable, ops_for, paged_attention, store_kv
 from ..lora import LoRASegment, add_lora
 from ..weights import base_layer, fuse_linears
 
@@ -66,6 +66,7 @@ class LlamaFamilyModel:
         self.norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight  # [V, H], the embedding itself when tied
         self.rotary = RotaryTable(inner.rotary_emb, max_positions, self.dtype, self.device)
+        self.ops = ops_for(self.device)
         self.layers: list[_Layer] = []
         self.fused_slices: dict[str, dict[str, slice]] = {}
         for layer in self.hf_layers:
@@ -119,38 +120,41 @@ class LlamaFamilyModel:
             [N, H].
         """
         N = input_ids.shape[0]
+        ops = self.ops
         x = F.embedding(input_ids, self.embed)  # [N, H]
-        cos, sin = self.rotary(positions)
+        residual = None
+        cos, sin = self.rotary(positions)  # [N, D] each
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, self.eps)
+            if residual is None:
+                h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
+            else:  # the previous layer's MLP output joins the residual stream here
+                h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [N, (Hq + 2Hkv) D]
             if lora:
                 add_lora(qkv, h, lora, i, "qkv")
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, self.eps)
-                k = rms_norm(k, layer.k_norm, self.eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+            if layer.q_norm is not None:  # Qwen3: RMSNorm of each head before the rotation
+                q = ops.rms_norm(q, layer.q_norm, self.eps)
+                k = ops.rms_norm(k, layer.k_norm, self.eps)
+            ops.rotary_(q, cos, sin)
+            ops.rotary_(k, cos, sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            store_kv(k_cache, v_cache, k, v.contiguous(), ctx.slot_mapping)
+            store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)  # [N, Hq D]
             attn_out = F.linear(o, layer.o)
             if lora:
                 add_lora(attn_out, o, lora, i, "o")
-            x = x + attn_out
-            h = rms_norm(x, layer.post_norm, self.eps)
+            h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
             gate_up = F.linear(h, layer.gate_up)  # [N, 2I]
             if lora:
                 add_lora(gate_up, h, lora, i, "gate_up")
-            act = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
-            mlp_out = F.linear(act, layer.down)
+            act = ops.silu_and_mul(gate_up)  # [N, I]
+            x = F.linear(act, layer.down)
             if lora:
-                add_lora(mlp_out, act, lora, i, "down")
-            x = x + mlp_out
-        return rms_norm(x, self.norm, self.eps)
+                add_lora(x, act, lora, i, "down")
+        return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, H] → [S, V] float32 logits."""

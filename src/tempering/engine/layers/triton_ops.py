@@ -1,0 +1,107 @@
+"""Fused elementwise kernels for the GPU decoder (Triton); the CPU path uses their PyTorch twins.
+
+Without fusion a decoder layer launches ~40 tiny kernels (the norm's cast, square, mean, rsqrt,
+multiply..., rotary's slices and concatenations); at batch 256 they cost more than the GEMMs.
+These kernels do each job in one launch and round exactly where Hugging Face's modules round:
+
+- `add_rms_norm`: residual = x + residual (in the model dtype), then RMSNorm of it.
+- `rms_norm`: RMSNorm over the last dim (also used per head for Qwen3's q/k norm).
+- `rotary_`: rotates q and k in place by the cos/sin of their positions ("rotate half" layout).
+- `silu_and_mul`: silu(gate) * up of a fused gate/up projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["add_rms_norm", "rms_norm", "rotary_", "silu_and_mul"]
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Y, ROut, stride_x, stride_r, stride_y, stride_ro, H, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(x.dtype)  # rounded like HF's add
+        tl.store(ROut + row * stride_ro + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    var = tl.sum(x32 * x32, axis=0) / H
+    normed = (x32 * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Y + row * stride_y + cols, (w * normed).to(x.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., H] (rows may be strided views, e.g. heads of a q/k slice)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    H = shape[-1]
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), 0, y.stride(0), 0, H, eps,
+                                     HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(H))
+    return y.view(shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) for x, residual [N, H]."""
+    N, H = x.shape
+    y = torch.empty_like(x)
+    new_residual = torch.empty_like(x)
+    _rms_norm_kernel[(N,)](x, residual, weight, y, new_residual, x.stride(0), residual.stride(0), y.stride(0),
+                           new_residual.stride(0), H, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(H))
+    return y, new_residual
+
+
+@triton.jit
+def _rotary_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_c, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    hmask = heads < num_heads
+    base = X + t * stride_xt + heads[:, None] * stride_xh
+    x1 = tl.load(base + d[None, :], mask=hmask[:, None], other=0.0)
+    x2 = tl.load(base + HALF + d[None, :], mask=hmask[:, None], other=0.0)
+    cos1 = tl.load(Cos + t * stride_c + d)[None, :]
+    cos2 = tl.load(Cos + t * stride_c + HALF + d)[None, :]
+    sin1 = tl.load(Sin + t * stride_c + d)[None, :]
+    sin2 = tl.load(Sin + t * stride_c + HALF + d)[None, :]
+    # HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype
+    o1 = ((x1 * cos1).to(x1.dtype) + (-x2 * sin1).to(x1.dtype)).to(x1.dtype)
+    o2 = ((x2 * cos2).to(x1.dtype) + (x1 * sin2).to(x1.dtype)).to(x1.dtype)
+    tl.store(base + d[None, :], o1, mask=hmask[:, None])
+    tl.store(base + HALF + d[None, :], o2, mask=hmask[:, None])
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, heads, D] in place by cos/sin [N, D] (a strided view of q or k is fine)."""
+    N, heads, D = x.shape
+    _rotary_kernel[(N,)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads,
+                         HALF=D // 2, BLOCK_H=triton.next_power_of_2(heads))
+    return x
+
+
+@triton.jit
+def _silu_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(X + row * stride_x + I + cols, mask=mask, other=0.0)
+    g32 = gate.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)  # silu, rounded like F.silu
+    tl.store(Y + row * stride_y + cols, (act * up).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [N, 2I] → [N, I]."""
+    N, two_i = gate_up.shape
+    I = two_i // 2
+    y = torch.empty(N, I, dtype=gate_up.dtype, device=gate_up.device)
+    BLOCK = 1024
+    _silu_mul_kernel[(N, triton.cdiv(I, BLOCK))](gate_up, y, gate_up.stride(0), y.stride(0), I, BLOCK=BLOCK)
+    return y
