@@ -125,6 +125,49 @@ def logprob_error(model, prompts, results, device) -> tuple[float, float]:
     return float(d.mean()), float(d.max())
 
 
+def adapter_switch(engine: Engine, model, prompts, results, holder: dict, args) -> dict:
+    """How long after a training step the engine serves the new adapter.
+
+    A LoRA trainer is attached to the same model (the engine reads its tensors). We time a
+    1-token request right after a train step, and the same request with no step before it;
+    the difference is the switch cost. The first use of the adapter also captures its CUDA
+    graphs (reported apart).
+    """
+    from tempering.service.policies import AdapterPolicy
+    from tempering.training import TokenizedSequence, Trainer
+    from tempering.types import LoRAConfig, TrainConfig
+
+    trainer = Trainer.new(model, LoRAConfig(rank=8, alpha=16))
+    holder["peft"] = trainer.peft_model
+    seqs = []
+    for j, (p, r) in enumerate(zip(prompts[:8], results[:8])):
+        c = r[0]
+        seqs.append(TokenizedSequence(p + c.token_ids, [False] * len(p) + [True] * len(c.token_ids),
+                                      [float("nan")] * len(p) + c.logprobs, advantage=1.0 if j % 2 else -1.0))
+    config = TrainConfig(learning_rate=1e-5)
+    probe = prompts[0][:32]
+
+    def latency(version: int, train: bool) -> float:
+        if train:
+            with engine.lock:
+                trainer.step(seqs, config)
+        sync(engine.device)
+        start = time.perf_counter()
+        engine.submit(probe, SamplingParams(max_tokens=4, temperature=0), policy=AdapterPolicy(trainer.peft_model, "default", version)).result()
+        return time.perf_counter() - start
+
+    first_use = latency(1, train=True)  # includes capturing the adapter's CUDA graphs
+    after, before = [], []
+    for k in range(5):
+        after.append(latency(100 + 2 * k, train=True))
+        before.append(latency(101 + 2 * k, train=False))
+    return {
+        "adapter_first_use_ms": round(first_use * 1e3, 1),
+        "adapter_switch_ms": round((sorted(after)[2] - sorted(before)[2]) * 1e3, 2),
+        "request_latency_after_step_ms": round(sorted(after)[2] * 1e3, 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -150,6 +193,7 @@ def main() -> None:
         def decode(self, ids, skip_special_tokens=True):
             return ""
 
+    holder = {"peft": None}
     engine = Engine(
         engine_model_for(model, 4096),
         tokenizer or _Tok(),
@@ -157,9 +201,11 @@ def main() -> None:
         lock=threading.RLock(),
         config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, cpu_kv_cache_bytes=1 << 30),
         max_seq_len=4096,
+        peft_model=lambda: holder["peft"],
     )
     engine_s, results = time_engine(engine, prompts, args)
     lp_mean, lp_max = logprob_error(model, prompts, results, device)
+    switch = adapter_switch(engine, model, prompts, results, holder, args)
     engine.close()
 
     ours = num_tokens / engine_s
@@ -178,6 +224,7 @@ def main() -> None:
         "speedup_vs_generate": None if baseline_s is None else round(baseline_s / engine_s, 2),
         "logprob_abs_err_mean": lp_mean,
         "logprob_abs_err_max": lp_max,
+        **switch,
         "torch": torch.__version__,
     }
     print(json.dumps(record))

@@ -107,7 +107,8 @@ class DecodeGraphs:
                 self._forward(bucket, adapter)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            # thread_local: CUDA work of other threads (the trainer, user code) cannot break the capture
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                 hidden = self._forward(bucket, adapter)
         except RuntimeError as exc:  # includes torch.AcceleratorError
             log.warning("CUDA graph capture of decode bucket %d failed (%s); running it eagerly", bucket, exc)

@@ -18,7 +18,7 @@ from .context import PrefillSpan, StepContext
 from .layers.attention import paged_decode_attention
 from .lora import AdapterWeights, LoRASegment
 from .models import LlamaFamilyModel
-from .sampler import SamplingTensors, sample
+from .sampler import SamplingTensors, sample, sampling_flags
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -162,8 +162,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[i(f_rows)])  # [S, V]
         options = SamplingTensors(
             temperature=f(f_temp), top_k=i(f_top_k), top_p=f(f_top_p), seeds=i(f_seeds), counters=i(f_counters),
-            needs_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            num_top_logprobs=max(p.num_top_logprobs for p in params),
+            **sampling_flags(params),
         )
         out = sample(logits, options)
         ids, lps = out.token_ids.tolist(), out.logprobs.tolist()  # the step's one device→host sync

@@ -37,6 +37,8 @@ class SamplingTensors:
         counters: [B] int64, the index of the token being drawn (the stream position).
         needs_truncation: whether any row has top-k or top-p on (host-side flag).
         num_top_logprobs: largest number of top logprobs any row asks for.
+        has_greedy, has_sampled: whether some rows are greedy, some sampled (host-side flags).
+        unit_temperature: every row samples at temperature 1 or is greedy (no division needed).
     """
 
     temperature: torch.Tensor
@@ -46,6 +48,9 @@ class SamplingTensors:
     counters: torch.Tensor
     needs_truncation: bool
     num_top_logprobs: int
+    has_greedy: bool = True
+    has_sampled: bool = True
+    unit_temperature: bool = False
 
 
 @dataclass(slots=True)
@@ -84,23 +89,29 @@ def sample(logits: torch.Tensor, options: SamplingTensors) -> SampleOutput:
         SampleOutput: ids [B], their logprobs [B] (natural log, float32) and, when a row asks
         for them, the K most likely ids and logprobs [B, K] under the same distribution.
     """
-    greedy = options.temperature <= 0
-    temperature = torch.where(greedy, torch.ones_like(options.temperature), options.temperature)
-    logprobs_all = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)  # [B, V]
-
-    if options.needs_truncation:
-        sorted_lp, order = logprobs_all.sort(dim=-1, descending=True)  # [B, V]
-        probs = sorted_lp.exp()
-        ranks = torch.arange(probs.shape[-1], device=probs.device)
-        remove = (options.top_k[:, None] > 0) & (ranks[None, :] >= options.top_k[:, None])
-        remove |= (probs.cumsum(-1) - probs) >= options.top_p[:, None]  # keep the token crossing top_p
-        probs = probs.masked_fill(remove, 0.0)
+    if options.unit_temperature:  # one pass: read the logits, write float32 logprobs
+        logprobs_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [B, V]
     else:
-        probs, order = logprobs_all.exp(), None
-    drawn = _invert_cdf(probs, hash_uniform(options.seeds, options.counters))
-    if order is not None:
-        drawn = order.gather(1, drawn[:, None]).squeeze(1)
-    token_ids = torch.where(greedy, logprobs_all.argmax(dim=-1), drawn)
+        greedy = options.temperature <= 0
+        temperature = torch.where(greedy, torch.ones_like(options.temperature), options.temperature)
+        logprobs_all = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+
+    token_ids = None
+    if options.has_sampled:
+        u = hash_uniform(options.seeds, options.counters)
+        if options.needs_truncation:
+            sorted_lp, order = logprobs_all.sort(dim=-1, descending=True)  # [B, V]
+            probs = sorted_lp.exp()
+            ranks = torch.arange(probs.shape[-1], device=probs.device)
+            remove = (options.top_k[:, None] > 0) & (ranks[None, :] >= options.top_k[:, None])
+            remove |= (probs.cumsum(-1) - probs) >= options.top_p[:, None]  # keep the token crossing top_p
+            drawn = order.gather(1, _invert_cdf(sorted_lp.masked_fill(remove, float("-inf")), u)[:, None])[:, 0]
+        else:
+            drawn = _invert_cdf(logprobs_all, u)
+        token_ids = drawn
+    if options.has_greedy:
+        best = logprobs_all.argmax(dim=-1)
+        token_ids = best if token_ids is None else torch.where(options.temperature <= 0, best, token_ids)
 
     logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
     top_ids = top_logprobs = None
@@ -112,18 +123,29 @@ def sample(logits: torch.Tensor, options: SamplingTensors) -> SampleOutput:
 _CHUNK = 1024
 
 
-def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index j per row with CDF(j-1) <= u * total < CDF(j). probs: [B, V] (unnormalized); u: [B] in (0, 1)."""
-    B, V = probs.shape
-    C = -(-V // _CHUNK)
-    padded = probs if V == C * _CHUNK else torch.nn.functional.pad(probs, (0, C * _CHUNK - V))
-    chunks = padded.view(B, C, _CHUNK)
-    chunk_cdf = chunks.sum(-1, dtype=torch.float64).cumsum(-1)  # [B, C]
-    target = u * chunk_cdf[:, -1]  # [B] float64
-    chunk = torch.searchsorted(chunk_cdf, target[:, None], right=True).clamp_(max=C - 1)  # [B, 1]
-    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(target[:, None]))
-    inner = chunks.gather(1, chunk[:, :, None].expand(B, 1, _CHUNK))[:, 0].double().cumsum(-1)  # [B, CHUNK]
-    offset = torch.searchsorted(inner, (target[:, None] - before), right=True).clamp_(max=_CHUNK - 1)
+def _invert_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index j per row where u * total mass falls in the CDF of exp(logprobs) ([B, V], -inf = excluded; u: [B]).
+
+    Two levels, so that nothing of size V is summed in float64: the mass of each chunk of
+    `_CHUNK` tokens (a log-sum-exp), then the cumulative sum inside the chosen chunk.
+    """
+    B, V = logprobs.shape
+    full = V // _CHUNK
+    parts = []
+    if full:
+        parts.append(logprobs[:, : full * _CHUNK].view(B, full, _CHUNK).logsumexp(-1))
+    if V % _CHUNK:
+        parts.append(logprobs[:, full * _CHUNK:].logsumexp(-1, keepdim=True))
+    chunk_lse = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, C]
+    C = chunk_lse.shape[1]
+    chunk_cdf = chunk_lse.double().exp().cumsum(-1)  # [B, C]
+    target = (u * chunk_cdf[:, -1])[:, None]  # [B, 1] float64
+    chunk = torch.searchsorted(chunk_cdf, target, right=True).clamp_(max=C - 1)  # [B, 1]
+    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
+    index = chunk * _CHUNK + torch.arange(_CHUNK, device=logprobs.device)  # [B, CHUNK]
+    inside = logprobs.gather(1, index.clamp(max=V - 1)).masked_fill(index >= V, float("-inf"))
+    inner = inside.double().exp().cumsum(-1)
+    offset = torch.searchsorted(inner, target - before, right=True).clamp_(max=_CHUNK - 1)
     return (chunk * _CHUNK + offset).squeeze(1).clamp_(max=V - 1)
 
 
@@ -142,6 +164,16 @@ def sampling_tensors(params: list, seeds: list[int], counters: list[int], device
         top_p=to_device([p.top_p for p in params], torch.float32),
         seeds=to_device(seeds, torch.int64),
         counters=to_device(counters, torch.int64),
+        **sampling_flags(params),
+    )
+
+
+def sampling_flags(params: list) -> dict:
+    """The host-side flags of SamplingTensors for these rows' SamplingParams."""
+    return dict(
         needs_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         num_top_logprobs=max((p.num_top_logprobs for p in params), default=0),
+        has_greedy=any(p.temperature <= 0 for p in params),
+        has_sampled=any(p.temperature > 0 for p in params),
+        unit_temperature=all(p.temperature in (0.0, 1.0) for p in params),
     )

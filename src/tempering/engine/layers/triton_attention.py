@@ -1,7 +1,7 @@
 """GPU attention kernels: paged decode in Triton, packed prefill with PyTorch's varlen_attn.
 
 Decode (one query per sequence) reads K/V straight from the paged cache, with no gather: a
-split-K kernel whose grid is (rows, kv_heads, NUM_SPLITS) processes every query head of one KV
+split-K kernel whose grid is (rows, kv_heads, splits) processes every query head of one KV
 head together (one `tl.dot` per page), walks its share of the sequence's pages through the
 block table with an online softmax, and writes a partial output and log-sum-exp; a few tensor
 ops merge the splits. Rows with context length 0 (padding of a CUDA-graph bucket) exit at
@@ -28,7 +28,11 @@ except ImportError:  # torch < 2.10: prefill falls back to one SDPA call per chu
     varlen_attn = None
 
 HAS_VARLEN = varlen_attn is not None
-NUM_SPLITS = 8
+
+
+def num_splits(batch_size: int) -> int:
+    """Splits of each row's keys: many for small batches (to fill the GPU), few for large ones."""
+    return 16 if batch_size <= 16 else 8 if batch_size <= 64 else 4
 
 
 @triton.jit
@@ -104,9 +108,10 @@ def paged_decode_attention(
     B, Hq, D = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = Hq // num_kv_heads
-    out_partial = torch.empty(B, Hq, NUM_SPLITS, D, dtype=torch.float32, device=q.device)
-    lse_partial = torch.empty(B, Hq, NUM_SPLITS, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(B, num_kv_heads, NUM_SPLITS)](
+    S = num_splits(B)
+    out_partial = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
+    lse_partial = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, num_kv_heads, S)](
         q, k_cache, v_cache, block_tables, context_lens, out_partial, lse_partial,
         scale,
         q.stride(0), q.stride(1),
@@ -115,14 +120,14 @@ def paged_decode_attention(
         block_tables.stride(0),
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, NUM_SPLITS=NUM_SPLITS,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, NUM_SPLITS=S,
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     _merge_splits_kernel[(B, Hq)](  # the splits, weighted by their log-sum-exp
         out_partial, lse_partial, out,
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
-        D=D, S=NUM_SPLITS,
+        D=D, S=S,
     )
     return out
 

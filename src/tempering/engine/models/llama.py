@@ -157,5 +157,5 @@ class LlamaFamilyModel:
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, H] → [S, V] float32 logits."""
-        return F.linear(hidden, self.lm_head).float()
+        """[S, H] → [S, V] logits in the model dtype (the sampler reads them in float32)."""
+        return F.linear(hidden, self.lm_head)
