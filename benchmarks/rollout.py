@@ -36,14 +36,14 @@ def machine(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def load_cpu_model():
+def load_cpu_model(dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tempering.service.base_model import default_model_dir
 
     path = default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model, tokenizer
 
 
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--skip-generate", action="store_true")
+    parser.add_argument("--cpu-dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -183,7 +184,7 @@ def main() -> None:
     args.n = args.n or (8 if gpu else 4)
     args.max_new_tokens = args.max_new_tokens or (256 if gpu else 64)
 
-    model, tokenizer = build_gpu_model(device) if gpu else load_cpu_model()
+    model, tokenizer = build_gpu_model(device) if gpu else load_cpu_model(getattr(torch, args.cpu_dtype))
     prompts = prompts_for(args, tokenizer, model.config.vocab_size, device.type)
     num_tokens = args.num_prompts * args.n * args.max_new_tokens
 
@@ -213,7 +214,7 @@ def main() -> None:
         "benchmark": "rollout",
         "device": args.device,
         "machine": machine(device),
-        "model": "Qwen2.5-1.5B-shaped random bf16" if gpu else "SmolLM2-135M-Instruct fp32",
+        "model": "Qwen2.5-1.5B-shaped random bf16" if gpu else f"SmolLM2-135M-Instruct {args.cpu_dtype}",
         "workload": f"{args.num_prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens",
         "tokens": num_tokens,
         "engine_s": round(engine_s, 3),

@@ -188,8 +188,11 @@ def test_a_fresh_backend_resumes_at_the_saved_step_and_serves_the_saved_adapter(
             assert trainer.num_updates == saved["num_updates"]
             assert len(trainer.optimizer.state) > 0  # Adam moments restored
             # ART >= 0.5.18 style call on the resumed model
-            result = await fresh.train(again, await gather(again, group_size=2), learning_rate=1e-4)
+            result = await fresh.train(again, await gather(again, group_size=2), learning_rate=1e-3)
             assert result.step == 2 and await again.get_step() == 2
+            # step 1's adapter is loaded on demand from its checkpoint, next to the live one
+            assert_same_policy(await probe_logprobs(again, "loop@1"), probes["after"])
+            assert (await probe_logprobs(again))[1] != probes["after"][1]
 
     loop.run_until_complete(check())
 

@@ -111,6 +111,17 @@ def test_n_samples_prefill_their_shared_prompt_once(setup):
     assert prefilled < 2 * len(p) + 8 * block
 
 
+def test_separate_requests_with_one_prompt_share_its_prefill(setup):
+    engine, _, _, renderer, _ = setup
+    p = prompt(renderer, "Name three rivers and the countries they flow through, with one fact each. " * 2)
+    before = engine.stats.num_cached_tokens
+    futures = [engine.submit(p, SamplingParams(max_tokens=4, temperature=1.0), policy=BasePolicy()) for _ in range(6)]
+    for f in futures:
+        f.result()
+    block = engine.config.block_size
+    assert engine.stats.num_cached_tokens - before >= 5 * (len(p) // block - 1) * block
+
+
 def test_a_full_kv_cache_queues_and_preempts_without_changing_results(setup, default_model_dir):
     engine, model, tokenizer, renderer, _ = setup
     small = Engine(
