@@ -86,9 +86,14 @@ def test_gather_trajectories_returns_flat_results_in_order():
 
 def test_train_config_defaults_and_validation():
     c = art.TrainConfig()
-    assert (c.clip_low, c.clip_high) == (0.2, 0.2)
-    assert (art.TrainConfig(loss_fn="cispo").clip_low, art.TrainConfig(loss_fn="cispo").clip_high) == (1.0, 4.0)
-    with pytest.raises(ValueError, match="kl_penalty_coef"):
-        art.TrainConfig(beta=0.1)
+    assert (c.clip_low, c.clip_high, c.aggregation, c.advantage_mode) == (0.2, 0.2, "token_mean", "group")
+    cispo = art.TrainConfig(loss_fn="cispo")
+    assert (cispo.clip_low, cispo.clip_high) == (1.0, 4.0)
+    gspo = art.TrainConfig(loss_fn="gspo")
+    assert (gspo.clip_low, gspo.clip_high, gspo.aggregation) == (3e-4, 4e-4, "sequence_mean")
+    assert art.TrainConfig(beta=0.1).kl_penalty_coef == 0.1  # ART <= 0.4's name
+    assert art.TrainConfig(normalize_advantages=False).advantage_mode == "none"
     with pytest.raises(ValueError):
         art.TrainConfig(learning_rate=-1)
+    with pytest.raises(ValueError, match="importance_ratio_mask"):
+        art.TrainConfig(importance_ratio_mask=(1.5, 2.0))

@@ -293,24 +293,46 @@ class TrainConfig(BaseModel):
 
     One call is one RL step: advantages are computed per group, then the trajectories are split
     into `batch_size`-trajectory mini-batches, one optimizer update each (all in one update when
-    `batch_size` is None), with gradient accumulation over micro-batches of at most
-    `micro_batch_tokens` tokens so any step fits in memory.
+    `batch_size` is None), with gradient accumulation over packed micro-batches of at most
+    `micro_batch_tokens` tokens, so a step of any size fits in memory.
 
-    Loss (`loss_fn`): "ppo" is the PPO clipped surrogate with a token-level importance ratio
-    against the sampled logprobs (Schulman et al. 2017, arXiv 1707.06347; GRPO, arXiv 2402.03300),
-    clipped to [1 - epsilon, 1 + epsilon_high] (DAPO clip-higher, arXiv 2503.14476, when
-    epsilon_high > epsilon). "cispo" uses the detached clipped ratio times advantage times logprob
-    (MiniMax-M1, arXiv 2506.13585). Advantages are reward minus the group mean, divided by the
-    group std when `normalize_advantages` (Dr. GRPO, arXiv 2503.20783, argues for False).
+    Losses (`loss_fn`), with `ratio = π_new / π_sampled` per token:
+    - "ppo": clipped surrogate (Schulman et al. 2017, arXiv 1707.06347; GRPO, arXiv 2402.03300),
+      clipped to [1 - epsilon, 1 + epsilon_high] (DAPO clip-higher, arXiv 2503.14476). eps 0.2.
+    - "cispo": detached clipped ratio × advantage × logprob (MiniMax-M1, arXiv 2506.13585). eps
+      1.0 / 4.0, so the weight stays in [0, 5] (ART's default).
+    - "gspo": PPO with the sequence-level ratio exp(mean log-ratio) (arXiv 2507.18071). eps
+      3e-4 / 4e-4.
+
+    Aggregation (`loss_aggregation`): "token_mean" (sum over all trained tokens / their count, as
+    DAPO and TRL's default), "sequence_mean" (mean over sequences of each one's token mean: the
+    original GRPO; GSPO's default) or "dr_grpo" (sum / (sequences × `dr_grpo_normalizer`
+    tokens), Dr. GRPO, arXiv 2503.20783).
+
+    Advantages (`advantage_normalization`): reward minus the group mean, then divided by the
+    group std ("group"), by the std over the whole batch ("batch", Lite PPO, arXiv 2508.08221) or
+    not at all ("none", Dr. GRPO). `normalize_advantages=False` is ART's name for "none".
+
+    KL (`kl_penalty_coef` > 0): `coef × KL(π || π_base)` per token is added to the loss, with the
+    `kl_estimator` ("k3" by default, as GRPO); the base policy is the same model with the LoRA
+    switched off, so no second model is kept in memory.
+
+    Mismatch between the engine's and the trainer's logprobs: `truncated_importance_sampling=C`
+    multiplies each token's loss by min(ratio, C) (detached; TIS, Yao et al. 2025);
+    `importance_ratio_mask=(low, high)` drops tokens whose ratio falls outside the band (as
+    IcePop/TRL's masking). The ratio statistics are logged every step.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     learning_rate: float = Field(default=5e-5, gt=0)
-    loss_fn: Literal["ppo", "cispo"] = "ppo"
-    epsilon: float | None = Field(default=None, gt=0, description="clip low; default 0.2 (ppo) or 1.0 (cispo)")
-    epsilon_high: float | None = Field(default=None, gt=0, description="clip high; default epsilon (ppo) or 4.0 (cispo)")
+    loss_fn: Literal["ppo", "cispo", "gspo"] = "ppo"
+    epsilon: float | None = Field(default=None, gt=0, description="clip low; default by loss_fn")
+    epsilon_high: float | None = Field(default=None, gt=0, description="clip high; default by loss_fn")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "dr_grpo"] | None = None
+    dr_grpo_normalizer: int | None = Field(default=None, ge=1, description="tokens; default: longest completion")
     normalize_advantages: bool = True
+    advantage_normalization: Literal["group", "batch", "none"] | None = None
     batch_size: int | None = Field(default=None, ge=1, description="trajectories per optimizer update")
     micro_batch_tokens: int = Field(default=4096, ge=64, description="tokens per forward/backward pass")
     max_grad_norm: float | None = Field(default=1.0, gt=0)
@@ -318,29 +340,47 @@ class TrainConfig(BaseModel):
     lora_rank: int | None = Field(default=None, ge=1, description="LoRA rank; fixed by the model's first step")
     lora_alpha: float | None = Field(default=None, gt=0, description="LoRA alpha; fixed by the model's first step")
     kl_penalty_coef: float = Field(default=0.0, ge=0)
-    beta: float | None = Field(default=None, description="ART <= 0.4 name of kl_penalty_coef")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    beta: float | None = Field(default=None, ge=0, description="ART <= 0.4 name of kl_penalty_coef")
+    truncated_importance_sampling: float | None = Field(default=None, gt=0)
+    importance_ratio_mask: tuple[float, float] | None = None
+    gradient_checkpointing: bool = True
+    logprob_chunk_size: int = Field(default=1024, ge=16)
     save_checkpoint: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.beta is not None:
             self.kl_penalty_coef = self.beta
-        if self.kl_penalty_coef:
-            raise ConfigError(
-                "kl_penalty_coef/beta > 0 is not supported yet; set it to 0 (the default). "
-                "A KL penalty against the base model is tracked as a separate feature."
-            )
+        if self.importance_ratio_mask is not None:
+            low, high = self.importance_ratio_mask
+            if not 0 <= low < 1 < high:
+                raise ConfigError(f"importance_ratio_mask must be (low, high) with 0 <= low < 1 < high, got {self.importance_ratio_mask}")
         return self
 
     @property
     def clip_low(self) -> float:
-        return self.epsilon if self.epsilon is not None else (0.2 if self.loss_fn == "ppo" else 1.0)
+        if self.epsilon is not None:
+            return self.epsilon
+        return {"ppo": 0.2, "cispo": 1.0, "gspo": 3e-4}[self.loss_fn]
 
     @property
     def clip_high(self) -> float:
         if self.epsilon_high is not None:
             return self.epsilon_high
-        return self.clip_low if self.loss_fn == "ppo" else 4.0
+        return {"ppo": self.clip_low, "cispo": 4.0, "gspo": 4e-4}[self.loss_fn]
+
+    @property
+    def aggregation(self) -> str:
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        return "sequence_mean" if self.loss_fn == "gspo" else "token_mean"
+
+    @property
+    def advantage_mode(self) -> str:
+        if self.advantage_normalization is not None:
+            return self.advantage_normalization
+        return "group" if self.normalize_advantages else "none"
 
 
 class TrainResult(BaseModel):

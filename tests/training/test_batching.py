@@ -1,26 +1,60 @@
-from tempering.training.batching import make_micro_batches
+import pytest
+import torch
+
+from tempering.training.batching import pack_sequences
 from tempering.training.tokenize import TokenizedSequence
 
 
-def seq(n, k):
-    return TokenizedSequence([1] * n, [False] * (n - k) + [True] * k, [float("nan")] * (n - k) + [-1.0] * k, advantage=0.5)
+def seq(n, k, start=1):
+    return TokenizedSequence(list(range(start, start + n)), [False] * (n - k) + [True] * k,
+                             [float("nan")] * (n - k) + [-1.0] * k, advantage=0.5)
 
 
-def test_micro_batches_respect_the_token_budget_and_keep_every_sequence():
+def test_packing_respects_the_budget_and_keeps_every_sequence():
     seqs = [seq(n, 2) for n in (10, 3, 7, 9, 4, 10)]
-    batches = make_micro_batches(seqs, max_tokens=20)
-    assert all(b.input_ids.numel() <= 20 for b in batches)
-    assert sum(int(b.attention_mask.sum()) for b in batches) == sum(len(s) for s in seqs)
-    assert sum(int(b.loss_mask.sum()) for b in batches) == 12
+    rows = pack_sequences(seqs, max_tokens=20)
+    assert all(r.num_tokens <= 20 for r in rows)
+    assert sorted(len(s) for r in rows for s in r.sequences) == sorted(len(s) for s in seqs)
+    assert sum(int(r.loss_mask.sum()) for r in rows) == 12
+    assert len(rows) == 3  # 43 tokens in rows of 20: no row is wasted
 
 
-def test_padding_is_never_trained_and_advantage_covers_the_sequence():
-    [b] = make_micro_batches([seq(5, 2), seq(3, 1)], max_tokens=100)
-    assert b.loss_mask.tolist() == [[False, False, False, True, True], [False, False, True, False, False]]
-    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
-    assert b.advantages[1, :3].tolist() == [0.5, 0.5, 0.5]
+def test_positions_restart_and_sequence_starts_are_never_trained():
+    a = TokenizedSequence([5, 6, 7], [True, True, True], [-1.0, -1.0, -1.0], advantage=1.0)  # odd: trained first token
+    b = seq(4, 2, start=50)
+    [row] = pack_sequences([a, b], max_tokens=100)
+    assert row.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert row.seq_index.tolist() == [[0, 0, 0, 0, 1, 1, 1]]
+    assert row.loss_mask.tolist() == [[False, False, True, True, False, True, True]]
+    assert row.input_ids.tolist() == [[50, 51, 52, 53, 5, 6, 7]]
 
 
-def test_a_sequence_longer_than_the_budget_gets_its_own_batch():
-    batches = make_micro_batches([seq(50, 2), seq(5, 2)], max_tokens=20)
-    assert [b.input_ids.shape for b in batches] == [(1, 50), (1, 5)]
+def test_a_sequence_longer_than_the_budget_gets_its_own_row():
+    rows = pack_sequences([seq(50, 2), seq(5, 2)], max_tokens=20)
+    assert [r.num_tokens for r in rows] == [50, 5]
+
+
+DEVICES = [("cpu", torch.float32, 1e-4)] + ([("cuda", torch.bfloat16, 0.1)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES, ids=[d for d, _, _ in DEVICES])
+def test_packed_logprobs_equal_separate_sequences(default_model_dir, device, dtype, tol):
+    from transformers import AutoModelForCausalLM
+
+    from tempering.training import Trainer
+    from tempering.types import LoRAConfig
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=dtype).to(device)
+    trainer = Trainer.new(model, LoRAConfig(rank=4))
+    g = torch.Generator().manual_seed(0)
+    seqs = [seq(n, n // 2) for n in (23, 11, 17)]
+    for s in seqs:
+        s.token_ids = torch.randint(10, 40000, (len(s),), generator=g).tolist()
+    with torch.no_grad():
+        [row] = pack_sequences(seqs, max_tokens=1000)
+        packed, _ = trainer._logprobs(row.to(device), row.loss_mask[:, 1:], 1024)
+        alone = []
+        for s in row.sequences:
+            [single] = pack_sequences([s], max_tokens=1000)
+            alone.append(trainer._logprobs(single.to(device), single.loss_mask[:, 1:], 1024)[0])
+    assert (packed - torch.cat(alone)).abs().max() < tol

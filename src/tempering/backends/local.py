@@ -30,12 +30,9 @@ __all__ = ["LocalBackend"]
 _ART_NOOP_OPTIONS: dict[str, Any] = {
     "allow_training_without_logprobs": False,
     "plot_tensors": False,
-    "truncated_importance_sampling": None,
     "scale_learning_rate_by_reward_std_dev": False,
     "packed_sequence_length": None,
-    "importance_sampling_level": "token",
     "advantage_balance": 0.0,
-    "mask_prob_ratio": False,
     "kimi_k2_tau": None,
     "precalculate_logprobs": False,
     "max_negative_advantage_importance_sampling_weight": None,
@@ -47,7 +44,7 @@ _ART_NOOP_OPTIONS: dict[str, Any] = {
     "adam_params": None,
     "megatron_topology": None,
 }
-_ART_IGNORED_OPTIONS = {"verbose", "logprob_calculation_chunk_size"}
+_ART_IGNORED_OPTIONS = {"verbose"}
 
 
 class LocalBackend:
@@ -183,11 +180,14 @@ class LocalBackend:
         """One RL step, ART >= 0.5.18 style: `await backend.train(model, groups, learning_rate=1e-5)`.
 
         Options are TrainConfig's fields plus ART's names: `normalize_advantages`/`scale_rewards`,
-        `loss_fn` ("ppo" or "cispo"), `epsilon`, `epsilon_high`, `kl_penalty_coef`,
-        `save_checkpoint`. ART options tempering does not implement are accepted at their
-        default value and raise ConfigError otherwise.
+        `loss_fn` ("ppo", "cispo", "gspo"), `epsilon`, `epsilon_high`, `kl_penalty_coef`,
+        `truncated_importance_sampling`, `importance_sampling_level` ("sequence" is GSPO),
+        `mask_prob_ratio`, `logprob_calculation_chunk_size`, `save_checkpoint`. ART options
+        tempering does not implement are accepted at their default value and raise ConfigError
+        otherwise.
         """
         fields: dict[str, Any] = {}
+        mask_ratio = False
         for key, value in options.items():
             if key in _ART_IGNORED_OPTIONS:
                 continue
@@ -198,10 +198,25 @@ class LocalBackend:
             if key == "scale_rewards":
                 fields["normalize_advantages"] = fields.get("normalize_advantages", True) and bool(value)
                 continue
+            if key == "importance_sampling_level":  # ART: "token" or "sequence" (GSPO)
+                if value == "sequence":
+                    fields["loss_fn"] = "gspo"
+                elif value != "token":
+                    raise ConfigError(f"importance_sampling_level={value!r} is not supported; use 'token' or 'sequence'")
+                continue
+            if key == "logprob_calculation_chunk_size":
+                fields["logprob_chunk_size"] = value
+                continue
+            if key == "mask_prob_ratio":  # ART: drop tokens whose ratio leaves the clip range
+                mask_ratio = bool(value)
+                continue
             if key not in TrainConfig.model_fields:
                 raise TypeError(f"backend.train() got an unexpected option {key!r}")
             fields[key] = value
-        return await self._train_model(model, trajectory_groups, TrainConfig(**fields))
+        config = TrainConfig(**fields)
+        if mask_ratio:
+            config = config.model_copy(update={"importance_ratio_mask": (1 - config.clip_low, 1 + config.clip_high)})
+        return await self._train_model(model, trajectory_groups, config)
 
     async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
         service = self._service(model)

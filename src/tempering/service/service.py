@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -85,7 +86,7 @@ class ModelService:
         if self.step > 0 or (paths.checkpoint(0) / "adapter_config.json").is_file():
             checkpoint = paths.checkpoint(self.step)
             self.trainer = Trainer.from_adapter(self.model, checkpoint)
-            self.trainer.load_optimizer(checkpoint)
+            self.trainer.load_state(checkpoint)
         elif resolved.adapter_dir is not None:  # continue from a PEFT adapter: it is step 0
             self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir)
             write_atomically(paths.checkpoint(0), lambda tmp: self.trainer.save(tmp, step=0))
@@ -209,16 +210,27 @@ class ModelService:
             raise TrajectoryError(
                 "every trajectory group is empty (all rollouts failed?); see each group's `exceptions`"
             )
+        rewards_G = [
+            [check_reward(t.reward, where=f"group {g}, trajectory {i}") for i, t in enumerate(group)]
+            for g, group in enumerate(groups)
+        ]
+        mode = config.advantage_mode
+        batch_std = None
+        if mode == "batch":  # group mean, std over the whole batch (Lite PPO; TRL scale_rewards="batch")
+            flat = [r for rewards in rewards_G for r in rewards]
+            mean = sum(flat) / len(flat)
+            batch_std = math.sqrt(sum((r - mean) ** 2 for r in flat) / len(flat))
         sequences, num_trainable = [], 0
         for g, group in enumerate(groups):
-            rewards = [check_reward(t.reward, where=f"group {g}, trajectory {i}") for i, t in enumerate(group)]
             per_trajectory = []
             for i, trajectory in enumerate(group):
                 try:
                     per_trajectory.append(tokenize_trajectory(trajectory, self.renderer, max_seq_len=self.max_seq_len))
                 except TrajectoryError as exc:
                     raise TrajectoryError(f"group {g}, trajectory {i}: {exc}") from None
-            advantages = group_advantages(rewards, normalize=config.normalize_advantages)
+            advantages = group_advantages(rewards_G[g], normalize=mode == "group")
+            if batch_std is not None:
+                advantages = [a / (batch_std + 1e-6) for a in advantages]
             if any(advantages):
                 num_trainable += 1
             for i, (advantage, seqs) in enumerate(zip(advantages, per_trajectory)):

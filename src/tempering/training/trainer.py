@@ -2,24 +2,27 @@
 
 One `step()` is one RL step: the trajectories are split into mini-batches of `batch_size`
 trajectories (one mini-batch when None), each gets one optimizer update, and each update
-accumulates gradients over micro-batches that fit `micro_batch_tokens`. The loss is the sum of
-per-token losses divided by the number of trained tokens of the mini-batch (token-mean, as in
-DAPO/TRL's default), so micro-batching does not change it.
+accumulates gradients over packed micro-batches of at most `micro_batch_tokens` tokens. Every
+trained token carries a weight fixed by the loss aggregation over its whole mini-batch, so
+micro-batching never changes the loss. Logprobs come from the hidden states in chunks (the
+`tokens × vocab` logits never exist at once) and layers are recomputed in the backward pass
+(gradient checkpointing) unless turned off.
 
-If a step fails half way, the adapter and optimizer are restored to what they were before it,
-so the live policy always equals the last checkpoint or a complete step.
+If a step fails half way, the adapter, the optimizer and the RNG state are restored to what they
+were before it, so the live policy always equals the last checkpoint or a complete step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import random
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +30,15 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..types import LoRAConfig, TrainConfig
-from .batching import MicroBatch, make_micro_batches
+from .attention import use_packed_attention
+from .batching import MicroBatch, pack_sequences
 from .logprobs import selective_logprobs
-from .losses import policy_loss
+from .losses import kl_estimate, policy_loss
 from .tokenize import TokenizedSequence
 
-__all__ = ["StepMetrics", "Trainer"]
+__all__ = ["ADAPTER_NAME", "StepMetrics", "Trainer"]
+
+ADAPTER_NAME = "default"
 
 
 @contextlib.contextmanager
@@ -43,16 +49,53 @@ def _quiet_peft() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield
 
-ADAPTER_NAME = "default"
-
 
 @dataclass(slots=True)
 class StepMetrics:
     values: dict[str, float]
 
 
+@dataclass(slots=True)
+class _Totals:
+    """Sums over a step's trained tokens (divided at the end)."""
+
+    loss: float = 0.0
+    tokens: int = 0
+    trained: int = 0
+    entropy: float = 0.0
+    clipped: float = 0.0
+    ratio_sum: float = 0.0
+    ratio_max: float = 0.0
+    kl: float = 0.0
+    masked: float = 0.0
+    tis_capped: float = 0.0
+    mismatch_abs: list[float] = field(default_factory=list)  # first update only: before any change
+    mismatch_k3: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def token_weights(sequences: list[TokenizedSequence], aggregation: str, dr_grpo_normalizer: int | None) -> list[float]:
+    """The loss weight of each trained token of each sequence, for one mini-batch.
+
+    token_mean: 1 / (trained tokens in the mini-batch); sequence_mean: 1 / (sequences × this
+    sequence's trained tokens); dr_grpo: 1 / (sequences × normalizer), the normalizer defaulting
+    to the mini-batch's longest completion.
+    """
+    counts = [s.num_completion_tokens for s in sequences]
+    n = len(sequences)
+    if aggregation == "token_mean":
+        total = sum(counts)
+        return [1.0 / total] * n
+    if aggregation == "sequence_mean":
+        return [1.0 / (n * c) if c else 0.0 for c in counts]
+    if aggregation == "dr_grpo":
+        normalizer = dr_grpo_normalizer or max(counts)
+        return [1.0 / (n * normalizer)] * n
+    raise ConfigError(f"unknown loss_aggregation {aggregation!r}")
+
+
 class Trainer:
-    """Owns the PEFT model and its AdamW optimizer.
+    """Owns the PEFT model, its AdamW optimizer and the step's RNG.
 
     Build it with `Trainer.new(model, lora)` (a fresh adapter, B = 0 so the policy starts as the
     base model) or `Trainer.from_adapter(model, adapter_dir)` (continue from a PEFT adapter).
@@ -60,7 +103,7 @@ class Trainer:
     from the live adapter with no copy.
     """
 
-    def __init__(self, peft_model: Any, lora: LoRAConfig, *, gradient_checkpointing: bool = False) -> None:
+    def __init__(self, peft_model: Any, lora: LoRAConfig, *, seed: int = 0) -> None:
         self.peft_model = peft_model
         self.lora = lora
         self.model = peft_model.get_base_model()  # the transformers model with LoRA layers inside
@@ -68,65 +111,77 @@ class Trainer:
         if not self.params:
             raise ConfigError("the adapter has no trainable parameters; check LoRA target_modules")
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)
-        self.gradient_checkpointing = gradient_checkpointing
         self.num_updates = 0
-        self._rng = random.Random(0)
+        self.rng = random.Random(seed)
 
     # ---- construction ---------------------------------------------------------------------
 
     @classmethod
-    def new(cls, model: Any, lora: LoRAConfig, *, seed: int = 0, **kwargs: Any) -> Trainer:
+    def new(cls, model: Any, lora: LoRAConfig, *, seed: int = 0) -> Trainer:
         from peft import LoraConfig, get_peft_model
 
         targets = [m for m in lora.target_modules if any(n.endswith(m) for n, _ in model.named_modules())]
         if not targets:
             raise ConfigError(f"none of the LoRA target_modules {lora.target_modules} exist in this model")
         config = LoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=targets,
-            bias="none",
-            task_type="CAUSAL_LM",
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+            bias="none", task_type="CAUSAL_LM",
         )
         with torch.random.fork_rng(devices=[]), _quiet_peft():
             torch.manual_seed(seed)  # reproducible A init (B starts at 0)
             peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
-        return cls(peft_model, lora, **kwargs)
+        return cls(peft_model, lora, seed=seed)
 
     @classmethod
-    def from_adapter(cls, model: Any, adapter_dir: Path, **kwargs: Any) -> Trainer:
+    def from_adapter(cls, model: Any, adapter_dir: Path) -> Trainer:
         from peft import PeftModel
 
         try:
             with _quiet_peft():
-                peft_model = PeftModel.from_pretrained(
-                    model, str(adapter_dir), adapter_name=ADAPTER_NAME, is_trainable=True
-                )
+                peft_model = PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=ADAPTER_NAME, is_trainable=True)
         except Exception as exc:
             raise CheckpointError(f"could not load the LoRA adapter in {adapter_dir}: {exc}") from exc
         config = peft_model.peft_config[ADAPTER_NAME]
         targets = sorted(config.target_modules) if not isinstance(config.target_modules, str) else [config.target_modules]
         lora = LoRAConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout, target_modules=targets)
-        return cls(peft_model, lora, **kwargs)
+        return cls(peft_model, lora)
 
     # ---- saving ---------------------------------------------------------------------------
 
     def save(self, directory: Path, *, step: int) -> None:
-        """Write the adapter (PEFT format), optimizer state and trainer state into `directory`."""
+        """Write the adapter (PEFT format), optimizer state and trainer state (with RNG) into `directory`."""
         self.peft_model.save_pretrained(str(directory), selected_adapters=[ADAPTER_NAME])
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
-        state = {"step": step, "num_updates": self.num_updates, "lora": self.lora.model_dump()}
+        torch.save(
+            {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            directory / "rng.pt",
+        )
+        state = {
+            "step": step,
+            "num_updates": self.num_updates,
+            "lora": self.lora.model_dump(),
+            "python_rng": _jsonable(self.rng.getstate()),
+        }
         (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
-    def load_optimizer(self, directory: Path) -> None:
-        """Restore optimizer state saved by `save` (if the checkpoint has one)."""
+    def load_state(self, directory: Path) -> None:
+        """Restore the optimizer, update count and RNG state saved by `save` (what a checkpoint has)."""
+        device = self.params[0].device
         path = directory / "optimizer.pt"
         if path.is_file():
-            self.optimizer.load_state_dict(torch.load(path, map_location=self.params[0].device, weights_only=True))
+            self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
         state_path = directory / "trainer_state.json"
         if state_path.is_file():
-            self.num_updates = int(json.loads(state_path.read_text()).get("num_updates", 0))
+            state = json.loads(state_path.read_text())
+            self.num_updates = int(state.get("num_updates", 0))
+            if "python_rng" in state:
+                self.rng.setstate(_tupled(state["python_rng"]))
+        rng_path = directory / "rng.pt"
+        if rng_path.is_file():
+            rng = torch.load(rng_path, weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -136,7 +191,7 @@ class Trainer:
         """One RL step on sequences whose `advantage` is set.
 
         `commit` (say, writing the checkpoint) runs after the update; if the update or `commit`
-        raises, the adapter and optimizer are put back as they were and the error propagates.
+        raises, the adapter, optimizer and RNG are put back as they were and the error propagates.
 
         Raises:
             ConfigError: if `sequences` is empty.
@@ -159,101 +214,172 @@ class Trainer:
             group["lr"] = config.learning_rate
             group["weight_decay"] = config.weight_decay
         self.model.train()
-        if self.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.peft_model.enable_input_require_grads()
+        if config.gradient_checkpointing:
+            self._set_checkpointing(True)
         device = self.params[0].device
+        totals = _Totals()
+        try:
+            with use_packed_attention(self.model):  # also while checkpointed layers recompute in backward
+                self._run_minibatches(sequences, config, totals, device)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            if config.gradient_checkpointing:
+                self._set_checkpointing(False)
+        return StepMetrics(self._metrics(totals, config, time.perf_counter() - start))
 
-        # mini-batches of whole trajectories
+    def _set_checkpointing(self, on: bool) -> None:
+        """Recompute each decoder layer in the backward pass (transformers >= 5.23 renamed the methods)."""
+        model = self.model
+        if on:
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.peft_model.enable_input_require_grads()
+        else:
+            disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+            disable()
+
+    def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals, device) -> None:
+        for minibatch in self._minibatches(sequences, config):
+            weights = token_weights(minibatch, config.aggregation, config.dr_grpo_normalizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in pack_sequences(minibatch, max_tokens=config.micro_batch_tokens, weights=weights):
+                self._micro_step(micro.to(device), config, totals, first_update=not totals.grad_norms)
+            max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the step was undone")
+            totals.grad_norms.append(float(grad_norm))
+            self.optimizer.step()
+            self.num_updates += 1
+
+    def _minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig) -> list[list[TokenizedSequence]]:
+        """Whole trajectories per mini-batch, shuffled (with the saved RNG) when there are several."""
         by_trajectory: dict[tuple[int, int], list[TokenizedSequence]] = {}
         for s in sequences:
             by_trajectory.setdefault((s.group_index, s.trajectory_index), []).append(s)
         trajectories = list(by_trajectory.values())
         size = config.batch_size or len(trajectories)
         if size < len(trajectories):
-            self._rng.shuffle(trajectories)
+            self.rng.shuffle(trajectories)
         minibatches = [sum(trajectories[i:i + size], []) for i in range(0, len(trajectories), size)]
+        return [m for m in minibatches if any(s.num_completion_tokens for s in m)]
 
-        totals = dict(loss=0.0, tokens=0, completion_tokens=0, entropy=0.0, clipped=0, ratio_sum=0.0)
-        ratio_max, grad_norms = 0.0, []
-        for minibatch in minibatches:
-            num_trained = sum(s.num_completion_tokens for s in minibatch)
-            if num_trained == 0:
-                continue
-            self.optimizer.zero_grad(set_to_none=True)
-            for micro in make_micro_batches(minibatch, max_tokens=config.micro_batch_tokens):
-                out = self._micro_step(micro.to(device), config, num_trained)
-                for k in ("loss", "entropy", "clipped", "ratio_sum"):
-                    totals[k] += out[k]
-                totals["tokens"] += micro.num_tokens
-                totals["completion_tokens"] += out["n"]
-                ratio_max = max(ratio_max, out["ratio_max"])
-            max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the step was undone")
-            grad_norms.append(float(grad_norm))
-            self.optimizer.step()
-            self.num_updates += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.gradient_checkpointing:
-            self.model.gradient_checkpointing_disable()
-        elapsed = time.perf_counter() - start
-        n = max(totals["completion_tokens"], 1)
-        return StepMetrics({
-            "loss/train": totals["loss"] / max(len(grad_norms), 1),
-            "loss/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "loss/entropy": totals["entropy"] / n,
-            "loss/learning_rate": config.learning_rate,
-            "loss/clip_fraction": totals["clipped"] / n,
-            "offpolicy/ratio_mean": totals["ratio_sum"] / n,
-            "offpolicy/ratio_max": ratio_max,
-            "data/step_trainer_tokens": float(totals["tokens"]),
-            "data/step_completion_tokens": float(totals["completion_tokens"]),
-            "data/step_num_optimizer_updates": float(len(grad_norms)),
-            "time/step_trainer_s": elapsed,
-            "throughput/trainer_tok_per_s": totals["tokens"] / elapsed if elapsed > 0 else 0.0,
-        })
-
-    def _micro_step(self, micro: MicroBatch, config: TrainConfig, num_trained: int) -> dict[str, float]:
-        hidden = self.model.get_decoder()(
-            input_ids=micro.input_ids, attention_mask=micro.attention_mask, use_cache=False
-        ).last_hidden_state  # [B, T, H]
-        # position t predicts token t + 1
-        target_mask = micro.loss_mask[:, 1:]  # [B, T-1]
-        h = hidden[:, :-1][target_mask]  # [N, H]
-        targets = micro.input_ids[:, 1:][target_mask]  # [N]
-        sampled = micro.sampled_logprobs[:, 1:][target_mask]
-        advantages = micro.advantages[:, 1:][target_mask]
+    def _logprobs(self, micro: MicroBatch, target_mask: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs [N] and entropies [N] of the row's trained tokens (the model in packed attention)."""
+        with use_packed_attention(self.model):
+            hidden = self.model.get_decoder()(
+                input_ids=micro.input_ids,
+                position_ids=micro.position_ids,
+                use_cache=False,
+                cu_seq_lens_q=micro.cu_seq_lens,
+                cu_seq_lens_k=micro.cu_seq_lens,
+                max_length_q=micro.max_seq_len,
+                max_length_k=micro.max_seq_len,
+            ).last_hidden_state  # [1, T, H]
+        h = hidden[:, :-1][target_mask]  # [N, H]: position t predicts token t + 1
+        targets = micro.input_ids[:, 1:][target_mask]
         temperature = micro.temperature[:, 1:][target_mask]
         weight = self.model.get_output_embeddings().weight
-        new_logprobs, entropy = selective_logprobs(h, weight, targets, temperature)
-        loss_tok, clipped = policy_loss(
-            new_logprobs, sampled, advantages, loss_fn=config.loss_fn, clip_low=config.clip_low, clip_high=config.clip_high
+        return selective_logprobs(h, weight, targets, temperature, chunk_size=chunk_size)
+
+    def _micro_step(self, micro: MicroBatch, config: TrainConfig, totals: _Totals, *, first_update: bool) -> None:
+        target_mask = micro.loss_mask[:, 1:]  # [1, T-1]
+        new_logprobs, entropy = self._logprobs(micro, target_mask, config.logprob_chunk_size)
+        sampled = micro.sampled_logprobs[:, 1:][target_mask]
+        advantages = micro.advantages[:, 1:][target_mask]
+        weights = micro.token_weight[:, 1:][target_mask]
+        seq_index = micro.seq_index[:, 1:][target_mask]
+        loss_tok, clipped, ratio = policy_loss(
+            new_logprobs, sampled, advantages, loss_fn=config.loss_fn, clip_low=config.clip_low,
+            clip_high=config.clip_high, seq_index=seq_index, num_seqs=len(micro.sequences),
         )
-        loss = loss_tok.sum() / num_trained
+        token_ratio = torch.exp(new_logprobs.detach() - sampled)
+        if config.truncated_importance_sampling is not None:
+            cap = config.truncated_importance_sampling
+            loss_tok = loss_tok * token_ratio.clamp(max=cap)
+            totals.tis_capped += float((token_ratio > cap).sum())
+        if config.importance_ratio_mask is not None:
+            low, high = config.importance_ratio_mask
+            keep = (token_ratio >= low) & (token_ratio <= high)
+            loss_tok = loss_tok * keep
+            totals.masked += float((~keep).sum())
+        if config.kl_penalty_coef > 0:
+            with torch.no_grad(), self.peft_model.disable_adapter():  # the base policy: LoRA off
+                ref_logprobs, _ = self._logprobs(micro, target_mask, config.logprob_chunk_size)
+            kl = kl_estimate(new_logprobs, ref_logprobs, config.kl_estimator)
+            loss_tok = loss_tok + config.kl_penalty_coef * kl
+            totals.kl += float(kl.detach().sum())
+        loss = (loss_tok * weights).sum()
         loss.backward()
-        ratio = torch.exp(new_logprobs.detach() - sampled)
-        return {
-            "loss": float(loss.detach()),
-            "n": int(targets.numel()),
-            "entropy": float(entropy.sum()),
-            "clipped": float(clipped.sum()),
-            "ratio_sum": float(ratio.sum()),
-            "ratio_max": float(ratio.max()) if ratio.numel() else 0.0,
+
+        n = int(new_logprobs.numel())
+        totals.loss += float(loss.detach())
+        totals.tokens += micro.num_tokens
+        totals.trained += n
+        totals.entropy += float(entropy.sum())
+        totals.clipped += float(clipped.sum())
+        totals.ratio_sum += float(token_ratio.sum())
+        totals.ratio_max = max(totals.ratio_max, float(token_ratio.max()) if n else 0.0)
+        if first_update and n:  # before any update: the engine-vs-trainer mismatch alone
+            log_ratio = new_logprobs.detach() - sampled
+            totals.mismatch_abs.append(float(log_ratio.abs().sum()) / n)
+            totals.mismatch_k3.append(float((torch.exp(-log_ratio) - 1 + log_ratio).sum()) / n)
+
+    def _metrics(self, t: _Totals, config: TrainConfig, elapsed: float) -> dict[str, float]:
+        n = max(t.trained, 1)
+        updates = max(len(t.grad_norms), 1)
+        metrics = {
+            "loss/train": t.loss / updates,
+            "loss/grad_norm": sum(t.grad_norms) / updates,
+            "loss/entropy": t.entropy / n,
+            "loss/learning_rate": config.learning_rate,
+            "loss/clip_fraction": t.clipped / n,
+            "offpolicy/ratio_mean": t.ratio_sum / n,
+            "offpolicy/ratio_max": t.ratio_max,
+            "data/step_trainer_tokens": float(t.tokens),
+            "data/step_completion_tokens": float(t.trained),
+            "data/step_num_optimizer_updates": float(len(t.grad_norms)),
+            "time/step_trainer_s": elapsed,
+            "throughput/trainer_tok_per_s": t.tokens / elapsed if elapsed > 0 else 0.0,
         }
+        if t.mismatch_abs:
+            metrics["offpolicy/mismatch_abs_logprob"] = sum(t.mismatch_abs) / len(t.mismatch_abs)
+            metrics["offpolicy/mismatch_kl"] = sum(t.mismatch_k3) / len(t.mismatch_k3)
+        if config.kl_penalty_coef > 0:
+            metrics["loss/kl"] = t.kl / n
+        if config.truncated_importance_sampling is not None:
+            metrics["offpolicy/tis_capped_fraction"] = t.tis_capped / n
+        if config.importance_ratio_mask is not None:
+            metrics["offpolicy/masked_fraction"] = t.masked / n
+        return metrics
 
     # ---- failure safety -------------------------------------------------------------------
 
-    def _snapshot(self) -> tuple[list[torch.Tensor], dict, int]:
-        import copy
+    def _snapshot(self) -> tuple:
+        return (
+            [p.detach().clone() for p in self.params],
+            copy.deepcopy(self.optimizer.state_dict()),
+            self.num_updates,
+            self.rng.getstate(),
+            torch.get_rng_state(),
+        )
 
-        return [p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()), self.num_updates
-
-    def _restore(self, snapshot: tuple[list[torch.Tensor], dict, int]) -> None:
-        params, optimizer_state, self.num_updates = snapshot
+    def _restore(self, snapshot: tuple) -> None:
+        params, optimizer_state, self.num_updates, python_rng, torch_rng = snapshot
         with torch.no_grad():
             for p, saved in zip(self.params, params):
                 p.copy_(saved)
                 p.grad = None
         self.optimizer.load_state_dict(optimizer_state)
+        self.rng.setstate(python_rng)
+        torch.set_rng_state(torch_rng)
+
+
+def _jsonable(value: Any) -> Any:
+    return [_jsonable(v) for v in value] if isinstance(value, tuple | list) else value
+
+
+def _tupled(value: Any) -> Any:
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value

@@ -1,0 +1,120 @@
+"""The trainer on the real default model (CPU, fp32): on-policy ratio, resume, KL, corrections."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from tempering.chat import ChatRenderer
+from tempering.engine import BasePolicy, Engine, EngineConfig, SamplingParams, engine_model_for
+from tempering.training import TokenizedSequence, Trainer
+from tempering.types import LoRAConfig, TrainConfig
+
+
+def load(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+
+
+def random_sequences(n=8, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length, k = rng.randint(20, 40), rng.randint(4, 12)
+        out.append(TokenizedSequence(
+            [rng.randint(10, 40000) for _ in range(length)], [False] * (length - k) + [True] * k,
+            [float("nan")] * (length - k) + [rng.uniform(-3, -0.5) for _ in range(k)],
+            advantage=1.0 if i % 2 else -1.0, group_index=i // 4, trajectory_index=i % 4,
+        ))
+    return out
+
+
+def lora_state(trainer):
+    return [p.detach().clone() for p in trainer.params]
+
+
+def test_the_first_step_is_on_policy_for_tokens_the_engine_sampled(default_model_dir):
+    model = load(default_model_dir)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    renderer = ChatRenderer(tokenizer)
+    trainer = Trainer.new(model, LoRAConfig(rank=4))
+    engine = Engine(engine_model_for(model, 2048), tokenizer, stop_token_ids=renderer.stop_token_ids,
+                    lock=threading.RLock(), config=EngineConfig(cpu_kv_cache_bytes=64 << 20))
+    try:
+        sequences = []
+        for i, question in enumerate(["What is 2+2?", "Name a planet.", "Say hello."]):
+            prompt = renderer.render_prompt([{"role": "user", "content": question}])
+            for j, c in enumerate(engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.8), n=2,
+                                                policy=BasePolicy()).result()):
+                sequences.append(TokenizedSequence(
+                    prompt + c.token_ids, [False] * len(prompt) + [True] * len(c.token_ids),
+                    [float("nan")] * len(prompt) + c.logprobs, temperature=c.logprob_temperature,
+                    advantage=1.0 if j else -1.0, group_index=i, trajectory_index=j,
+                ))
+    finally:
+        engine.close()
+    metrics = trainer.step(sequences, TrainConfig(learning_rate=1e-4)).values
+    assert metrics["offpolicy/mismatch_abs_logprob"] < 1e-4
+    assert abs(metrics["offpolicy/ratio_mean"] - 1.0) < 1e-4
+    assert metrics["loss/clip_fraction"] == 0.0
+
+
+def test_stopping_after_a_step_and_resuming_gives_the_same_next_step(default_model_dir, tmp_path):
+    config = TrainConfig(learning_rate=1e-3, batch_size=3)  # several shuffled mini-batches per step
+    first, second = random_sequences(seed=1), random_sequences(seed=2)
+
+    uninterrupted = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=7)
+    uninterrupted.step(first, config)
+    uninterrupted.step(second, config)
+
+    stopped = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=7)
+    stopped.step(first, config)
+    stopped.save(tmp_path, step=1)
+    random.random(), torch.rand(3)  # the rest of the process moves the global RNGs on
+    resumed = Trainer.from_adapter(load(default_model_dir), tmp_path)
+    resumed.load_state(tmp_path)
+    resumed.step(second, config)
+
+    assert resumed.num_updates == uninterrupted.num_updates == 6
+    for a, b in zip(lora_state(resumed), lora_state(uninterrupted)):
+        assert torch.equal(a, b)
+
+
+def test_kl_penalty_is_zero_at_the_start_and_grows_after_updates(default_model_dir):
+    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4))
+    seqs = random_sequences()
+    config = TrainConfig(learning_rate=5e-3, kl_penalty_coef=0.1)
+    first = trainer.step(seqs, config).values
+    assert first["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # B = 0: the adapter is the base model
+    second = trainer.step(seqs, config).values
+    assert second["loss/kl"] > 1e-6
+
+
+def test_ratio_corrections_and_their_metrics(default_model_dir):
+    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4))
+    seqs = random_sequences()  # made-up sampled logprobs: far from the model's, ratios far from 1
+    metrics = trainer.step(seqs, TrainConfig(learning_rate=1e-4, truncated_importance_sampling=2.0,
+                                             importance_ratio_mask=(0.5, 2.0))).values
+    assert 0 < metrics["offpolicy/masked_fraction"] <= 1
+    assert 0 <= metrics["offpolicy/tis_capped_fraction"] <= metrics["offpolicy/masked_fraction"]
+    assert metrics["offpolicy/mismatch_abs_logprob"] > 0.1
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "cispo", "gspo"])
+def test_each_loss_takes_a_finite_step_and_checkpointing_does_not_change_it(default_model_dir, loss_fn):
+    seqs = random_sequences()
+    results = []
+    for checkpointing in (True, False):
+        trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4))
+        metrics = trainer.step(seqs, TrainConfig(learning_rate=1e-3, loss_fn=loss_fn,
+                                                 gradient_checkpointing=checkpointing, micro_batch_tokens=64)).values
+        assert torch.isfinite(torch.tensor(metrics["loss/train"])) and metrics["loss/grad_norm"] > 0
+        results.append(lora_state(trainer))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-6)
