@@ -219,13 +219,29 @@ class Trainer:
         device = self.params[0].device
         totals = _Totals()
         try:
-            with use_packed_attention(self.model):  # also while checkpointed layers recompute in backward
+            with self._compute_context():  # also while checkpointed layers recompute in backward
                 self._run_minibatches(sequences, config, totals, device)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             if config.gradient_checkpointing:
                 self._set_checkpointing(False)
         return StepMetrics(self._metrics(totals, config, time.perf_counter() - start))
+
+    @contextlib.contextmanager
+    def _compute_context(self) -> Iterator[None]:
+        """Packed attention; with a bf16/fp16 model also autocast, so that PEFT runs the LoRA matmuls
+        in that dtype on the activations instead of copying every activation to float32 (the
+        adapter weights stay float32 for the optimizer)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(use_packed_attention(self.model))
+            dtype = self.model.get_input_embeddings().weight.dtype
+            if dtype in (torch.bfloat16, torch.float16):
+                from peft.helpers import disable_input_dtype_casting
+
+                device_type = self.params[0].device.type
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype))
+                stack.enter_context(disable_input_dtype_casting(self.peft_model))
+            yield
 
     def _set_checkpointing(self, on: bool) -> None:
         """Recompute each decoder layer in the backward pass (transformers >= 5.23 renamed the methods)."""
@@ -268,7 +284,7 @@ class Trainer:
 
     def _logprobs(self, micro: MicroBatch, target_mask: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs [N] and entropies [N] of the row's trained tokens (the model in packed attention)."""
-        with use_packed_attention(self.model):
+        with self._compute_context():
             hidden = self.model.get_decoder()(
                 input_ids=micro.input_ids,
                 position_ids=micro.position_ids,
