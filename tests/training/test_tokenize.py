@@ -44,12 +44,13 @@ def test_single_turn_masks_exactly_the_sampled_tokens():
 
 
 def test_turns_merge_when_the_next_prompt_extends_the_sequence():
-    first = choice([7, 2], [-0.5, -0.6], prompt_token_ids=[1, 5])
+    first = choice([7, 2], [-0.5, -0.6], prompt_token_ids=[1, 5], temperature=0.7)
     second = choice([9, 2], [-0.7, -0.8], prompt_token_ids=[1, 5, 7, 2, 3, 4], temperature=1.0)
     t = Trajectory(messages_and_choices=[{"role": "user", "content": "a"}, first, {"role": "user", "content": "b"}, second])
     [seq] = tokenize_trajectory(t, FakeRenderer(), max_seq_len=100)
     assert seq.token_ids == [1, 5, 7, 2, 3, 4, 9, 2]
     assert seq.loss_mask == [False, False, True, True, False, False, True, True]
+    assert seq.temperatures == [1.0, 1.0, 0.7, 0.7, 1.0, 1.0, 1.0, 1.0]  # each turn keeps its own
     assert seq.num_completion_tokens == 4
 
 

@@ -54,7 +54,8 @@ def test_the_first_step_is_on_policy_for_tokens_the_engine_sampled(default_model
                                                 policy=BasePolicy()).result()):
                 sequences.append(TokenizedSequence(
                     prompt + c.token_ids, [False] * len(prompt) + [True] * len(c.token_ids),
-                    [float("nan")] * len(prompt) + c.logprobs, temperature=c.logprob_temperature,
+                    [float("nan")] * len(prompt) + c.logprobs,
+                    temperatures=[1.0] * len(prompt) + [c.logprob_temperature] * len(c.token_ids),
                     advantage=1.0 if j else -1.0, group_index=i, trajectory_index=j,
                 ))
     finally:

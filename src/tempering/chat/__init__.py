@@ -1,5 +1,7 @@
-"""Rendering chat messages to token ids, shared by the engine and the trainer (a leaf package)."""
+"""Rendering chat messages and tools to token ids, parsing tool calls (a leaf package)."""
 
 from .renderer import ChatRenderer
+from .tools import ToolCall, parse_tool_calls
+from .turns import TurnCache
 
-__all__ = ["ChatRenderer"]
+__all__ = ["ChatRenderer", "ToolCall", "TurnCache", "parse_tool_calls"]

@@ -25,7 +25,7 @@ from .config import EngineConfig
 from .lora import AdapterWeights, collect_adapter
 from .model_runner import ModelRunner
 from .models import LlamaFamilyModel
-from .request import Completion, GenerationRequest, Policy
+from .request import Completion, GenerationRequest, Policy, TokenCallback
 from .sampling_params import SamplingParams, row_seed
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -97,7 +97,8 @@ class Engine:
 
     # ---- public API ---------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy):
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy,
+               on_token: TokenCallback | None = None):
         """Queue a request; returns a `concurrent.futures.Future` of `n` Completions.
 
         Raises:
@@ -113,7 +114,7 @@ class Engine:
             )
         if n < 1:
             raise ConfigError(f"n must be >= 1, got {n}")
-        request = GenerationRequest(list(prompt_ids), params, n, policy)
+        request = GenerationRequest(list(prompt_ids), params, n, policy, on_token=on_token)
         with self._cond:
             if self._closed:
                 raise EngineError("the engine is closed; register the model with a new backend")
@@ -218,6 +219,8 @@ class Engine:
             seq.finish_reason = finish_reason_of(
                 seq.completion_ids, seq.request.params, seq.max_tokens, self.stop_token_ids, self.tokenizer
             )
+            if seq.request.on_token is not None:
+                seq.request.on_token(seq.sample_index, out.token_id, out.logprob, out.top)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self._maybe_complete(seq.request)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, EngineError
-from .request import Completion, GenerationRequest, Policy
+from .request import Completion, GenerationRequest, Policy, TokenCallback
 from .sampler import sample, sampling_tensors
 from .sampling_params import SamplingParams, row_seed
 from .stopping import completion_of, finish_reason_of
@@ -93,7 +93,8 @@ class HFEngine:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy):
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy,
+               on_token: TokenCallback | None = None):
         """Queue a request; returns a `concurrent.futures.Future` of `n` Completions.
 
         Raises:
@@ -108,7 +109,7 @@ class HFEngine:
             )
         if n < 1:
             raise ConfigError(f"n must be >= 1, got {n}")
-        request = GenerationRequest(list(prompt_ids), params, n, policy)
+        request = GenerationRequest(list(prompt_ids), params, n, policy, on_token=on_token)
         with self._cond:
             if self._closed:
                 raise EngineError("the engine is closed; register the model with a new backend")
@@ -258,6 +259,8 @@ class HFEngine:
         row.finish_reason = finish_reason_of(
             row.token_ids, row.request.params, row.max_tokens, self.stop_token_ids, self.tokenizer
         )
+        if row.request.on_token is not None:
+            row.request.on_token(row.sample_index, token_id, logprob, row.top_logprobs[-1])
 
     def _completion(self, row: _Row) -> Completion:
         return completion_of(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .sampling_params import SamplingParams
 
-__all__ = ["BasePolicy", "Completion", "GenerationRequest", "Policy"]
+__all__ = ["BasePolicy", "Completion", "GenerationRequest", "Policy", "TokenCallback"]
 
 
 class Policy(Protocol):
@@ -65,10 +65,20 @@ class Completion:
     logprob_temperature: float
 
 
+TokenCallback = Callable[[int, int, float, list[tuple[int, float]]], None]
+
+
 @dataclass(slots=True)
 class GenerationRequest:
+    """A prompt to sample `n` completions of.
+
+    `on_token(sample_index, token_id, logprob, top_logprobs)`, when set, is called from the
+    engine's thread for every sampled token (streaming); `future` resolves to the n Completions.
+    """
+
     prompt_ids: list[int]
     params: SamplingParams
     n: int
     policy: Policy
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    on_token: TokenCallback | None = None

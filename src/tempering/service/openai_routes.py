@@ -8,6 +8,12 @@ Besides the OpenAI fields, every choice carries what training needs:
   `token_ids[i]`;
 - `logprob_temperature`: the temperature those logprobs were computed at, `log_softmax(logits / T)`,
   before top-k/top-p truncation (T = 1 for greedy requests).
+
+With `tools`, the model's `<tool_call>{...}</tool_call>` text becomes OpenAI `tool_calls` with
+`finish_reason="tool_calls"` (a malformed call stays plain content). `tool_choice` "auto"
+(default), "none", "required" or a named function; the last two start the assistant turn with a
+call (that forced text is part of `prompt_token_ids`, not of the sampled `token_ids`).
+`stream=true` sends server-sent events (chat_stream.py).
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, HTTPException
+from fastapi.responses import StreamingResponse
 
+from ..chat.tools import TOOL_CALL_END, forced_prefix, parse_tool_calls
 from ..engine import Completion, SamplingParams
+from .chat_stream import StreamState, sse_chat_stream
 from .registry import ServiceRegistry
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -38,27 +47,54 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         }
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> dict[str, Any]:
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
         _reject_unsupported(body)
         service, step = registry.resolve(body.model)
-        prompt_ids = service.renderer.render_prompt(body.messages, body.tools)
+        prompt_tools = _checked_tools(body)  # rendered even with tool_choice "none": the prompt stays stable
+        tools = prompt_tools if body.tool_choice != "none" else None  # tools the model may call now
+        prefix = forced_prefix(body.tool_choice) if tools else None
+        allowed = {t["function"]["name"] for t in tools} if tools else None
+        prompt_ids = service.renderer.render_prompt(body.messages, prompt_tools, tool_choice=body.tool_choice, turns=service.turns)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
         params = _params(body, max_tokens, service.max_seq_len - len(prompt_ids), num_top)
-        completions = await asyncio.wrap_future(service.submit(prompt_ids, params, n=body.n, step=step))
+        if tools and TOOL_CALL_END not in params.stop:
+            params.stop = [*params.stop, TOOL_CALL_END]  # a call ends the turn; the engine hands back control
         decode = _token_decoder(service.tokenizer)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
+
+        def finish(c: Completion) -> dict[str, Any]:
+            """The choice's message and finish reason; remembers the turn's exact ids."""
+            content, calls = parse_tool_calls((prefix or "") + c.text, allowed=allowed) if tools else (c.text, [])
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+            # the model's own text of the turn (stop string included): how a later request renders it back
+            raw = (prefix or "") + service.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            service.turns.remember(prompt_ids, c.token_ids, raw, content, [call.id for call in calls])
+            return {"message": message, "finish_reason": "tool_calls" if calls else c.finish_reason}
+
+        if body.stream:
+            states = [StreamState(lambda ids: service.tokenizer.decode(ids, skip_special_tokens=True), prefix=prefix,
+                                  tools_on=bool(tools), stop=params.stop) for _ in range(body.n)]
+            events = sse_chat_stream(
+                submit=lambda on_token: service.submit(prompt_ids, params, n=body.n, step=step, on_token=on_token),
+                model=body.model, prompt_ids=prompt_ids, n=body.n, states=states,
+                token_entry=lambda t, lp, top: _logprob_entry(decode, t, lp, top, num_top),
+                finish=lambda i, c: finish(c), include_usage=bool((body.stream_options or {}).get("include_usage")),
+            )
+            return StreamingResponse(events, media_type="text/event-stream")
+
+        completions = await asyncio.wrap_future(service.submit(prompt_ids, params, n=body.n, step=step))
+        choices = []
+        for i, c in enumerate(completions):
+            choice = {"index": i, **finish(c)}
+            choice.update({
                 "logprobs": {"content": [_chat_logprob(decode, c, t, num_top) for t in range(len(c.token_ids))]},
                 "token_ids": c.token_ids,
                 "prompt_token_ids": prompt_ids,
                 "logprob_temperature": c.logprob_temperature,
-            }
-            for i, c in enumerate(completions)
-        ]
+            })
+            choices.append(choice)
         return _response("chat.completion", body.model, choices, len(prompt_ids), completions)
 
     @router.post("/v1/completions")
@@ -102,9 +138,31 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
     return router
 
 
+def _checked_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools, checked, and tool_choice checked against them."""
+    choice = body.tool_choice
+    if choice is not None and choice not in ("auto", "none", "required") and not (
+        isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+    ):
+        raise HTTPException(400, 'tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+    if not body.tools:
+        if isinstance(choice, dict) or choice == "required":
+            raise HTTPException(400, f"tool_choice {choice!r} needs a non-empty `tools` list")
+        return None
+    names = set()
+    for i, tool in enumerate(body.tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise HTTPException(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+        names.add(fn["name"])
+    if isinstance(choice, dict) and choice["function"].get("name") not in names:
+        raise HTTPException(400, f"tool_choice names {choice['function'].get('name')!r}, which is not in tools {sorted(names)}")
+    return body.tools
+
+
 def _reject_unsupported(body: Any) -> None:
-    if body.stream:
-        raise HTTPException(400, "stream=true is not supported yet; send stream=false")
+    if isinstance(body, CompletionRequest) and body.stream:
+        raise HTTPException(400, "stream=true is supported on /v1/chat/completions only; send stream=false")
     if body.presence_penalty or body.frequency_penalty:
         raise HTTPException(400, "presence_penalty and frequency_penalty are not supported; leave them at 0")
 
@@ -137,16 +195,20 @@ def _token_decoder(tokenizer: Any):
     return decode
 
 
-def _chat_logprob(decode, c: Completion, t: int, num_top: int) -> dict[str, Any]:
-    text = decode(c.token_ids[t])
+def _logprob_entry(decode, token_id: int, logprob: float, top: list[tuple[int, float]], num_top: int) -> dict[str, Any]:
+    text = decode(token_id)
     return {
         "token": text,
-        "logprob": c.logprobs[t],
+        "logprob": logprob,
         "bytes": list(text.encode("utf-8")),
         "top_logprobs": [
-            {"token": decode(a), "logprob": lp, "bytes": list(decode(a).encode("utf-8"))} for a, lp in c.top_logprobs[t]
+            {"token": decode(a), "logprob": lp, "bytes": list(decode(a).encode("utf-8"))} for a, lp in top
         ] if num_top else [],
     }
+
+
+def _chat_logprob(decode, c: Completion, t: int, num_top: int) -> dict[str, Any]:
+    return _logprob_entry(decode, c.token_ids[t], c.logprobs[t], c.top_logprobs[t], num_top)
 
 
 def _response(kind: str, model: str, choices: list[dict], num_prompt: int, results: list[Completion]) -> dict[str, Any]:

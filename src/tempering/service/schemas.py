@@ -50,15 +50,18 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=256)
     tool_choice: Any = None
+    stream_options: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
     def _messages(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str):
-                raise ValueError(f"messages[{i}] has no 'role'")
+            if m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+                raise ValueError(f"messages[{i}] has role {m.get('role')!r}; use system, user, assistant or tool")
+            if m.get("role") == "developer":  # OpenAI's newer name for system
+                m = messages[i] = {**m, "role": "system"}
             content = m.get("content")
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
                 texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..chat import ChatRenderer
+from ..chat import ChatRenderer, TurnCache
 from ..engine import Engine, EngineConfig, HFEngine, Policy, SamplingParams, engine_model_for
 from ..errors import ConfigError, TrajectoryError, UnknownModelError
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
@@ -79,6 +79,7 @@ class ModelService:
         stop_ids = self.model.generation_config.eos_token_id
         stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or [])
         self.renderer = ChatRenderer(self.tokenizer, stop_token_ids=stop_ids)
+        self.turns = TurnCache(self.tokenizer)
         self.lock = threading.RLock()
 
         self.trainer: Trainer | None = None
@@ -153,9 +154,10 @@ class ModelService:
             self._step_adapters.move_to_end(step)
         return AdapterPolicy(self.trainer.peft_model, name, step)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, step: int | None = None):
-        """Queue a generation; returns a concurrent Future of n Completions (see HFEngine.submit)."""
-        return self.engine.submit(prompt_ids, params, n=n, policy=self.policy(step))
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, step: int | None = None,
+               on_token: Any = None):
+        """Queue a generation; returns a concurrent Future of n Completions (see Engine.submit)."""
+        return self.engine.submit(prompt_ids, params, n=n, policy=self.policy(step), on_token=on_token)
 
     # ---- training ---------------------------------------------------------------------------
 

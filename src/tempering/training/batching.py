@@ -27,7 +27,7 @@ class MicroBatch:
         loss_mask: bool, True on tokens to train on (never the first token of a sequence).
         sampled_logprobs: float32 (nan outside loss_mask).
         advantages: float32, each sequence's advantage on all its tokens.
-        temperature: float32, each sequence's logprob temperature.
+        temperature: float32, each token's logprob temperature.
         token_weight: float32, each trained token's weight in the loss (set by the trainer).
         seq_index: int64, index of the token's sequence in `sequences` (-1 on nothing).
         cu_seq_lens: [S + 1] int32 cumulative sequence lengths (0, len_0, len_0 + len_1, ...).
@@ -57,7 +57,7 @@ class MicroBatch:
             self.loss_mask[0, start:end] = mask
             self.sampled_logprobs[0, start:end] = torch.tensor(s.sampled_logprobs)
             self.advantages[0, start:end] = s.advantage
-            self.temperature[0, start:end] = s.temperature
+            self.temperature[0, start:end] = torch.tensor(s.temperatures)
             self.token_weight[0, start:end] = weights[i] if weights is not None else 0.0
             self.seq_index[0, start:end] = i
             start = end

@@ -32,21 +32,24 @@ class TokenizedSequence:
         token_ids: [T] ids.
         loss_mask: [T] True where the token was sampled by the policy (trained on).
         sampled_logprobs: [T] logprob of each sampled token at sampling time (nan elsewhere).
-        temperature: the temperature the logprobs were computed at (the trainer divides logits by it).
+        temperatures: [T] the temperature each sampled token's logprob was computed at (the trainer
+            divides the logits by it); 1 on other tokens. None means 1 everywhere.
         advantage: the trajectory's advantage, the same for all of its tokens.
     """
 
     token_ids: list[int]
     loss_mask: list[bool]
     sampled_logprobs: list[float]
-    temperature: float = 1.0
+    temperatures: list[float] | None = None
     advantage: float = 0.0
     group_index: int = 0
     trajectory_index: int = 0
     num_completion_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        assert len(self.token_ids) == len(self.loss_mask) == len(self.sampled_logprobs)
+        if self.temperatures is None:
+            self.temperatures = [1.0] * len(self.token_ids)
+        assert len(self.token_ids) == len(self.loss_mask) == len(self.sampled_logprobs) == len(self.temperatures)
         self.num_completion_tokens = sum(self.loss_mask)
 
     def __len__(self) -> int:
@@ -110,22 +113,19 @@ def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_s
     for history in trajectory.histories():
         current: TokenizedSequence | None = None
         for prompt, completion, logprobs, temperature in _segments(history, renderer):
-            if (
-                current is not None
-                and current.temperature == temperature
-                and prompt[: len(current.token_ids)] == current.token_ids
-            ):
+            if current is not None and prompt[: len(current.token_ids)] == current.token_ids:
                 extra = prompt[len(current.token_ids):]
                 current.token_ids += extra + completion
                 current.loss_mask += [False] * len(extra) + [True] * len(completion)
                 current.sampled_logprobs += [math.nan] * len(extra) + logprobs
+                current.temperatures += [1.0] * len(extra) + [temperature] * len(completion)
                 current.num_completion_tokens += len(completion)
                 continue
             current = TokenizedSequence(
                 token_ids=prompt + completion,
                 loss_mask=[False] * len(prompt) + [True] * len(completion),
                 sampled_logprobs=[math.nan] * len(prompt) + logprobs,
-                temperature=temperature,
+                temperatures=[1.0] * len(prompt) + [temperature] * len(completion),
             )
             sequences.append(current)
     if not sequences:

@@ -1,0 +1,80 @@
+"""Exact token ids of sampled turns, for the requests that continue their conversations.
+
+An agent sends its whole conversation back with every request, as text. Re-tokenizing an
+earlier assistant turn can give other ids than the ones the engine sampled (BPE has many ways to
+spell a string), and tool calls come back re-serialized. `TurnCache` remembers, for each recent
+completion, the exact prompt + completion ids and their text; when a new conversation's rendered
+text starts with that text, the new prompt reuses those ids and only tokenizes what follows. The
+model then sees exactly what it produced, the engine's prefix cache hits, and the trainer can
+merge the turns into one sequence.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TurnCache"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    text: str  # decoded prompt + completion, special tokens included
+    ids: list[int]
+    raw_completion: str  # the completion's text as the model wrote it (tool calls unparsed)
+
+
+class TurnCache:
+    """Recent completions, looked up by what the client sends back for them.
+
+    Args:
+        tokenizer: decodes ids to the template's text (special tokens kept).
+        capacity: how many completions to remember (least recently used ones are forgotten).
+    """
+
+    def __init__(self, tokenizer: Any, capacity: int = 4096) -> None:
+        self.tokenizer = tokenizer
+        self.capacity = capacity
+        self._turns: collections.OrderedDict[tuple, list[_Turn]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(content: str | None, call_ids: list[str]) -> tuple:
+        """How an assistant message is recognized: by its tool-call ids, else by its content."""
+        return ("calls", tuple(call_ids)) if call_ids else ("text", content or "")
+
+    def remember(self, prompt_ids: list[int], completion_ids: list[int], raw_completion: str,
+                 content: str | None, call_ids: list[str]) -> None:
+        ids = list(prompt_ids) + list(completion_ids)
+        turn = _Turn(self.tokenizer.decode(ids, skip_special_tokens=False), ids, raw_completion)
+        k = self.key(content, call_ids)
+        with self._lock:
+            self._turns.setdefault(k, []).append(turn)
+            self._turns.move_to_end(k)
+            while len(self._turns) > self.capacity:
+                self._turns.popitem(last=False)
+
+    def raw_text(self, call_ids: list[str]) -> str | None:
+        """The model's own text of the assistant turn that produced these tool calls (if remembered)."""
+        with self._lock:
+            turns = self._turns.get(self.key(None, call_ids))
+        return turns[-1].raw_completion if turns else None
+
+    def encode(self, text: str, assistant_messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the rendered `text`, reusing the exact ids of the latest remembered turn it extends.
+
+        Args:
+            text: the rendered prompt.
+            assistant_messages: the conversation's assistant messages, in order.
+        """
+        for message in reversed(assistant_messages):
+            call_ids = [c.get("id", "") for c in message.get("tool_calls") or []]
+            with self._lock:
+                turns = list(self._turns.get(self.key(message.get("content"), call_ids), ()))
+            for turn in reversed(turns):
+                if text.startswith(turn.text):
+                    rest = text[len(turn.text):]
+                    return turn.ids + (self.tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else [])
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,152 @@
+"""Chat completions as OpenAI server-sent events (`stream=true`).
+
+Tokens arrive from the engine's thread one by one. Text is sent as soon as it is certain: held
+back while it ends in a partial UTF-8 character, in what could be the start of a stop string,
+or, when tools are on, from the first `<tool_call>` on (a call is sent as a whole `tool_calls`
+delta when the sample ends, or as plain text if it does not parse). The deltas of a choice
+concatenate to exactly the content of the same request without streaming, and every chunk
+carries its new `token_ids` and their logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ..chat.tools import TOOL_CALL_START
+from ..engine import Completion
+
+__all__ = ["StreamState", "sse_chat_stream"]
+
+
+def _held_back(text: str, patterns: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `patterns`."""
+    longest = 0
+    for p in patterns:
+        for n in range(min(len(p) - 1, len(text)), 0, -1):
+            if text.endswith(p[:n]):
+                longest = max(longest, n)
+                break
+    return longest
+
+
+class StreamState:
+    """What one choice has streamed so far.
+
+    Args:
+        decode: token ids → text without special tokens.
+        prefix: text the assistant turn was forced to start with (a tool call), or None.
+        tools_on: whether tool calls are parsed (text from `<tool_call>` on is held back).
+        stop: the request's stop strings.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], *, prefix: str | None, tools_on: bool, stop: list[str]) -> None:
+        self.decode = decode
+        self.prefix = prefix or ""
+        self.tools_on = tools_on
+        self.stop = stop
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_id: int) -> str:
+        """Add a token; returns the text that can be sent now (possibly empty)."""
+        self.ids.append(token_id)
+        text = self.prefix + self.decode(self.ids)
+        end = len(text)
+        if text.endswith("\ufffd"):  # a character split across tokens
+            return ""
+        for s in self.stop:
+            i = text.find(s)
+            if i >= 0:
+                end = min(end, i)
+        if self.tools_on:
+            i = text.find(TOOL_CALL_START)
+            if i >= 0:
+                end = min(end, i)
+        patterns = self.stop + ([TOOL_CALL_START] if self.tools_on else [])
+        if end == len(text):
+            end -= _held_back(text, patterns)
+        safe = text[:end]
+        if not safe.startswith(self.emitted):
+            return ""
+        delta, self.emitted = safe[len(self.emitted):], safe
+        return delta
+
+    def rest(self, final_content: str | None) -> str:
+        """What remains to send of the final content (empty when it does not extend what was sent)."""
+        final_content = final_content or ""
+        return final_content[len(self.emitted):] if final_content.startswith(self.emitted) else ""
+
+
+async def sse_chat_stream(
+    *,
+    submit: Callable[..., Any],
+    model: str,
+    prompt_ids: list[int],
+    n: int,
+    states: list[StreamState],
+    token_entry: Callable[[int, float, list], dict[str, Any]],
+    finish: Callable[[int, Completion], dict[str, Any]],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events of one streamed chat completion.
+
+    Args:
+        submit: `submit(on_token)` queues the request and returns its concurrent Future.
+        states: one StreamState per choice.
+        token_entry: (token id, logprob, top logprobs) → a logprobs `content` entry.
+        finish: (choice index, Completion) → the choice's final message dict (content and tool
+            calls, as without streaming) and finish reason: {"message": ..., "finish_reason": ...}.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def on_token(index: int, token_id: int, logprob: float, top: list) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (index, token_id, logprob, top))
+
+    future = submit(on_token)
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+    chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        data = {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices, **extra}
+        return f"data: {json.dumps(data)}\n\n"
+
+    yield event([
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+         "prompt_token_ids": prompt_ids}
+        for i in range(n)
+    ])
+    while (item := await queue.get()) is not None:
+        i, token_id, logprob, top = item
+        text = states[i].push(token_id)
+        yield event([{
+            "index": i, "delta": {"content": text} if text else {}, "finish_reason": None,
+            "logprobs": {"content": [token_entry(token_id, logprob, top)]}, "token_ids": [token_id],
+        }])
+    try:
+        completions = future.result()
+    except Exception as exc:  # the engine failed: tell the client in the stream, then end it
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    for i, completion in enumerate(completions):
+        final = finish(i, completion)
+        message = final["message"]
+        delta: dict[str, Any] = {}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        rest = states[i].rest(message.get("content"))
+        if rest:
+            delta["content"] = rest
+        yield event([{"index": i, "delta": delta, "logprobs": None, "finish_reason": final["finish_reason"],
+                      "logprob_temperature": completion.logprob_temperature}])
+    if include_usage:
+        num_completion = sum(len(c.token_ids) for c in completions)
+        yield event([], usage={"prompt_tokens": len(prompt_ids), "completion_tokens": num_completion,
+                               "total_tokens": len(prompt_ids) + num_completion})
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,69 @@
+import pytest
+
+from tempering.chat import ChatRenderer, TurnCache
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object", "properties": {}}}}]
+
+# A template that renders tools and assistant tool calls itself, in the Hermes/Qwen style.
+NATIVE = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}:{{ c.function.arguments.a }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def test_a_template_that_ignores_tools_gets_them_in_the_system_prompt(tokenizer):
+    renderer = ChatRenderer(tokenizer)
+    assert not renderer.template_renders_tools
+    messages = [
+        {"role": "user", "content": "add 1 and 2"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    text = renderer.render_text(messages, TOOLS)
+    assert text.startswith("<|im_start|>system\nYou can call functions.") and '"name": "add"' in text
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>' in text
+    assert "<|im_start|>tool\n<tool_response>\n3\n</tool_response><|im_end|>" in text
+    assert renderer.render_text(messages[:1], TOOLS, tool_choice="none") == renderer.render_text(messages[:1], TOOLS)
+    assert renderer.render_text(messages[:1], TOOLS, tool_choice="required").endswith("<|im_start|>assistant\n<tool_call>\n")
+
+
+def test_a_template_that_renders_tools_gets_them_and_decoded_arguments(tokenizer):
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = NATIVE
+    try:
+        renderer = ChatRenderer(tokenizer)
+        assert renderer.template_renders_tools
+        text = renderer.render_text([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"name": "add", "arguments": '{"a": 5}'}}]},
+        ], TOOLS)
+        assert text.startswith("<|im_start|>system\nTOOLS:add;") and "<tool_call>add:5</tool_call>" in text
+    finally:
+        tokenizer.chat_template = saved
+
+
+def test_the_turn_cache_gives_back_the_sampled_ids_not_a_retokenization(tokenizer):
+    renderer = ChatRenderer(tokenizer)
+    turns = TurnCache(tokenizer)
+    messages = [{"role": "user", "content": "say hello"}]
+    prompt = renderer.render_prompt(messages, turns=turns)
+    # the model spelled "hello" letter by letter, then ended its turn: a spelling re-tokenization never gives
+    completion = [tokenizer.convert_tokens_to_ids(c) for c in "hello"] + [tokenizer.eos_token_id]
+    assert tokenizer("hello", add_special_tokens=False)["input_ids"] != completion[:-1]
+    turns.remember(prompt, completion, "hello", "hello", [])
+    follow_up = messages + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    ids = renderer.render_prompt(follow_up, turns=turns)
+    assert ids[: len(prompt) + len(completion)] == prompt + completion
+    assert tokenizer.decode(ids) == renderer.render_text(follow_up)
+    # without the cache the same text is re-tokenized, differently
+    assert renderer.render_prompt(follow_up)[: len(prompt) + len(completion)] != prompt + completion
