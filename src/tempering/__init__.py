@@ -9,7 +9,7 @@
     await model.train(groups, config=art.TrainConfig(learning_rate=1e-4))
 """
 
-from .backends import Backend, LocalBackend
+from .backends import Backend, LocalBackend, RemoteBackend
 from .errors import (
     BackendError,
     CheckpointError,
@@ -51,6 +51,7 @@ __all__ = [
     "MissingDependencyError",
     "Model",
     "PydanticException",
+    "RemoteBackend",
     "TemperingError",
     "Tools",
     "TrainConfig",

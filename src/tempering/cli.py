@@ -62,6 +62,43 @@ def plot(
     typer.echo(str(written))
 
 
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="TEMPERING_API_KEY", help="bearer key clients must send")] = None,
+    root: Annotated[Path, typer.Option(help="storage root of the models")] = Path(".tempering"),
+    device: Annotated[str | None, typer.Option(help="cpu, cuda, ... (default: cuda when available)")] = None,
+    max_body_mb: Annotated[int, typer.Option(help="largest request body, in MiB")] = 64,
+    insecure: Annotated[bool, typer.Option(help="allow no API key (loopback hosts only)")] = False,
+) -> None:
+    """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port."""
+    import ipaddress
+
+    import uvicorn
+
+    from .service import create_app
+    from .service.hub import ModelHub
+    from .service.jobs import TrainJobs
+
+    if api_key is None:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not (insecure and loopback):
+            raise typer.BadParameter(
+                "no API key: pass --api-key or set TEMPERING_API_KEY (--insecure allows none, on a loopback host only)"
+            )
+    hub = ModelHub(root, device=device)
+    application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)
+    typer.echo(f"tempering serving {root} on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1)")
+    try:
+        uvicorn.run(application, host=host, port=port, log_level="warning")
+    finally:
+        hub.close()
+
+
 def main() -> None:
     app()
 

@@ -2,5 +2,6 @@
 
 from .base import Backend
 from .local import LocalBackend
+from .remote import RemoteBackend
 
-__all__ = ["Backend", "LocalBackend"]
+__all__ = ["Backend", "LocalBackend", "RemoteBackend"]

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import EngineConfig
 from ..errors import BackendError, ConfigError
-from ..service import ModelService, ServiceRegistry, create_app
+from ..service import create_app
 from ..service.auth import generate_api_key
+from ..service.hub import ModelHub
 from ..service.server import ServerThread
-from ..storage import ModelPaths, append_history, delete_checkpoints, latest_step, read_history, write_trajectories
 from ..types import TrainConfig, TrainResult, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -73,14 +73,15 @@ class LocalBackend:
         in_process: bool = True,
     ) -> None:
         self.path = Path(path) if path is not None else Path(".tempering")
-        self.device = device
-        self.engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
+        self.hub = ModelHub(self.path, device=device, engine_config=engine_config or EngineConfig(max_num_seqs=max_batch_size))
         self._host, self._port = host, port
         self._api_key = api_key or generate_api_key()
-        self._registry = ServiceRegistry()
         self._server: ServerThread | None = None
-        self._projects: dict[str, str] = {}  # model name -> project
         self._closed = False
+
+    @property
+    def _registry(self):
+        return self.hub.registry
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -106,17 +107,13 @@ class LocalBackend:
         self._closed = True
         if self._server is not None:
             self._server.stop()
-        for service in self._registry.services():
-            service.close()
+        self.hub.close()
 
     def _check_open(self) -> None:
         if self._closed:
             raise BackendError("this LocalBackend is closed; create a new one")
 
     # ---- registration -------------------------------------------------------------------------
-
-    def _paths(self, model: Model) -> ModelPaths:
-        return ModelPaths(self.path, model.project, model.name)
 
     async def register(self, model: Model) -> None:
         """Start serving `model` (loading its weights, resuming from its latest checkpoint).
@@ -126,21 +123,17 @@ class LocalBackend:
             UnknownModelError: if a TrainableModel's `base_model` cannot be found.
         """
         self._check_open()
-        paths = self._paths(model)
-        other = self._projects.get(model.name)
-        if other is not None and other != model.project:
-            raise ConfigError(f"a model named {model.name!r} is already registered in project {other!r}; use another name")
-        paths.model_dir.mkdir(parents=True, exist_ok=True)
-        paths.model_json.write_text(json.dumps(model.model_dump(mode="json"), indent=2))
-        self._projects[model.name] = model.project
-        if not getattr(model, "trainable", False) or self._registry.get(model.name) is not None:
-            return
-        lora = getattr(model, "lora_config", None)
-        service = await asyncio.to_thread(
-            ModelService, paths, model.base_model, lora=lora, device=self.device, engine_config=self.engine_config
+        trainable = getattr(model, "trainable", False)
+        await asyncio.to_thread(
+            self.hub.register,
+            name=model.name,
+            project=model.project,
+            model_json=model.model_dump(mode="json"),
+            base_model=model.base_model if trainable else None,
+            lora=getattr(model, "lora_config", None),
         )
-        self._registry.add(model.name, service)
-        await asyncio.to_thread(self._ensure_server)
+        if trainable:
+            await asyncio.to_thread(self._ensure_server)
 
     def _ensure_server(self) -> None:
         if self._server is None:
@@ -148,15 +141,9 @@ class LocalBackend:
             server.start()
             self._server = server
 
-    def _service(self, model: Model) -> ModelService:
-        self._check_open()
-        service = self._registry.get(model.name)
-        if service is None:
-            raise BackendError(f"model {model.name!r} is not registered with this backend; await model.register(backend) first")
-        return service
-
     async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
-        self._service(model)
+        self._check_open()
+        self.hub.service(model.name)
         assert self._server is not None
         return f"{self._server.base_url}/v1", self._api_key
 
@@ -169,10 +156,7 @@ class LocalBackend:
         return f"{self._server.base_url}/v1" if self._server else None
 
     async def _get_step(self, model: TrainableModel) -> int:
-        service = self._registry.get(model.name)
-        if service is not None:
-            return service.step
-        return latest_step(self._paths(model).checkpoints_dir)
+        return self.hub.step(model.project, model.name)
 
     # ---- training -----------------------------------------------------------------------------
 
@@ -186,56 +170,57 @@ class LocalBackend:
         tempering does not implement are accepted at their default value and raise ConfigError
         otherwise.
         """
-        fields: dict[str, Any] = {}
-        mask_ratio = False
-        for key, value in options.items():
-            if key in _ART_IGNORED_OPTIONS:
-                continue
-            if key in _ART_NOOP_OPTIONS:
-                if value != _ART_NOOP_OPTIONS[key]:
-                    raise ConfigError(f"backend.train({key}={value!r}) is not supported by tempering yet; leave it out")
-                continue
-            if key == "scale_rewards":
-                fields["normalize_advantages"] = fields.get("normalize_advantages", True) and bool(value)
-                continue
-            if key == "importance_sampling_level":  # ART: "token" or "sequence" (GSPO)
-                if value == "sequence":
-                    fields["loss_fn"] = "gspo"
-                elif value != "token":
-                    raise ConfigError(f"importance_sampling_level={value!r} is not supported; use 'token' or 'sequence'")
-                continue
-            if key == "logprob_calculation_chunk_size":
-                fields["logprob_chunk_size"] = value
-                continue
-            if key == "mask_prob_ratio":  # ART: drop tokens whose ratio leaves the clip range
-                mask_ratio = bool(value)
-                continue
-            if key not in TrainConfig.model_fields:
-                raise TypeError(f"backend.train() got an unexpected option {key!r}")
-            fields[key] = value
-        config = TrainConfig(**fields)
-        if mask_ratio:
-            config = config.model_copy(update={"importance_ratio_mask": (1 - config.clip_low, 1 + config.clip_high)})
-        return await self._train_model(model, trajectory_groups, config)
+        return await self._train_model(model, trajectory_groups, train_config_from_options(options))
 
     async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
-        service = self._service(model)
+        self._check_open()
         groups = list(trajectory_groups)
         if any(getattr(g, "is_pending", False) for g in groups):
             raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
-        return await asyncio.to_thread(service.train, groups, config)
+        return await asyncio.to_thread(self.hub.train, model.name, groups, config)
 
     # ---- logs and checkpoints -----------------------------------------------------------------
 
     async def _log(self, model: Model, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
-        paths = self._paths(model)
-        append_history(paths.history, {"step": step, **metrics})
-        if groups:
-            write_trajectories(paths.trajectories(split, step), groups)
+        self.hub.log(model.project, model.name, split=split, step=step, metrics=metrics, groups=groups)
 
     async def _read_history(self, model: Model) -> list[dict[str, Any]]:
-        return read_history(self._paths(model).history)
+        return self.hub.history(model.project, model.name)
 
     async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> list[int]:
-        keep = set(steps_to_keep) | {await self._get_step(model)}  # never the live one
-        return delete_checkpoints(self._paths(model).checkpoints_dir, keep)
+        return self.hub.delete_checkpoints(model.project, model.name, list(steps_to_keep))
+
+
+def train_config_from_options(options: dict[str, Any]) -> TrainConfig:
+    """A TrainConfig from ART >= 0.5.18 `backend.train` keyword options (see LocalBackend.train)."""
+    fields: dict[str, Any] = {}
+    mask_ratio = False
+    for key, value in options.items():
+        if key in _ART_IGNORED_OPTIONS:
+            continue
+        if key in _ART_NOOP_OPTIONS:
+            if value != _ART_NOOP_OPTIONS[key]:
+                raise ConfigError(f"backend.train({key}={value!r}) is not supported by tempering yet; leave it out")
+            continue
+        if key == "scale_rewards":
+            fields["normalize_advantages"] = fields.get("normalize_advantages", True) and bool(value)
+            continue
+        if key == "importance_sampling_level":  # ART: "token" or "sequence" (GSPO)
+            if value == "sequence":
+                fields["loss_fn"] = "gspo"
+            elif value != "token":
+                raise ConfigError(f"importance_sampling_level={value!r} is not supported; use 'token' or 'sequence'")
+            continue
+        if key == "logprob_calculation_chunk_size":
+            fields["logprob_chunk_size"] = value
+            continue
+        if key == "mask_prob_ratio":  # ART: drop tokens whose ratio leaves the clip range
+            mask_ratio = bool(value)
+            continue
+        if key not in TrainConfig.model_fields:
+            raise TypeError(f"backend.train() got an unexpected option {key!r}")
+        fields[key] = value
+    config = TrainConfig(**fields)
+    if mask_ratio:
+        config = config.model_copy(update={"importance_ratio_mask": (1 - config.clip_low, 1 + config.clip_high)})
+    return config

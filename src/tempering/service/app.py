@@ -1,4 +1,6 @@
-"""The FastAPI app of a tempering server: OpenAI routes behind a bearer key, OpenAI-style errors."""
+"""The FastAPI app of a tempering server: OpenAI routes (and, on a server, training routes) behind a
+bearer key, request bodies under a size limit, OpenAI-style errors. The OpenAPI spec is served at
+`/openapi.json` (with the key, like every route)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError, EngineError, TemperingError, UnknownModelError
 from .auth import require_api_key
+from .jobs import TrainingConflict
 from .openai_routes import build_openai_router
 from .registry import ServiceRegistry
 
@@ -26,15 +29,84 @@ def _error(status: int, message: str, *, type_: str, param: str | None = None, c
     )
 
 
-def create_app(registry: ServiceRegistry, *, api_key: str | None) -> FastAPI:
-    """The app serving `registry`'s models; every route requires `api_key` (None: no auth)."""
-    app = FastAPI(title="tempering", summary="OpenAI-compatible inference for models being trained with RL")
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 before the route reads it."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send) -> None:
+        response = _error(413, f"request body over the server's limit of {self.max_bytes} bytes",
+                          type_="invalid_request_error", code="request_too_large")
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(response.body)).encode())]})
+        await send({"type": "http.response.body", "body": response.body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(
+    registry: ServiceRegistry,
+    *,
+    api_key: str | None,
+    hub=None,
+    jobs=None,
+    max_body_bytes: int = 64 << 20,
+) -> FastAPI:
+    """The app serving `registry`'s models; with `hub` and `jobs` also the training routes.
+
+    Every route requires `api_key` (None: no auth, only for loopback servers).
+    """
+    app = FastAPI(
+        title="tempering",
+        summary="OpenAI-compatible inference and RL training of LoRA adapters",
+        description="Send `Authorization: Bearer <key>` with every request.",
+        docs_url=None, redoc_url=None, openapi_url=None,
+    )
     auth = [Depends(require_api_key(api_key))]
     app.include_router(build_openai_router(registry), dependencies=auth)
+    if hub is not None and jobs is not None:
+        from .train_routes import build_train_router
+
+        app.include_router(build_train_router(hub, jobs), dependencies=auth)
 
     @app.get("/health", dependencies=auth)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi() -> dict:
+        return app.openapi()
+
+    @app.exception_handler(TrainingConflict)
+    async def _conflict(request: Request, exc: TrainingConflict) -> JSONResponse:
+        return _error(409, str(exc), type_="conflict", code="training_in_progress")
 
     @app.exception_handler(UnknownModelError)
     async def _unknown_model(request: Request, exc: UnknownModelError) -> JSONResponse:
@@ -69,6 +141,8 @@ def create_app(registry: ServiceRegistry, *, api_key: str | None) -> FastAPI:
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         return response
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -6,7 +6,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest"]
+from ..types import LoRAConfig, TrainConfig, TrajectoryGroup
+
+__all__ = [
+    "ChatCompletionRequest",
+    "CheckpointDeleteRequest",
+    "CompletionRequest",
+    "ForkRequest",
+    "LogRequest",
+    "RegisterRequest",
+    "TrainRequest",
+]
 
 MAX_MESSAGES = 4096
 MAX_STOP = 16
@@ -77,3 +87,39 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(max_length=1_000_000)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterRequest(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    project: str = Field(min_length=1, max_length=128)
+    base_model: str | None = Field(default=None, max_length=1000, description="given for a trainable model")
+    lora_config: LoRAConfig | None = None
+    model_json: dict[str, Any] = Field(default_factory=dict, description="the client's model, stored as model.json")
+
+
+class TrainRequest(_Strict):
+    request_id: str = Field(min_length=8, max_length=128, description="the same id on a retry returns the same job")
+    groups: list[TrajectoryGroup] = Field(max_length=100_000)
+    config: TrainConfig = Field(default_factory=TrainConfig)
+
+
+class LogRequest(_Strict):
+    split: str = Field(default="val", min_length=1, max_length=64)
+    step: int = Field(ge=0)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    groups: list[TrajectoryGroup] = Field(default_factory=list, max_length=100_000)
+
+
+class CheckpointDeleteRequest(_Strict):
+    keep_steps: list[int] = Field(default_factory=list, max_length=100_000)
+
+
+class ForkRequest(_Strict):
+    project: str = Field(min_length=1, max_length=128, description="project of the new (target) model")
+    from_project: str = Field(min_length=1, max_length=128)
+    from_model: str = Field(min_length=1, max_length=128)
+    step: int | None = Field(default=None, ge=0)

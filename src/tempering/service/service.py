@@ -161,8 +161,11 @@ class ModelService:
 
     # ---- training ---------------------------------------------------------------------------
 
-    def train(self, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+    def train(self, groups: list[TrajectoryGroup], config: TrainConfig, on_event=None) -> TrainResult:
         """One RL step on `groups`; saves checkpoint step + 1 and serves it.
+
+        `on_event(dict)` receives progress: {"type": "started", ...}, one {"type": "update", ...}
+        per optimizer update, {"type": "checkpoint", "step": ...}.
 
         Raises:
             TrajectoryError: for an empty list of groups, a non-finite reward, or a trajectory
@@ -170,7 +173,10 @@ class ModelService:
             ConfigError: if `config` asks for a LoRA rank/alpha other than the adapter's.
         """
         start = time.perf_counter()
+        emit = on_event or (lambda event: None)
         sequences, num_trainable, num_groups = self._prepare(groups, config)
+        emit({"type": "started", "num_sequences": len(sequences), "num_groups": num_groups,
+              "num_groups_trainable": num_trainable})
         with self.lock:
             trainer = self._ensure_trainer(config)
             data_step = self.step
@@ -180,9 +186,12 @@ class ModelService:
             def commit() -> None:
                 if config.save_checkpoint:
                     write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
+                    emit({"type": "checkpoint", "step": new_step})
 
             if sequences:
-                metrics = trainer.step(sequences, config, commit=commit).values
+                metrics = trainer.step(
+                    sequences, config, commit=commit, on_update=lambda info: emit({"type": "update", **info})
+                ).values
             else:
                 log.warning("step %d: no group has reward spread; the adapter is unchanged", data_step)
                 metrics = {}

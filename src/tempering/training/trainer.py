@@ -186,12 +186,19 @@ class Trainer:
     # ---- the step -------------------------------------------------------------------------
 
     def step(
-        self, sequences: list[TokenizedSequence], config: TrainConfig, *, commit: Callable[[], None] | None = None
+        self,
+        sequences: list[TokenizedSequence],
+        config: TrainConfig,
+        *,
+        commit: Callable[[], None] | None = None,
+        on_update: Callable[[dict[str, float]], None] | None = None,
     ) -> StepMetrics:
         """One RL step on sequences whose `advantage` is set.
 
         `commit` (say, writing the checkpoint) runs after the update; if the update or `commit`
         raises, the adapter, optimizer and RNG are put back as they were and the error propagates.
+        `on_update(info)` is called after each optimizer update with its index, count, loss and
+        grad norm (progress reporting).
 
         Raises:
             ConfigError: if `sequences` is empty.
@@ -200,7 +207,7 @@ class Trainer:
             raise ConfigError("nothing to train on: every sequence was filtered out")
         snapshot = self._snapshot()
         try:
-            metrics = self._step(sequences, config)
+            metrics = self._step(sequences, config, on_update)
             if commit is not None:
                 commit()
             return metrics
@@ -208,7 +215,7 @@ class Trainer:
             self._restore(snapshot)
             raise
 
-    def _step(self, sequences: list[TokenizedSequence], config: TrainConfig) -> StepMetrics:
+    def _step(self, sequences: list[TokenizedSequence], config: TrainConfig, on_update=None) -> StepMetrics:
         start = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = config.learning_rate
@@ -220,7 +227,7 @@ class Trainer:
         totals = _Totals()
         try:
             with self._compute_context():  # also while checkpointed layers recompute in backward
-                self._run_minibatches(sequences, config, totals, device)
+                self._run_minibatches(sequences, config, totals, device, on_update)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             if config.gradient_checkpointing:
@@ -256,8 +263,10 @@ class Trainer:
             disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
             disable()
 
-    def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals, device) -> None:
-        for minibatch in self._minibatches(sequences, config):
+    def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals, device,
+                         on_update=None) -> None:
+        minibatches = self._minibatches(sequences, config)
+        for index, minibatch in enumerate(minibatches):
             weights = token_weights(minibatch, config.aggregation, config.dr_grpo_normalizer)
             self.optimizer.zero_grad(set_to_none=True)
             for micro in pack_sequences(minibatch, max_tokens=config.micro_batch_tokens, weights=weights):
@@ -269,6 +278,9 @@ class Trainer:
             totals.grad_norms.append(float(grad_norm))
             self.optimizer.step()
             self.num_updates += 1
+            if on_update is not None:
+                on_update({"update": index + 1, "num_updates": len(minibatches), "grad_norm": float(grad_norm),
+                           "loss": totals.loss})
 
     def _minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig) -> list[list[TokenizedSequence]]:
         """Whole trajectories per mini-batch, shuffled (with the saved RNG) when there are several."""

@@ -1,0 +1,208 @@
+"""RemoteBackend: the same interface as LocalBackend, talking to a `tempering serve` process.
+
+The agent code runs anywhere (a laptop, production); inference and training run on the server.
+`model.openai_client()` points at the server's OpenAI routes. Requests are retried with
+exponential backoff on transient failures (connection errors, 502/503/504); a train call starts
+a job with a request id (a retry never trains twice) and follows its progress events,
+reconnecting where it left off when the connection drops or the client's read timeout passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from ..errors import BackendError, CheckpointError, ConfigError, TemperingError, TrajectoryError, UnknownModelError
+from ..types import TrainConfig, TrainResult, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from ..model import Model, TrainableModel
+
+__all__ = ["RemoteBackend"]
+
+_RETRY_STATUS = {502, 503, 504}
+_ERRORS = {
+    "TrajectoryError": TrajectoryError,
+    "ConfigError": ConfigError,
+    "UnknownModelError": UnknownModelError,
+    "CheckpointError": CheckpointError,
+    "ValidationError": ConfigError,
+}
+
+
+class RemoteBackend:
+    """A backend on another machine, reached over HTTP.
+
+    Args:
+        base_url: the server's address, e.g. "http://gpu-box:8000".
+        api_key: the server's key (`tempering serve --api-key`).
+        timeout_s: read timeout of one HTTP request; a train call outlives it by reconnecting.
+        max_retries: attempts after the first for a request that failed transiently.
+        transport: an httpx transport (tests use `httpx.ASGITransport(app)` to call an app in-process).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        timeout_s: float = 60.0,
+        max_retries: int = 5,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self.max_retries = max_retries
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            transport=transport,
+        )
+        self._closed = False
+
+    async def __aenter__(self) -> RemoteBackend:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection pool (the server and its models keep running)."""
+        if not self._closed:
+            self._closed = True
+            await self._client.aclose()
+
+    # ---- HTTP with retries --------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        if self._closed:
+            raise BackendError("this RemoteBackend is closed; create a new one")
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = await self._client.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt == self.max_retries:
+                    raise BackendError(f"cannot reach the tempering server at {self.base_url}: {exc!r}") from exc
+            else:
+                if response.status_code not in _RETRY_STATUS or attempt == self.max_retries:
+                    return _decode(response)
+            await asyncio.sleep(min(0.5 * 2**attempt, 10.0) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    # ---- the Backend interface ----------------------------------------------------------------
+
+    async def register(self, model: Model) -> None:
+        trainable = getattr(model, "trainable", False)
+        lora = getattr(model, "lora_config", None)
+        await self._request("POST", "/v1/register", json={
+            "name": model.name,
+            "project": model.project,
+            "base_model": model.base_model if trainable else None,
+            "lora_config": lora.model_dump() if lora is not None else None,
+            "model_json": model.model_dump(mode="json", exclude={"inference_api_key"}),
+        })
+
+    async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
+        return f"{self.base_url}/v1", self._api_key
+
+    def _model_inference_name(self, model: Model, step: int | None = None) -> str:
+        return model.name if step is None else f"{model.name}@{step}"
+
+    async def _get_step(self, model: TrainableModel) -> int:
+        return int((await self._request("GET", f"/v1/models/{model.name}/step"))["step"])
+
+    async def train(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
+        """One RL step on the server, ART >= 0.5.18 style (options as LocalBackend.train)."""
+        from .local import train_config_from_options
+
+        return await self._train_model(model, trajectory_groups, train_config_from_options(options))
+
+    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+        groups = list(trajectory_groups)
+        if any(getattr(g, "is_pending", False) for g in groups):
+            raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
+        job = await self._request("POST", f"/v1/models/{model.name}/train", json={
+            "request_id": uuid.uuid4().hex,
+            "groups": [g.model_dump(mode="json") for g in groups],
+            "config": config.model_dump(mode="json", exclude_none=True),
+        })
+        return await self._follow(job["job_id"])
+
+    async def _follow(self, job_id: str) -> TrainResult:
+        """Read the job's events until it ends, reconnecting after the last event seen."""
+        seen, failures = 0, 0
+        while True:
+            try:
+                async with self._client.stream("GET", f"/v1/jobs/{job_id}/events", params={"after": seen}) as response:
+                    if response.status_code != 200:
+                        _decode(response, body=await response.aread())
+                    async for line in response.aiter_lines():
+                        if not line.strip():
+                            continue
+                        event = json.loads(line)
+                        if event.get("type") == "heartbeat":
+                            continue
+                        seen = event["seq"] + 1
+                        failures = 0
+                        if event["type"] == "finished":
+                            return TrainResult.model_validate(event["result"])
+                        if event["type"] == "failed":
+                            error = event["error"]
+                            raise _ERRORS.get(error["type"], TemperingError)(error["message"])
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                failures += 1
+                if failures > self.max_retries:
+                    raise BackendError(f"lost the training job {job_id} at {self.base_url}: {exc!r}") from exc
+                await asyncio.sleep(min(0.5 * 2**failures, 10.0))
+
+    async def _log(self, model: Model, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
+        await self._request("POST", f"/v1/models/{model.name}/log", json={
+            "split": split, "step": step, "metrics": metrics, "groups": [g.model_dump(mode="json") for g in groups],
+        })
+
+    async def _read_history(self, model: Model) -> list[dict[str, Any]]:
+        return (await self._request("GET", f"/v1/models/{model.name}/history"))["rows"]
+
+    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> list[int]:
+        response = await self._request("POST", f"/v1/models/{model.name}/checkpoints/delete", json={"keep_steps": list(steps_to_keep)})
+        return response["deleted"]
+
+    async def list_checkpoints(self, model: Model) -> list[dict[str, Any]]:
+        """Saved steps of `model` with the metrics logged for them."""
+        return (await self._request("GET", f"/v1/models/{model.name}/checkpoints"))["checkpoints"]
+
+    async def fork_checkpoint(self, model: Model, *, from_project: str, from_model: str, step: int | None = None) -> int:
+        """Copy a checkpoint of another model into `model` (before registering it); returns the step."""
+        response = await self._request("POST", f"/v1/models/{model.name}/fork", json={
+            "project": model.project, "from_project": from_project, "from_model": from_model, "step": step,
+        })
+        return int(response["step"])
+
+
+def _decode(response: httpx.Response, body: bytes | None = None) -> Any:
+    """The JSON body of a 2xx response; otherwise the matching tempering error with the server's message."""
+    raw = body if body is not None else response.content
+    try:
+        data = json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        data = {"error": {"message": raw.decode(errors="replace")[:500]}}
+    if response.status_code < 300:
+        return data
+    message = (data.get("error") or {}).get("message") or str(data)
+    status = response.status_code
+    if status == 401:
+        raise BackendError(f"the tempering server refused the API key: {message}")
+    if status == 404:
+        raise UnknownModelError(message)
+    if status == 409:
+        raise BackendError(f"HTTP 409: {message}")
+    if status in (400, 413, 422):
+        error = TrajectoryError if "trajector" in message.lower() else ConfigError
+        raise error(f"HTTP {status}: {message}")
+    raise BackendError(f"the tempering server answered HTTP {status}: {message}")

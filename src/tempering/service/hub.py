@@ -1,0 +1,150 @@
+"""ModelHub: every model of one storage root, what LocalBackend and `tempering serve` both run.
+
+It registers models (loading a ModelService for trainable ones), trains them, logs metrics and
+trajectories, lists, deletes and forks checkpoints. All paths come from validated names under
+`root`, so nothing a caller sends can reach outside it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..engine import EngineConfig
+from ..errors import ConfigError, UnknownModelError
+from ..storage import (
+    ModelPaths,
+    append_history,
+    delete_checkpoints,
+    latest_step,
+    list_checkpoints,
+    read_history,
+    write_atomically,
+    write_trajectories,
+)
+from ..types import LoRAConfig, TrainConfig, TrainResult, TrajectoryGroup
+from .registry import ServiceRegistry
+from .service import ModelService
+
+__all__ = ["ModelHub"]
+
+
+class ModelHub:
+    """The models under `root`.
+
+    Args:
+        root: storage root (`<root>/<project>/models/<name>/`).
+        device: where trainable models run (default CUDA when available, else CPU).
+        engine_config: the engines' batching and KV-cache settings.
+    """
+
+    def __init__(self, root: Path, *, device: str | None = None, engine_config: EngineConfig | None = None) -> None:
+        self.root = Path(root)
+        self.device = device
+        self.engine_config = engine_config or EngineConfig()
+        self.registry = ServiceRegistry()
+        self._projects: dict[str, str] = {}  # model name -> project (names are global: requests use them)
+        self._lock = threading.Lock()
+
+    def paths(self, project: str, name: str) -> ModelPaths:
+        return ModelPaths(self.root, project, name)
+
+    def register(self, *, name: str, project: str, model_json: dict[str, Any], base_model: str | None = None,
+                 lora: LoRAConfig | None = None) -> int:
+        """Record the model and, when `base_model` is given (a trainable model), load its service.
+
+        Returns:
+            the model's latest step.
+
+        Raises:
+            ConfigError: if the name is taken by a model of another project, or invalid.
+            UnknownModelError: if the base model cannot be found.
+        """
+        paths = self.paths(project, name)
+        with self._lock:
+            other = self._projects.get(name)
+            if other is not None and other != project:
+                raise ConfigError(f"a model named {name!r} is already registered in project {other!r}; use another name")
+            self._projects[name] = project
+        paths.model_dir.mkdir(parents=True, exist_ok=True)
+        paths.model_json.write_text(json.dumps(model_json, indent=2))
+        if base_model is None:
+            return 0
+        service = self.registry.get(name)
+        if service is None:
+            service = ModelService(paths, base_model, lora=lora, device=self.device, engine_config=self.engine_config)
+            self.registry.add(name, service)
+        return service.step
+
+    def service(self, name: str) -> ModelService:
+        service = self.registry.get(name)
+        if service is None:
+            raise UnknownModelError(f"no trainable model named {name!r} is registered; register it first")
+        return service
+
+    def project_of(self, name: str) -> str:
+        project = self._projects.get(name)
+        if project is None:
+            raise UnknownModelError(f"no model named {name!r} is registered; register it first")
+        return project
+
+    def step(self, project: str, name: str) -> int:
+        service = self.registry.get(name)
+        return service.step if service is not None else latest_step(self.paths(project, name).checkpoints_dir)
+
+    def train(self, name: str, groups: list[TrajectoryGroup], config: TrainConfig, on_event=None) -> TrainResult:
+        return self.service(name).train(groups, config, on_event=on_event)
+
+    def log(self, project: str, name: str, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
+        paths = self.paths(project, name)
+        append_history(paths.history, {"step": step, **metrics})
+        if groups:
+            write_trajectories(paths.trajectories(split, step), groups)
+
+    def history(self, project: str, name: str) -> list[dict[str, Any]]:
+        return read_history(self.paths(project, name).history)
+
+    def checkpoints(self, project: str, name: str) -> list[dict[str, Any]]:
+        """Saved steps with the metrics history.jsonl holds for them."""
+        by_step: dict[int, dict[str, Any]] = {}
+        for row in self.history(project, name):
+            if "step" in row:
+                by_step.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k not in ("step", "recorded_at")})
+        return [{"step": c.step, "path": str(c.path), "metrics": by_step.get(c.step, {})}
+                for c in list_checkpoints(self.paths(project, name).checkpoints_dir)]
+
+    def delete_checkpoints(self, project: str, name: str, keep_steps: list[int]) -> list[int]:
+        """Delete every checkpoint but `keep_steps` and the latest (the live policy)."""
+        keep = set(keep_steps) | {self.step(project, name)}
+        return delete_checkpoints(self.paths(project, name).checkpoints_dir, keep)
+
+    def fork(self, *, project: str, name: str, from_project: str, from_name: str, step: int | None = None) -> int:
+        """Copy checkpoint `step` (default: the latest) of another model into this one, at the same step.
+
+        The target must not be registered yet (register it afterwards to serve the fork).
+
+        Raises:
+            UnknownModelError: if the source has no such checkpoint.
+            ConfigError: if the target is already registered or already has that step.
+        """
+        if self.registry.get(name) is not None:
+            raise ConfigError(f"{name!r} is registered and serving; fork into a new model name, then register it")
+        source = self.paths(from_project, from_name)
+        saved = {c.step: c.path for c in list_checkpoints(source.checkpoints_dir)}
+        if not saved:
+            raise UnknownModelError(f"{from_project}/{from_name} has no checkpoints to fork")
+        step = max(saved) if step is None else step
+        if step not in saved:
+            raise UnknownModelError(f"{from_project}/{from_name} has no checkpoint of step {step}; saved: {sorted(saved)}")
+        target = self.paths(project, name)
+        if (target.checkpoint(step) / "adapter_config.json").exists():
+            raise ConfigError(f"{project}/{name} already has a checkpoint of step {step}")
+        write_atomically(target.checkpoint(step), lambda tmp: shutil.copytree(saved[step], tmp, dirs_exist_ok=True))
+        return step
+
+    def close(self) -> None:
+        for service in self.registry.services():
+            service.close()
