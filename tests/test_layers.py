@@ -16,7 +16,8 @@ RANK = {
     "engine": 2, "training": 2,
     "service": 3,
     "backends": 4,
-    "model": 5, "gather": 5,
+    "tracking": 4.5, "progress": 4.5,
+    "model": 5, "gather": 5, "rewards": 5, "sft": 6,
     "demo": 6, "cli": 7, "__init__": 8,
 }
 LEAVES = {"errors", "types", "chat"}

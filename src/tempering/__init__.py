@@ -20,8 +20,10 @@ from .errors import (
     TrajectoryError,
     UnknownModelError,
 )
+from . import rewards
 from .gather import gather_trajectories, gather_trajectory_groups
 from .model import Model, TrainableModel
+from .sft import read_sft_jsonl, train_sft_from_file
 from .types import (
     History,
     LoRAConfig,
@@ -31,6 +33,7 @@ from .types import (
     Tools,
     TrainConfig,
     TrainResult,
+    TrainSFTConfig,
     Trajectory,
     TrajectoryGroup,
 )
@@ -56,6 +59,7 @@ __all__ = [
     "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
     "TrainableModel",
     "Trajectory",
     "TrajectoryError",
@@ -64,4 +68,7 @@ __all__ = [
     "__version__",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "read_sft_jsonl",
+    "rewards",
+    "train_sft_from_file",
 ]

@@ -9,7 +9,17 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from .errors import BackendError, ConfigError, TrajectoryError
-from .types import LoRAConfig, TrainConfig, TrainResult, Trajectory, TrajectoryGroup, summarize_groups
+from .progress import TrainProgress
+from .tracking import WandbReporter, wandb_wanted
+from .types import (
+    LoRAConfig,
+    TrainConfig,
+    TrainResult,
+    TrainSFTConfig,
+    Trajectory,
+    TrajectoryGroup,
+    summarize_groups,
+)
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -42,6 +52,21 @@ class Model(BaseModel):
 
     _backend: Backend | None = PrivateAttr(default=None)
     _openai_client: AsyncOpenAI | None = PrivateAttr(default=None)
+    _wandb: WandbReporter | None = PrivateAttr(default=None)
+
+    def _report(self, metrics: dict[str, float], step: int) -> None:
+        """Send a history row to W&B when it is wanted (see tracking.py)."""
+        if self._wandb is None:
+            if not wandb_wanted(self.report_metrics):
+                return
+            self._wandb = WandbReporter(project=self.project, name=self.name, config=self.model_dump(mode="json"))
+        self._wandb.log(metrics, step=step)
+
+    def finish_reporting(self) -> None:
+        """Close this model's W&B run, if it has one."""
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     async def register(self, backend: Backend) -> None:
         """Attach the model to `backend` (where its history and checkpoints are kept)."""
@@ -125,6 +150,7 @@ class Model(BaseModel):
         if step is None:
             step = await self.get_step()
         await backend._log(self, split=split, step=step, metrics=row, groups=groups)
+        self._report(row, step)
         return row
 
 
@@ -175,7 +201,35 @@ class TrainableModel(Model):
                 raise ConfigError(f"_config has options tempering does not know: {sorted(unknown)}")
             config = config.model_copy(update=_config)
         groups = list(trajectory_groups)
-        return await self._require_backend()._train_model(self, groups, config)
+        backend = self._require_backend()
+        step = await self.get_step()
+        with TrainProgress(f"train step {step + 1}") as progress:
+            result = await backend._train_model(self, groups, config, on_event=progress.on_event)
+        self._report(result.metrics, step)
+        return result
+
+    async def train_sft(
+        self,
+        trajectories: Iterable[Trajectory],
+        config: TrainSFTConfig | None = None,
+        _config: dict[str, Any] | None = None,
+        verbose: bool = False,
+    ) -> TrainResult:
+        """Supervised fine-tuning of this model's LoRA adapter on the trajectories' assistant messages.
+
+        The same adapter RL trains: an SFT warm-up followed by RL steps is one run. Saves one
+        checkpoint (step + 1) and logs `sft/*` metrics.
+
+        Raises:
+            TrajectoryError: no trajectories, or one with no assistant message.
+        """
+        trajectories = list(trajectories)
+        backend = self._require_backend()
+        step = await self.get_step()
+        with TrainProgress(f"sft step {step + 1}") as progress:
+            result = await backend._train_sft(self, trajectories, config or TrainSFTConfig(), on_event=progress.on_event)
+        self._report(result.metrics, step)
+        return result
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
         """Delete every checkpoint but the latest and the one with the highest `best_checkpoint_metric`.

@@ -36,6 +36,7 @@ __all__ = [
     "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
     "Trajectory",
     "TrajectoryGroup",
 ]
@@ -381,6 +382,38 @@ class TrainConfig(BaseModel):
         if self.advantage_normalization is not None:
             return self.advantage_normalization
         return "group" if self.normalize_advantages else "none"
+
+
+class TrainSFTConfig(BaseModel):
+    """Options of one supervised fine-tuning call (`model.train_sft(trajectories, config=...)`).
+
+    The assistant messages of the trajectories are trained with cross-entropy (the mean over all
+    their tokens in a batch), on the same LoRA adapter RL trains, so an SFT warm-up and RL steps
+    can follow each other. One call runs `epochs` passes in batches of `batch_size`
+    trajectories, one optimizer update each, and saves one checkpoint.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | list[float] = Field(default=5e-5, description="a list gives one value per batch")
+    batch_size: int | Literal["auto"] = "auto"
+    epochs: int = Field(default=1, ge=1)
+    micro_batch_tokens: int = Field(default=4096, ge=64)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    gradient_checkpointing: bool = True
+    shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSFTConfig:
+        rates = self.learning_rate if isinstance(self.learning_rate, list) else [self.learning_rate]
+        if not rates or any(r <= 0 for r in rates):
+            raise ConfigError(f"learning_rate must be positive (or a non-empty list of positive values), got {self.learning_rate}")
+        if isinstance(self.batch_size, int) and self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1 or 'auto', got {self.batch_size}")
+        return self
+
+    def resolved_batch_size(self) -> int:
+        return 8 if self.batch_size == "auto" else self.batch_size
 
 
 class TrainResult(BaseModel):

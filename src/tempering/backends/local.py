@@ -19,7 +19,7 @@ from ..service import create_app
 from ..service.auth import generate_api_key
 from ..service.hub import ModelHub
 from ..service.server import ServerThread
-from ..types import TrainConfig, TrainResult, TrajectoryGroup
+from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
 
 if TYPE_CHECKING:
     from ..model import Model, TrainableModel
@@ -172,12 +172,17 @@ class LocalBackend:
         """
         return await self._train_model(model, trajectory_groups, train_config_from_options(options))
 
-    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
+                           on_event=None) -> TrainResult:
         self._check_open()
         groups = list(trajectory_groups)
         if any(getattr(g, "is_pending", False) for g in groups):
             raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
-        return await asyncio.to_thread(self.hub.train, model.name, groups, config)
+        return await asyncio.to_thread(self.hub.train, model.name, groups, config, on_event)
+
+    async def _train_sft(self, model: TrainableModel, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
+        self._check_open()
+        return await asyncio.to_thread(self.hub.train_sft, model.name, list(trajectories), config, on_event)
 
     # ---- logs and checkpoints -----------------------------------------------------------------
 
@@ -189,6 +194,27 @@ class LocalBackend:
 
     async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> list[int]:
         return self.hub.delete_checkpoints(model.project, model.name, list(steps_to_keep))
+
+    async def list_checkpoints(self, model: Model) -> list[dict[str, Any]]:
+        """Saved steps of `model` with the metrics logged for them."""
+        return self.hub.checkpoints(model.project, model.name)
+
+    async def fork_checkpoint(self, model: Model, *, from_project: str, from_model: str, step: int | None = None) -> int:
+        """Copy a checkpoint of another model into `model` (before registering it); returns the step."""
+        return await asyncio.to_thread(self.hub.fork, project=model.project, name=model.name,
+                                       from_project=from_project, from_name=from_model, step=step)
+
+    async def _experimental_fork_checkpoint(self, model: Model, from_model: str, from_project: str | None = None,
+                                            not_after_step: int | None = None, verbose: bool = False) -> int:
+        """ART's name: fork the latest checkpoint of `from_model` (at or before `not_after_step`)."""
+        from ..storage import list_checkpoints as saved
+
+        project = from_project or model.project
+        steps = [c.step for c in saved(self.hub.paths(project, from_model).checkpoints_dir)
+                 if not_after_step is None or c.step <= not_after_step]
+        if not steps:
+            raise ConfigError(f"{project}/{from_model} has no checkpoint to fork (not after step {not_after_step})")
+        return await self.fork_checkpoint(model, from_project=project, from_model=from_model, step=max(steps))
 
 
 def train_config_from_options(options: dict[str, Any]) -> TrainConfig:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..errors import BackendError, CheckpointError, ConfigError, TemperingError, TrajectoryError, UnknownModelError
-from ..types import TrainConfig, TrainResult, TrajectoryGroup
+from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
 
 if TYPE_CHECKING:
     from ..model import Model, TrainableModel
@@ -123,7 +123,8 @@ class RemoteBackend:
 
         return await self._train_model(model, trajectory_groups, train_config_from_options(options))
 
-    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
+                           on_event=None) -> TrainResult:
         groups = list(trajectory_groups)
         if any(getattr(g, "is_pending", False) for g in groups):
             raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
@@ -132,9 +133,17 @@ class RemoteBackend:
             "groups": [g.model_dump(mode="json") for g in groups],
             "config": config.model_dump(mode="json", exclude_none=True),
         })
-        return await self._follow(job["job_id"])
+        return await self._follow(job["job_id"], on_event)
 
-    async def _follow(self, job_id: str) -> TrainResult:
+    async def _train_sft(self, model: TrainableModel, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
+        job = await self._request("POST", f"/v1/models/{model.name}/train_sft", json={
+            "request_id": uuid.uuid4().hex,
+            "trajectories": [t.model_dump(mode="json") for t in trajectories],
+            "config": config.model_dump(mode="json"),
+        })
+        return await self._follow(job["job_id"], on_event)
+
+    async def _follow(self, job_id: str, on_event=None) -> TrainResult:
         """Read the job's events until it ends, reconnecting after the last event seen."""
         seen, failures = 0, 0
         while True:
@@ -150,6 +159,8 @@ class RemoteBackend:
                             continue
                         seen = event["seq"] + 1
                         failures = 0
+                        if on_event is not None and event["type"] not in ("finished", "failed"):
+                            on_event(event)
                         if event["type"] == "finished":
                             return TrainResult.model_validate(event["result"])
                         if event["type"] == "failed":

@@ -98,6 +98,9 @@ class ModelHub:
     def train(self, name: str, groups: list[TrajectoryGroup], config: TrainConfig, on_event=None) -> TrainResult:
         return self.service(name).train(groups, config, on_event=on_event)
 
+    def train_sft(self, name: str, trajectories: list, config, on_event=None) -> TrainResult:
+        return self.service(name).train_sft(trajectories, config, on_event=on_event)
+
     def log(self, project: str, name: str, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
         paths = self.paths(project, name)
         append_history(paths.history, {"step": step, **metrics})

@@ -15,11 +15,10 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..errors import TemperingError
-from ..types import TrainConfig, TrajectoryGroup
 from .hub import ModelHub
 
 __all__ = ["TrainJob", "TrainJobs", "TrainingConflict"]
@@ -68,8 +67,9 @@ class TrainJobs:
         self._by_request: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def start(self, name: str, request_id: str, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainJob:
-        """Start a training step of `name`, or return the job this request id already started.
+    def start(self, name: str, request_id: str, work: Callable[[Callable[[dict], None]], Any]) -> TrainJob:
+        """Run `work(on_event)` (a training call of `name` returning a TrainResult) as a job, or return
+        the job this request id already started.
 
         Raises:
             TrainingConflict: if another step of this model is running.
@@ -94,15 +94,15 @@ class TrainJobs:
                     break
                 del self._jobs[old_id]
                 self._by_request.pop(old.request_id, None)
-        threading.Thread(target=self._run, args=(job, groups, config), name=f"tempering-train-{name}", daemon=True).start()
+        threading.Thread(target=self._run, args=(job, work), name=f"tempering-train-{name}", daemon=True).start()
         return job
 
     def get(self, job_id: str) -> TrainJob | None:
         return self._jobs.get(job_id)
 
-    def _run(self, job: TrainJob, groups: list[TrajectoryGroup], config: TrainConfig) -> None:
+    def _run(self, job: TrainJob, work: Callable[[Callable[[dict], None]], Any]) -> None:
         try:
-            result = self.hub.train(job.model_name, groups, config, on_event=job.add)
+            result = work(job.add)
         except Exception as exc:  # reported to the client as an event, never a dead server
             job.end("failed", {"type": "failed", "error": {"type": type(exc).__name__, "message": str(exc)}})
             return

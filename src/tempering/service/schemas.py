@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..types import LoRAConfig, TrainConfig, TrajectoryGroup
+from ..types import LoRAConfig, TrainConfig, TrainSFTConfig, Trajectory, TrajectoryGroup
 
 __all__ = [
     "ChatCompletionRequest",
@@ -16,6 +16,7 @@ __all__ = [
     "LogRequest",
     "RegisterRequest",
     "TrainRequest",
+    "TrainSFTRequest",
 ]
 
 MAX_MESSAGES = 4096
@@ -105,6 +106,12 @@ class TrainRequest(_Strict):
     request_id: str = Field(min_length=8, max_length=128, description="the same id on a retry returns the same job")
     groups: list[TrajectoryGroup] = Field(max_length=100_000)
     config: TrainConfig = Field(default_factory=TrainConfig)
+
+
+class TrainSFTRequest(_Strict):
+    request_id: str = Field(min_length=8, max_length=128, description="the same id on a retry returns the same job")
+    trajectories: list[Trajectory] = Field(max_length=1_000_000)
+    config: TrainSFTConfig = Field(default_factory=TrainSFTConfig)
 
 
 class LogRequest(_Strict):

@@ -8,8 +8,10 @@ reload. A lock serializes engine batches and train steps: a sample never mixes t
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import math
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,14 +24,29 @@ from ..engine import Engine, EngineConfig, HFEngine, Policy, SamplingParams, eng
 from ..errors import ConfigError, TrajectoryError, UnknownModelError
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
+from ..training.sft import sft_batches, sft_sequences
 from ..training.trainer import ADAPTER_NAME
-from ..types import LoRAConfig, TrainConfig, TrainResult, TrajectoryGroup, check_reward, summarize_groups
+from ..types import LoRAConfig, TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup, check_reward, summarize_groups
 from .base_model import resolve_base_model
 from .policies import AdapterPolicy, NoAdapterPolicy
 
 __all__ = ["ModelService"]
 
 log = logging.getLogger("tempering")
+
+
+def release_free_memory() -> None:
+    """Give the heap memory freed by a training step back to the OS (glibc only).
+
+    A CPU training step allocates and frees gigabytes of activations from worker threads; glibc
+    keeps freed blocks in per-thread arenas, and the process's resident size grew by ~1 GB per
+    step without this (measured on the default model: 6.4 GB after 4 steps, 2.6 GB with it).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 def default_device() -> torch.device:
@@ -197,6 +214,7 @@ class ModelService:
                 metrics = {}
                 commit()
             self.step = new_step
+        release_free_memory()
         metrics.update({
             "data/step_num_groups_submitted": float(num_groups),
             "data/step_num_groups_trainable": float(num_trainable),
@@ -212,6 +230,41 @@ class ModelService:
             metrics={k: float(v) for k, v in row.items() if isinstance(v, int | float) and k != "step"},
             checkpoint_path=str(checkpoint) if config.save_checkpoint else None,
         )
+
+    def train_sft(self, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
+        """Supervised fine-tuning of the adapter on `trajectories`' assistant messages; saves checkpoint step + 1.
+
+        Raises:
+            TrajectoryError: for an empty list or a trajectory with no assistant message.
+        """
+        start = time.perf_counter()
+        emit = on_event or (lambda event: None)
+        if not trajectories:
+            raise TrajectoryError("train_sft() got no trajectories")
+        per_trajectory = []
+        for i, trajectory in enumerate(trajectories):
+            try:
+                per_trajectory.append(sft_sequences(trajectory, self.renderer, max_seq_len=self.max_seq_len))
+            except TrajectoryError as exc:
+                raise TrajectoryError(f"trajectory {i}: {exc}") from None
+        with self.lock:
+            trainer = self._ensure_trainer(TrainConfig())
+            batches = sft_batches(per_trajectory, config, trainer.rng)
+            emit({"type": "started", "num_trajectories": len(trajectories), "num_updates": len(batches)})
+            data_step, new_step = self.step, self.step + 1
+            checkpoint = self.paths.checkpoint(new_step)
+
+            def commit() -> None:
+                write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
+                emit({"type": "checkpoint", "step": new_step})
+
+            metrics = trainer.sft_step(batches, config, commit=commit,
+                                       on_update=lambda info: emit({"type": "update", **info})).values
+            self.step = new_step
+        release_free_memory()
+        metrics["time/step_wall_s"] = time.perf_counter() - start
+        append_history(self.paths.history, {"step": data_step, **metrics})
+        return TrainResult(step=new_step, metrics={k: float(v) for k, v in metrics.items()}, checkpoint_path=str(checkpoint))
 
     def _prepare(self, groups: list[TrajectoryGroup], config: TrainConfig) -> tuple[list[TokenizedSequence], int, int]:
         """Validate and tokenize; returns (sequences with advantages, trainable groups, groups)."""

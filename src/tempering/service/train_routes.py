@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from ..storage import check_name
 from .hub import ModelHub
 from .jobs import TrainJobs
-from .schemas import CheckpointDeleteRequest, ForkRequest, LogRequest, RegisterRequest, TrainRequest
+from .schemas import CheckpointDeleteRequest, ForkRequest, LogRequest, RegisterRequest, TrainRequest, TrainSFTRequest
 
 __all__ = ["build_train_router"]
 
@@ -42,7 +42,15 @@ def build_train_router(hub: ModelHub, jobs: TrainJobs) -> APIRouter:
     @router.post("/models/{name}/train", status_code=202, summary="Start one training step; read its events")
     async def train(name: str, body: TrainRequest) -> dict[str, Any]:
         project(name)
-        job = jobs.start(name, body.request_id, list(body.groups), body.config)
+        groups, config = list(body.groups), body.config
+        job = jobs.start(name, body.request_id, lambda on_event: hub.train(name, groups, config, on_event=on_event))
+        return job.summary()
+
+    @router.post("/models/{name}/train_sft", status_code=202, summary="Start a supervised fine-tuning call; read its events")
+    async def train_sft(name: str, body: TrainSFTRequest) -> dict[str, Any]:
+        project(name)
+        trajectories, config = list(body.trajectories), body.config
+        job = jobs.start(name, body.request_id, lambda on_event: hub.train_sft(name, trajectories, config, on_event=on_event))
         return job.summary()
 
     @router.get("/jobs/{job_id}", summary="A training job's status")

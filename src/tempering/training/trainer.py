@@ -282,6 +282,79 @@ class Trainer:
                 on_update({"update": index + 1, "num_updates": len(minibatches), "grad_norm": float(grad_norm),
                            "loss": totals.loss})
 
+    def sft_step(
+        self,
+        batches: list[tuple[list[TokenizedSequence], float]],
+        config: Any,
+        *,
+        commit: Callable[[], None] | None = None,
+        on_update: Callable[[dict[str, float]], None] | None = None,
+    ) -> StepMetrics:
+        """Supervised updates: each (sequences, learning rate) batch is one optimizer update of the
+        mean cross-entropy over its trained tokens. `config` is a TrainSFTConfig. Undone on failure,
+        like `step`."""
+        snapshot = self._snapshot()
+        try:
+            metrics = self._sft(batches, config, on_update)
+            if commit is not None:
+                commit()
+            return metrics
+        except BaseException:
+            self._restore(snapshot)
+            raise
+
+    def _sft(self, batches, config, on_update) -> StepMetrics:
+        start = time.perf_counter()
+        self.model.train()
+        if config.gradient_checkpointing:
+            self._set_checkpointing(True)
+        device = self.params[0].device
+        losses, grad_norms, tokens, trained = [], [], 0, 0
+        try:
+            with self._compute_context():
+                for index, (batch, learning_rate) in enumerate(batches):
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = learning_rate
+                        group["weight_decay"] = 0.0
+                    weights = token_weights(batch, "token_mean", None)
+                    self.optimizer.zero_grad(set_to_none=True)
+                    batch_loss = 0.0
+                    for micro in pack_sequences(batch, max_tokens=config.micro_batch_tokens, weights=weights):
+                        micro = micro.to(device)
+                        target_mask = micro.loss_mask[:, 1:]
+                        logprobs, _ = self._logprobs(micro, target_mask, 1024)
+                        loss = -(logprobs * micro.token_weight[:, 1:][target_mask]).sum()
+                        loss.backward()
+                        batch_loss += float(loss.detach())
+                        tokens += micro.num_tokens
+                        trained += int(logprobs.numel())
+                    max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+                    if not torch.isfinite(grad_norm):
+                        raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the SFT call was undone")
+                    self.optimizer.step()
+                    self.num_updates += 1
+                    losses.append(batch_loss)
+                    grad_norms.append(float(grad_norm))
+                    if on_update is not None:
+                        on_update({"update": index + 1, "num_updates": len(batches), "loss": batch_loss,
+                                   "grad_norm": float(grad_norm)})
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            if config.gradient_checkpointing:
+                self._set_checkpointing(False)
+        elapsed = time.perf_counter() - start
+        return StepMetrics({
+            "sft/loss": sum(losses) / len(losses),
+            "sft/loss_first_batch": losses[0],
+            "sft/loss_last_batch": losses[-1],
+            "sft/grad_norm": sum(grad_norms) / len(grad_norms),
+            "sft/num_updates": float(len(batches)),
+            "sft/tokens": float(tokens),
+            "sft/trained_tokens": float(trained),
+            "time/sft_s": elapsed,
+        })
+
     def _minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig) -> list[list[TokenizedSequence]]:
         """Whole trajectories per mini-batch, shuffled (with the saved RNG) when there are several."""
         by_trajectory: dict[tuple[int, int], list[TokenizedSequence]] = {}

@@ -1,0 +1,210 @@
+"""RULER: score the trajectories of a group relative to each other with an LLM judge.
+
+The judge is any OpenAI-compatible chat endpoint: a tempering server's own model, or an external
+API (`base_url` / `api_key`). The prompt sends the messages all trajectories share once, inside
+`<context>`, then each trajectory's own messages once, inside `<trajectory id="i">`, and asks for
+`{"scores": [{"trajectory_id": "1", "explanation": "...", "score": 0.8}, ...]}` with scores in
+[0, 1]. An answer that does not parse, misses an id, or gives a score outside [0, 1] is sent back
+to the judge once with the problem named; a second bad answer raises RulerError. Nothing is
+silently dropped. (After ART's RULER, described in reference/ART.md section 4; wording and code
+ours.)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import TemperingError
+from ..types import TrajectoryGroup
+
+__all__ = ["DEFAULT_RUBRIC", "RulerError", "TrajectoryScore", "parse_scores", "ruler", "ruler_score_group"]
+
+log = logging.getLogger("tempering")
+
+DEFAULT_RUBRIC = """\
+- A trajectory that reaches its goal scores clearly higher than one that does not.
+- Between two trajectories that reach the goal, the one that gets there more directly (fewer detours, \
+fewer wasted steps) scores higher.
+- Make score differences proportional to differences in quality: close trajectories get close scores.
+- Give partial credit to a trajectory that makes real progress without finishing."""
+
+_SYSTEM = """\
+You judge attempts by an AI agent. All the trajectories below were given the same task; compare \
+them with each other and give each a score between 0 and 1.
+
+Grading standards:
+{rubric}
+
+Answer with one JSON object and nothing else, in this form:
+{{"scores": [{{"trajectory_id": "1", "explanation": "one sentence", "score": 0.5}}, ...]}}
+with exactly one entry for each trajectory id, in order."""
+
+
+class RulerError(TemperingError, ValueError):
+    """The judge's answer could not be used (after one retry). `completions` holds its answers."""
+
+    def __init__(self, message: str, completions: list[Any] | None = None) -> None:
+        super().__init__(message)
+        self.completions = completions or []
+
+
+@dataclass(slots=True)
+class TrajectoryScore:
+    trajectory_id: str
+    score: float
+    explanation: str
+
+
+def _common_prefix(message_lists: list[list[dict[str, Any]]]) -> int:
+    n = min(len(m) for m in message_lists)
+    for i in range(n):
+        if any(m[i] != message_lists[0][i] for m in message_lists[1:]):
+            return i
+    return n
+
+
+def judge_prompt(message_lists: list[list[dict[str, Any]]], rubric: str, tools: list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    """The judge's [system, user] messages: shared prefix once, then each trajectory's remainder once."""
+    shared = _common_prefix(message_lists)
+    parts = []
+    if shared:
+        parts.append(f"<context>\n{json.dumps(message_lists[0][:shared], ensure_ascii=False)}\n</context>")
+    if tools:
+        parts.append(f"<available_tools>\n{json.dumps(tools, ensure_ascii=False)}\n</available_tools>")
+    for i, messages in enumerate(message_lists, start=1):
+        parts.append(f'<trajectory id="{i}">\n{json.dumps(messages[shared:], ensure_ascii=False)}\n</trajectory>')
+    return [{"role": "system", "content": _SYSTEM.format(rubric=rubric)}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def parse_scores(text: str, num_trajectories: int) -> list[TrajectoryScore]:
+    """Scores from the judge's answer (the outermost JSON object in it).
+
+    Raises:
+        ValueError: naming what is wrong: no JSON, a missing or extra id, a score outside [0, 1].
+    """
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end <= start:
+        raise ValueError("the answer holds no JSON object")
+    try:
+        data = json.loads(text[start:end + 1])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the JSON does not parse: {exc}") from None
+    entries = data.get("scores") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError('the JSON has no "scores" list')
+    by_id: dict[str, TrajectoryScore] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise ValueError("a scores entry is not an object")
+        tid = str(entry.get("trajectory_id", "")).strip()
+        score = entry.get("score")
+        if isinstance(score, bool) or not isinstance(score, int | float):
+            raise ValueError(f"trajectory {tid!r} has no numeric score")
+        if not 0.0 <= float(score) <= 1.0:
+            raise ValueError(f"trajectory {tid!r} has score {score}, outside [0, 1]")
+        by_id[tid] = TrajectoryScore(tid, float(score), str(entry.get("explanation", "")))
+    expected = [str(i) for i in range(1, num_trajectories + 1)]
+    missing = [i for i in expected if i not in by_id]
+    extra = sorted(set(by_id) - set(expected))
+    if missing or extra:
+        raise ValueError(f"the scores must cover trajectory ids {expected}; missing {missing}, unexpected {extra}")
+    return [by_id[i] for i in expected]
+
+
+async def ruler(
+    message_lists: list[list[dict[str, Any]]],
+    *,
+    judge_model: str,
+    client: Any = None,
+    base_url: str | None = None,
+    api_key: str | None = None,
+    rubric: str = DEFAULT_RUBRIC,
+    tools: list[dict[str, Any]] | None = None,
+    max_tokens: int = 1024,
+    temperature: float = 0.0,
+) -> list[TrajectoryScore]:
+    """Score conversations relative to each other.
+
+    Args:
+        message_lists: one conversation (OpenAI message dicts) per trajectory.
+        judge_model: the judge's model name at the endpoint.
+        client: an `openai.AsyncOpenAI` (e.g. `model.openai_client()` to judge with a tempering
+            model); otherwise one is made from `base_url` and `api_key`.
+
+    Returns:
+        one TrajectoryScore per conversation, in order.
+
+    Raises:
+        RulerError: if the judge's answer is unusable twice in a row.
+    """
+    if not message_lists:
+        return []
+    if client is None:
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none")
+    messages = judge_prompt(message_lists, rubric, tools)
+    completions = []
+    for attempt in range(2):
+        completion = await client.chat.completions.create(
+            model=judge_model, messages=messages, max_tokens=max_tokens, temperature=temperature
+        )
+        completions.append(completion)
+        text = completion.choices[0].message.content or ""
+        try:
+            return parse_scores(text, len(message_lists))
+        except ValueError as problem:
+            if attempt == 1:
+                raise RulerError(f"the judge's answer could not be used twice; last problem: {problem}", completions) from None
+            messages = messages + [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": f"That answer could not be used: {problem}. Reply again with only the JSON "
+                                            f"object, with one entry for each of the {len(message_lists)} trajectory ids."},
+            ]
+    raise AssertionError("unreachable")
+
+
+async def ruler_score_group(
+    group: TrajectoryGroup,
+    judge_model: str,
+    *,
+    client: Any = None,
+    base_url: str | None = None,
+    api_key: str | None = None,
+    rubric: str = DEFAULT_RUBRIC,
+    swallow_exceptions: bool = False,
+    **kwargs: Any,
+) -> TrajectoryGroup | None:
+    """A copy of `group` whose rewards are the judge's scores (for `gather_trajectory_groups(after_each=...)`).
+
+    Each trajectory keeps its original reward in `metrics["independent_reward"]`, gets the score
+    as `reward` and `metrics["ruler_score"]`, and the judge's explanation in `logs`.
+
+    Raises:
+        RulerError: if the judge's answer is unusable (unless `swallow_exceptions`, which logs a
+            warning and returns None so that gather drops the group, as ART does).
+    """
+    trajectories = [copy.deepcopy(t) for t in group.trajectories]
+    if any(t.additional_histories for t in trajectories):
+        raise RulerError("RULER scores the main conversation only; these trajectories have additional_histories")
+    tools = next((t.tools for t in trajectories if t.tools), None)
+    try:
+        scores = await ruler([t.messages() for t in trajectories], judge_model=judge_model, client=client,
+                             base_url=base_url, api_key=api_key, rubric=rubric, tools=tools, **kwargs)
+    except RulerError:
+        if swallow_exceptions:
+            log.warning("RULER could not score a group; it is dropped (swallow_exceptions=True)")
+            return None
+        raise
+    for trajectory, score in zip(trajectories, scores):
+        trajectory.metrics["independent_reward"] = trajectory.reward
+        trajectory.metrics["ruler_score"] = score.score
+        trajectory.reward = score.score
+        trajectory.logs.append(f"RULER: {score.explanation}")
+    return TrajectoryGroup(trajectories, exceptions=list(group.exceptions), metadata=dict(group.metadata),
+                           metrics=dict(group.metrics), logs=list(group.logs))
+
