@@ -1,0 +1,128 @@
+"""RULER: prompt structure, parsing, the retry, and a real judge served by tempering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+import tempering as art
+from tempering.rewards import RulerError, ruler, ruler_score_group
+from tempering.rewards.ruler import judge_prompt, parse_scores
+
+
+def traj(answer, reward):
+    return art.Trajectory(messages_and_choices=[
+        {"role": "system", "content": "Answer the question."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": answer},
+    ], reward=reward)
+
+
+class ScriptedJudge:
+    """An OpenAI-compatible client whose answers are given in advance (RULER's own logic under test)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.requests = []
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
+
+    async def _create(self, **kwargs):
+        self.requests.append(kwargs)
+        text = self.answers.pop(0)
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=text))])
+
+
+def scores(*values):
+    return json.dumps({"scores": [{"trajectory_id": str(i + 1), "explanation": "ok", "score": v} for i, v in enumerate(values)]})
+
+
+def test_the_prompt_sends_the_shared_prefix_once_and_each_trajectory_once():
+    lists = [t.messages() for t in (traj("4", 0), traj("5", 0), traj("four", 0))]
+    system, user = judge_prompt(lists, "be fair", None)
+    assert "be fair" in system["content"] and '"scores"' in system["content"]
+    content = user["content"]
+    assert content.count("What is 2+2?") == 1 and content.count("<context>") == 1
+    for i, answer in enumerate(["4", "5", "four"], start=1):
+        assert content.count(f'<trajectory id="{i}">') == 1
+        assert json.dumps([{"role": "assistant", "content": answer}]) in content
+
+
+def test_parse_scores_accepts_good_answers_and_names_every_problem():
+    assert [s.score for s in parse_scores("sure: " + scores(0.9, 0.1) + " done", 2)] == [0.9, 0.1]
+    for text, problem in [
+        ("no json here", "no JSON"),
+        ('{"scores": [}', "does not parse"),
+        ('{"grades": []}', '"scores"'),
+        (scores(0.9), "missing ['2']"),
+        (scores(0.9, 1.5), "outside [0, 1]"),
+        (json.dumps({"scores": [{"trajectory_id": "1", "score": "high"}, {"trajectory_id": "2", "score": 0}]}), "numeric"),
+        (scores(0.1, 0.2, 0.3), "unexpected ['3']"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            parse_scores(text, 2)
+
+
+def test_a_bad_answer_is_retried_once_with_the_problem_named_then_fails_clearly():
+    judge = ScriptedJudge("not json", scores(0.2, 0.8))
+    result = asyncio.run(ruler([traj("4", 0).messages(), traj("5", 0).messages()], judge_model="j", client=judge))
+    assert [s.score for s in result] == [0.2, 0.8]
+    assert "could not be used" in judge.requests[1]["messages"][-1]["content"]
+    judge = ScriptedJudge(scores(0.5), scores(2.0, 0.1))
+    with pytest.raises(RulerError, match="outside"):
+        asyncio.run(ruler([traj("4", 0).messages(), traj("5", 0).messages()], judge_model="j", client=judge))
+    assert len(judge.requests) == 2
+
+
+def test_ruler_score_group_keeps_the_independent_reward_and_works_as_after_each():
+    judge = ScriptedJudge(scores(1.0, 0.25))
+
+    async def rollout(answer, reward):
+        return traj(answer, reward)
+
+    async def main():
+        return await art.gather_trajectory_groups(
+            [art.TrajectoryGroup([rollout("4", 1.0), rollout("5", 0.0)])], pbar_desc=None,
+            after_each=lambda g: ruler_score_group(g, "judge", client=judge))
+
+    [group] = asyncio.run(main())
+    by_answer = {t.messages()[-1]["content"]: t for t in group}
+    assert sorted(t.reward for t in group) == [0.25, 1.0]
+    for t in group:
+        assert t.metrics["independent_reward"] in (0.0, 1.0) and t.metrics["ruler_score"] == t.reward
+        assert t.logs and t.logs[-1].startswith("RULER:")
+    assert by_answer  # both trajectories kept
+    bad = ScriptedJudge("?", "??")
+    group = art.TrajectoryGroup([traj("4", 1.0), traj("5", 0.0)])
+    with pytest.raises(RulerError):
+        asyncio.run(ruler_score_group(group, "judge", client=bad))
+    assert asyncio.run(ruler_score_group(group, "judge", client=ScriptedJudge("?", "??"), swallow_exceptions=True)) is None
+
+
+def test_a_judge_served_by_tempering_gets_the_prompt_and_its_answer_is_checked(tmp_path, default_model_dir):
+    async def main():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            judge = art.TrainableModel(name="judge", project="tests", base_model="SmolLM2-135M-Instruct")
+            await judge.register(backend)
+            group = art.TrajectoryGroup([traj("4", 1.0), traj("22", 0.0), traj("four", 1.0)])
+            try:
+                scored = await ruler_score_group(group, judge.name, client=judge.openai_client(), max_tokens=200)
+            except RulerError as error:  # a 135M judge rarely writes valid scores: then it was asked twice
+                assert len(error.completions) == 2
+                completions = error.completions
+            else:
+                assert all(0.0 <= t.reward <= 1.0 for t in scored)
+                completions = []
+            return backend._registry.get("judge").tokenizer, completions
+
+    tokenizer, completions = asyncio.run(main())
+    for completion in completions:  # the judge saw the shared prefix once and each trajectory once
+        prompt = tokenizer.decode(completion.choices[0].prompt_token_ids)
+        assert prompt.count("What is 2+2?") == 1
+        assert all(prompt.count(f'<trajectory id="{i}">') == 1 for i in (1, 2, 3))
+    if len(completions) == 2:
+        retry = tokenizer.decode(completions[1].choices[0].prompt_token_ids)
+        assert "could not be used" in retry
