@@ -48,7 +48,7 @@ def load_cpu_model(dtype: torch.dtype = torch.float32):
 
 
 def build_gpu_model(device: torch.device):
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,

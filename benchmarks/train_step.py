@@ -5,8 +5,10 @@ weights (or `--model 7b`, Qwen2.5-7B-shaped), LoRA r=8 on all linear layers, `--
 `--seq-len` tokens per step (default 16 × 1024), of which the last 7/8 are trained
 (completion) tokens. The baseline in the same run is the common recipe: the PEFT model's
 forward returns full logits, log-softmax over them in float32, the same PPO loss, backward,
-AdamW. Ours is `Trainer.step` (packed rows with varlen attention, chunked logprobs from hidden
-states, gradient checkpointing). Both are warmed up; each figure is the mean of `--steps` timed
+AdamW; when the full batch does not fit, it runs on half the sequences (then a quarter...) and
+the speedup compares tokens/s (`baseline_num_seqs` says). Ours is `Trainer.step` (tempering's
+packed forward with fused LoRA and kernels, varlen attention, chunked logprobs from hidden states,
+gradient checkpointing). Both are warmed up; each figure is the mean of `--steps` timed
 steps after a device sync. MFU counts the model FLOPs of a LoRA step, 4 × params × tokens
 (forward plus the backward pass to the inputs; recomputation not counted), against 989 TFLOP/s
 (H100 SXM dense bf16). On CPU (default) the default model in fp32, 8 × 256 tokens.
@@ -89,6 +91,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep activations instead of recomputing")
+    parser.add_argument("--also-no-checkpointing", action="store_true",
+                        help="also time ours without recomputation (rows of --micro-batch-tokens / 2)")
+    parser.add_argument("--hf-forward", action="store_true",
+                        help="ours with the transformers forward instead of tempering's decoder (for comparison)")
+    parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one step of ours to stderr")
     args = parser.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -102,6 +109,8 @@ def main() -> None:
     if model.config.tie_word_embeddings:
         matmul_params += model.get_input_embeddings().weight.numel()  # the LM head is a matmul too
     trainer = Trainer.new(model, LoRAConfig(rank=8, alpha=16))
+    if args.hf_forward:
+        trainer.decoder = None
     ids, prompt, sampled, advantages = make_batch(args, vocab)
     sequences = [
         TokenizedSequence(ids[i].tolist(), [False] * prompt + [True] * (args.seq_len - prompt),
@@ -126,17 +135,40 @@ def main() -> None:
         return elapsed, peak
 
     base_s = base_peak = None
+    base_seqs = args.num_seqs
     if not args.skip_baseline:  # first, so that nothing of ours is cached on the device
         trainer.model.train()
-        try:
-            base_s, base_peak = timed(lambda: baseline_step(trainer.peft_model, trainer.optimizer, ids, prompt, sampled,
-                                                            advantages, device))
-        except torch.OutOfMemoryError:
-            base_s = base_peak = "out of memory"
+        while base_seqs >= 1:  # the full batch may not fit: halve it, and compare tokens/s
+            try:
+                base_s, base_peak = timed(lambda: baseline_step(trainer.peft_model, trainer.optimizer, ids[:base_seqs],
+                                                                prompt, sampled[:base_seqs], advantages[:base_seqs], device))
+                break
+            except torch.OutOfMemoryError:
+                base_s = base_peak = None
+                base_seqs //= 2
+                trainer.optimizer.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
         trainer.optimizer.zero_grad(set_to_none=True)
         if gpu:
             torch.cuda.empty_cache()
+    base_tokens = base_seqs * args.seq_len
     ours_s, ours_peak = timed(lambda: trainer.step(sequences, config))
+    extra = {}
+    if args.also_no_checkpointing:
+        lean = config.model_copy(update={"gradient_checkpointing": False, "micro_batch_tokens": max(micro // 2, 1024)})
+        s_nc, peak_nc = timed(lambda: trainer.step(sequences, lean))
+        extra = {"ours_no_ckpt_tok_per_s": round(tokens / s_nc, 1), "ours_no_ckpt_peak_gib": round(peak_nc, 2) if gpu else None,
+                 "ours_no_ckpt_micro_batch_tokens": lean.micro_batch_tokens,
+                 "speedup_no_ckpt": round((tokens / s_nc) / (base_tokens / base_s), 2) if base_s else None}
+    if args.profile and gpu:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            trainer.step(sequences, config)
+            sync(device)
+        import sys
+
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), file=sys.stderr)
     peak_flops = 989e12 if gpu else None
     record = {
         "benchmark": "train_step",
@@ -149,11 +181,14 @@ def main() -> None:
         "ours_tok_per_s": round(tokens / ours_s, 1),
         "ours_peak_gib": round(ours_peak, 2) if gpu else None,
         "ours_mfu": round(4 * matmul_params * tokens / ours_s / peak_flops, 4) if gpu else None,
-        "baseline_s": base_s if not isinstance(base_s, float) else round(base_s, 4),
-        "baseline_tok_per_s": round(tokens / base_s, 1) if isinstance(base_s, float) else base_s,
-        "baseline_peak_gib": round(base_peak, 2) if isinstance(base_peak, float) else base_peak,
-        "speedup": round(base_s / ours_s, 2) if isinstance(base_s, float) else None,
-        "memory_ratio": round(ours_peak / base_peak, 3) if gpu and isinstance(base_peak, float) else None,
+        **extra,
+        "forward": "transformers" if trainer.decoder is None else "tempering",
+        "baseline_num_seqs": base_seqs if base_s else None,
+        "baseline_s": round(base_s, 4) if base_s else None,
+        "baseline_tok_per_s": round(base_tokens / base_s, 1) if base_s else None,
+        "baseline_peak_gib": round(base_peak, 2) if gpu and base_s else None,
+        "speedup": round((tokens / ours_s) / (base_tokens / base_s), 2) if base_s else None,
+        "memory_ratio": round(ours_peak / base_peak, 3) if gpu and base_s else None,
         "micro_batch_tokens": micro,
         "gradient_checkpointing": config.gradient_checkpointing,
         "torch": torch.__version__,

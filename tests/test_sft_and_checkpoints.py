@@ -119,10 +119,35 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, monkeypatch):
     asyncio.run(main())
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    data = b"".join(p.read_bytes() for p in runs[0].rglob("*.wandb"))
-    assert b"val/reward" in data and b"val/turns" in data and b"training_step" in data
-    assert data.find(b"0.75", data.find(b"val/reward")) - data.find(b"val/reward") < 16  # the value follows its key
+    [path] = runs[0].glob("*.wandb")
+    [row] = [h for h in wandb_history(path) if "val/reward" in h]
+    assert row["val/reward"] == 0.75 and row["val/turns"] == 2.0 and row["training_step"] == 3
     del wandb
+
+
+def wandb_history(path):
+    """The history rows of an offline W&B run file: a LevelDB-style log (32 KiB blocks of records
+    with a 7-byte header: crc32, length, type) of `Record` protobufs, after a 7-byte file header."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block, buf = path.read_bytes(), 7, 32768, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # block trailer or padding
+            pos += left
+            continue
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            if record.HasField("history"):
+                yield {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
 
 
 def test_tempering_plot_draws_and_compares_models(tmp_path):

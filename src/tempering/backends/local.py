@@ -9,7 +9,6 @@ steps run in a worker thread, so the user's event loop keeps running.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -178,11 +177,15 @@ class LocalBackend:
         groups = list(trajectory_groups)
         if any(getattr(g, "is_pending", False) for g in groups):
             raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
-        return await asyncio.to_thread(self.hub.train, model.name, groups, config, on_event)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.hub.train_executor, self.hub.train, model.name, groups, config, on_event
+        )
 
     async def _train_sft(self, model: TrainableModel, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
         self._check_open()
-        return await asyncio.to_thread(self.hub.train_sft, model.name, list(trajectories), config, on_event)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.hub.train_executor, self.hub.train_sft, model.name, list(trajectories), config, on_event
+        )
 
     # ---- logs and checkpoints -----------------------------------------------------------------
 

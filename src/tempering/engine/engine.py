@@ -19,13 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, EngineError
+from ..errors import EngineError
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .lora import AdapterWeights, collect_adapter
+from .memory import release_free_memory
 from .model_runner import ModelRunner
 from .models import LlamaFamilyModel
-from .request import Completion, GenerationRequest, Policy, TokenCallback
+from .request import Completion, GenerationRequest, Policy, TokenCallback, new_request
 from .sampling_params import SamplingParams, row_seed
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -105,16 +106,8 @@ class Engine:
             ConfigError: if the prompt is empty or does not fit in the context or the KV cache.
             EngineError: if the engine is closed.
         """
-        if not prompt_ids:
-            raise ConfigError("the prompt is empty: send at least one message or token")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ConfigError(
-                f"the prompt has {len(prompt_ids)} tokens but at most {self.max_seq_len - 1} fit "
-                f"(context {self.max_seq_len}, KV cache {self.blocks.capacity_tokens} tokens); shorten it"
-            )
-        if n < 1:
-            raise ConfigError(f"n must be >= 1, got {n}")
-        request = GenerationRequest(list(prompt_ids), params, n, policy, on_token=on_token)
+        request = new_request(prompt_ids, params, n, policy, on_token, max_seq_len=self.max_seq_len,
+                              limits=f"context {self.max_seq_len}, KV cache {self.blocks.capacity_tokens} tokens")
         with self._cond:
             if self._closed:
                 raise EngineError("the engine is closed; register the model with a new backend")
@@ -166,6 +159,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                if not self._inbox and not self.scheduler.has_work and self.stats.num_steps and self.device.type == "cpu":
+                    release_free_memory()  # going idle: hand the step's temporaries back to the OS
                 while not self._inbox and not self.scheduler.has_work and not self._closed:
                     self._cond.wait()
                 if self._closed:

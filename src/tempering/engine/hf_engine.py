@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, EngineError
-from .request import Completion, GenerationRequest, Policy, TokenCallback
+from ..errors import EngineError
+from .request import Completion, GenerationRequest, Policy, TokenCallback, new_request
 from .sampler import sample, sampling_tensors
 from .sampling_params import SamplingParams, row_seed
 from .stopping import completion_of, finish_reason_of
@@ -101,15 +101,8 @@ class HFEngine:
             ConfigError: if the prompt is empty or leaves no room for a token in the context.
             EngineError: if the engine is closed.
         """
-        if not prompt_ids:
-            raise ConfigError("the prompt is empty: send at least one message or token")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ConfigError(
-                f"the prompt has {len(prompt_ids)} tokens, but the model's context is {self.max_seq_len}; shorten it"
-            )
-        if n < 1:
-            raise ConfigError(f"n must be >= 1, got {n}")
-        request = GenerationRequest(list(prompt_ids), params, n, policy, on_token=on_token)
+        request = new_request(prompt_ids, params, n, policy, on_token, max_seq_len=self.max_seq_len,
+                              limits=f"the model's context is {self.max_seq_len}")
         with self._cond:
             if self._closed:
                 raise EngineError("the engine is closed; register the model with a new backend")

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from .sampling_params import SamplingParams
 
-__all__ = ["BasePolicy", "Completion", "GenerationRequest", "Policy", "TokenCallback"]
+__all__ = ["BasePolicy", "Completion", "GenerationRequest", "Policy", "TokenCallback", "new_request"]
 
 
 class Policy(Protocol):
@@ -82,3 +82,22 @@ class GenerationRequest:
     policy: Policy
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     on_token: TokenCallback | None = None
+
+
+def new_request(prompt_ids: list[int], params: SamplingParams, n: int, policy: Policy, on_token: TokenCallback | None,
+                *, max_seq_len: int, limits: str) -> GenerationRequest:
+    """A validated request (both engines' `submit`).
+
+    Raises:
+        ConfigError: if the prompt is empty, leaves no room for a token (`limits` says which
+            limits apply), or n < 1.
+    """
+    from ..errors import ConfigError
+
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty: send at least one message or token")
+    if len(prompt_ids) >= max_seq_len:
+        raise ConfigError(f"the prompt has {len(prompt_ids)} tokens but at most {max_seq_len - 1} fit ({limits}); shorten it")
+    if n < 1:
+        raise ConfigError(f"n must be >= 1, got {n}")
+    return GenerationRequest(list(prompt_ids), params, n, policy, on_token=on_token)

@@ -7,6 +7,7 @@ trajectories, lists, deletes and forks checkpoints. All paths come from validate
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import threading
@@ -46,6 +47,8 @@ class ModelHub:
         self.device = device
         self.engine_config = engine_config or EngineConfig()
         self.registry = ServiceRegistry()
+        # every training call runs on this one thread: its memory stays in one allocator arena
+        self.train_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tempering-train")
         self._projects: dict[str, str] = {}  # model name -> project (names are global: requests use them)
         self._lock = threading.Lock()
 
@@ -151,3 +154,4 @@ class ModelHub:
     def close(self) -> None:
         for service in self.registry.services():
             service.close()
+        self.train_executor.shutdown(wait=False, cancel_futures=True)

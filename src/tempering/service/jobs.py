@@ -94,7 +94,7 @@ class TrainJobs:
                     break
                 del self._jobs[old_id]
                 self._by_request.pop(old.request_id, None)
-        threading.Thread(target=self._run, args=(job, work), name=f"tempering-train-{name}", daemon=True).start()
+        self.hub.train_executor.submit(self._run, job, work)
         return job
 
     def get(self, job_id: str) -> TrainJob | None:

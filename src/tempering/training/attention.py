@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKED_ATTENTION", "packed_attention", "use_packed_attention"]
+__all__ = ["PACKED_ATTENTION", "packed_attention", "use_packed_attention", "varlen_causal_attention"]
 
 PACKED_ATTENTION = "tempering_packed"
 
@@ -52,21 +52,42 @@ def packed_attention(
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
         raise ValueError("packed attention needs one row and cu_seq_lens_q; run it through the trainer")
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)  # [T, Hkv, D]
-    v = value[0].transpose(0, 1)
+    out = varlen_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
+                                  kwargs.get("max_length_q"), scaling, window=kwargs.get("sliding_window"))
+    return out[None], None
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
+                            max_seq_len: int | None, scale: float | None, *, window: int | None = None) -> torch.Tensor:
+    """Causal attention of each packed sequence with itself, differentiable.
+
+    Args:
+        q: [T, Hq, D]; k, v: [T, Hkv, D] (Hq a multiple of Hkv: grouped-query attention).
+        cu_seq_lens: [S + 1] int32 cumulative sequence lengths.
+        max_seq_len: the longest sequence (computed when None).
+        scale: softmax scale (1/sqrt(D) when None).
+        window: sliding attention window (Mistral, some Qwen2 layers): token i sees tokens j with
+            i - window < j <= i, as transformers' sliding-window mask; None: the whole prefix.
+
+    Returns:
+        [T, Hq, D].
+    """
     if q.is_cuda and varlen_attn is not None:
-        max_len = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
-        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0))  # [T, H, D]
-        return out[None], None
-    bounds = cu.tolist()
+        max_len = int(max_seq_len or int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()))
+        left = window - 1 if window is not None and window < max_len else -1
+        return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_len, max_len, scale=scale, window_size=(left, 0))
+    bounds = cu_seq_lens.tolist()
     parts = []
     for start, end in zip(bounds[:-1], bounds[1:]):
+        n, mask = end - start, None
+        if window is not None and window < n:
+            i = torch.arange(n, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [n, n]
         parts.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            is_causal=True, scale=scaling, enable_gqa=True,
-        ))  # [1, H, len, D]
-    return torch.cat(parts, dim=2).transpose(1, 2), None
+            q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None],
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+        )[0].transpose(0, 1))  # [len, Hq, D]
+    return torch.cat(parts, dim=0)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -32,6 +32,7 @@ from ..errors import CheckpointError, ConfigError
 from ..types import LoRAConfig, TrainConfig
 from .attention import use_packed_attention
 from .batching import MicroBatch, pack_sequences
+from .decoder import PackedDecoder
 from .logprobs import selective_logprobs
 from .losses import kl_estimate, policy_loss
 from .tokenize import TokenizedSequence
@@ -113,6 +114,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)
         self.num_updates = 0
         self.rng = random.Random(seed)
+        # our own forward for the Llama family; None: run the transformers model (other architectures)
+        self.decoder = PackedDecoder.maybe(peft_model, ADAPTER_NAME)
+        self._checkpointing = False
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -221,21 +225,35 @@ class Trainer:
             group["lr"] = config.learning_rate
             group["weight_decay"] = config.weight_decay
         self.model.train()
-        if config.gradient_checkpointing:
-            self._set_checkpointing(True)
         device = self.params[0].device
         totals = _Totals()
         try:
-            with self._compute_context():  # also while checkpointed layers recompute in backward
+            with self._forward_mode(config.gradient_checkpointing):
                 self._run_minibatches(sequences, config, totals, device, on_update)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
-            if config.gradient_checkpointing:
-                self._set_checkpointing(False)
         return StepMetrics(self._metrics(totals, config, time.perf_counter() - start))
 
     @contextlib.contextmanager
-    def _compute_context(self) -> Iterator[None]:
+    def _forward_mode(self, checkpointing: bool) -> Iterator[None]:
+        """Switch layer recomputation on for the block (also while the backward recomputes), and with
+        the transformers forward, packed attention and autocast."""
+        self._checkpointing = checkpointing
+        try:
+            if self.decoder is not None:
+                yield
+            else:
+                self._set_hf_checkpointing(checkpointing)
+                try:
+                    with self._hf_compute_context():
+                        yield
+                finally:
+                    self._set_hf_checkpointing(False)
+        finally:
+            self._checkpointing = False
+
+    @contextlib.contextmanager
+    def _hf_compute_context(self) -> Iterator[None]:
         """Packed attention; with a bf16/fp16 model also autocast, so that PEFT runs the LoRA matmuls
         in that dtype on the activations instead of copying every activation to float32 (the
         adapter weights stay float32 for the optimizer)."""
@@ -250,8 +268,9 @@ class Trainer:
                 stack.enter_context(disable_input_dtype_casting(self.peft_model))
             yield
 
-    def _set_checkpointing(self, on: bool) -> None:
-        """Recompute each decoder layer in the backward pass (transformers >= 5.23 renamed the methods)."""
+    def _set_hf_checkpointing(self, on: bool) -> None:
+        """Recompute each of the transformers model's decoder layers in the backward pass
+        (transformers >= 5.23 renamed the methods)."""
         model = self.model
         if on:
             if hasattr(model, "activation_checkpointing_enable"):
@@ -271,13 +290,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             for micro in pack_sequences(minibatch, max_tokens=config.micro_batch_tokens, weights=weights):
                 self._micro_step(micro.to(device), config, totals, first_update=not totals.grad_norms)
-            max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the step was undone")
-            totals.grad_norms.append(float(grad_norm))
-            self.optimizer.step()
-            self.num_updates += 1
+            grad_norm = self._apply_update(config.max_grad_norm)
+            totals.grad_norms.append(grad_norm)
             if on_update is not None:
                 on_update({"update": index + 1, "num_updates": len(minibatches), "grad_norm": float(grad_norm),
                            "loss": totals.loss})
@@ -306,12 +320,10 @@ class Trainer:
     def _sft(self, batches, config, on_update) -> StepMetrics:
         start = time.perf_counter()
         self.model.train()
-        if config.gradient_checkpointing:
-            self._set_checkpointing(True)
         device = self.params[0].device
         losses, grad_norms, tokens, trained = [], [], 0, 0
         try:
-            with self._compute_context():
+            with self._forward_mode(config.gradient_checkpointing):
                 for index, (batch, learning_rate) in enumerate(batches):
                     for group in self.optimizer.param_groups:
                         group["lr"] = learning_rate
@@ -328,21 +340,14 @@ class Trainer:
                         batch_loss += float(loss.detach())
                         tokens += micro.num_tokens
                         trained += int(logprobs.numel())
-                    max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-                    if not torch.isfinite(grad_norm):
-                        raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the SFT call was undone")
-                    self.optimizer.step()
-                    self.num_updates += 1
+                    grad_norm = self._apply_update(config.max_grad_norm)
                     losses.append(batch_loss)
-                    grad_norms.append(float(grad_norm))
+                    grad_norms.append(grad_norm)
                     if on_update is not None:
                         on_update({"update": index + 1, "num_updates": len(batches), "loss": batch_loss,
                                    "grad_norm": float(grad_norm)})
         finally:
             self.optimizer.zero_grad(set_to_none=True)
-            if config.gradient_checkpointing:
-                self._set_checkpointing(False)
         elapsed = time.perf_counter() - start
         return StepMetrics({
             "sft/loss": sum(losses) / len(losses),
@@ -354,6 +359,19 @@ class Trainer:
             "sft/trained_tokens": float(trained),
             "time/sft_s": elapsed,
         })
+
+    def _apply_update(self, max_grad_norm: float | None) -> float:
+        """Clip the gradients, take an optimizer step; returns the norm before clipping.
+
+        Raises:
+            FloatingPointError: for a non-finite gradient norm (the caller undoes the step).
+        """
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm if max_grad_norm is not None else math.inf)
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the step was undone")
+        self.optimizer.step()
+        self.num_updates += 1
+        return float(grad_norm)
 
     def _minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig) -> list[list[TokenizedSequence]]:
         """Whole trajectories per mini-batch, shuffled (with the saved RNG) when there are several."""
@@ -367,10 +385,22 @@ class Trainer:
         minibatches = [sum(trajectories[i:i + size], []) for i in range(0, len(trajectories), size)]
         return [m for m in minibatches if any(s.num_completion_tokens for s in m)]
 
-    def _logprobs(self, micro: MicroBatch, target_mask: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs [N] and entropies [N] of the row's trained tokens (the model in packed attention)."""
-        with self._compute_context():
-            hidden = self.model.get_decoder()(
+    def _logprobs(self, micro: MicroBatch, target_mask: torch.Tensor, chunk_size: int, *,
+                  lora: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs [N] and entropies [N] of the row's trained tokens; `lora=False`: the base model's."""
+        h = self._hidden(micro, lora)[:, :-1][target_mask]  # [N, H]: position t predicts token t + 1
+        targets = micro.input_ids[:, 1:][target_mask]
+        temperature = micro.temperature[:, 1:][target_mask]
+        weight = self.model.get_output_embeddings().weight
+        return selective_logprobs(h, weight, targets, temperature, chunk_size=chunk_size)
+
+    def _hidden(self, micro: MicroBatch, lora: bool) -> torch.Tensor:
+        """Final hidden states [1, T, H] of a packed row."""
+        if self.decoder is not None:
+            return self.decoder(micro.input_ids[0], micro.position_ids[0], micro.cu_seq_lens, micro.max_seq_len,
+                                lora=lora, checkpointing=self._checkpointing)[None]
+        with contextlib.nullcontext() if lora else self.peft_model.disable_adapter():
+            return self.model.get_decoder()(
                 input_ids=micro.input_ids,
                 position_ids=micro.position_ids,
                 use_cache=False,
@@ -379,11 +409,6 @@ class Trainer:
                 max_length_q=micro.max_seq_len,
                 max_length_k=micro.max_seq_len,
             ).last_hidden_state  # [1, T, H]
-        h = hidden[:, :-1][target_mask]  # [N, H]: position t predicts token t + 1
-        targets = micro.input_ids[:, 1:][target_mask]
-        temperature = micro.temperature[:, 1:][target_mask]
-        weight = self.model.get_output_embeddings().weight
-        return selective_logprobs(h, weight, targets, temperature, chunk_size=chunk_size)
 
     def _micro_step(self, micro: MicroBatch, config: TrainConfig, totals: _Totals, *, first_update: bool) -> None:
         target_mask = micro.loss_mask[:, 1:]  # [1, T-1]
@@ -407,8 +432,8 @@ class Trainer:
             loss_tok = loss_tok * keep
             totals.masked += float((~keep).sum())
         if config.kl_penalty_coef > 0:
-            with torch.no_grad(), self.peft_model.disable_adapter():  # the base policy: LoRA off
-                ref_logprobs, _ = self._logprobs(micro, target_mask, config.logprob_chunk_size)
+            with torch.no_grad():  # the base policy: LoRA off
+                ref_logprobs, _ = self._logprobs(micro, target_mask, config.logprob_chunk_size, lora=False)
             kl = kl_estimate(new_logprobs, ref_logprobs, config.kl_estimator)
             loss_tok = loss_tok + config.kl_penalty_coef * kl
             totals.kl += float(kl.detach().sum())

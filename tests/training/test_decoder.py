@@ -1,0 +1,137 @@
+"""The trainer's own forward (training/decoder.py) against the PEFT-wrapped transformers model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tempering.training import TokenizedSequence, Trainer
+from tempering.training.batching import pack_sequences
+from tempering.types import LoRAConfig
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=211, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def tiny_model(arch: str):
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**TINY, tie_word_embeddings=True)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":  # biased q/k/v
+        config = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":  # per-head q/k RMSNorm, explicit head_dim
+        config = transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    model = cls(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+def sequences(vocab: int, lengths=(30, 17, 9)) -> list[TokenizedSequence]:
+    """Longest first: the order in which pack_sequences lays them out in a row."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        k = n // 2
+        out.append(TokenizedSequence(ids, [False] * (n - k) + [True] * k, [float("nan")] * (n - k) + [-1.0] * k,
+                                     temperatures=[1.0] * (n - k) + [0.7] * k, advantage=1.0, group_index=0,
+                                     trajectory_index=i))
+    return out
+
+
+def trainer_for(model, dropout=0.0) -> Trainer:
+    trainer = Trainer.new(model, LoRAConfig(rank=4, alpha=8, dropout=dropout))
+    with torch.no_grad():  # B starts at 0: make the adapter matter
+        for name, p in trainer.peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return trainer
+
+
+def reference_logprobs(trainer: Trainer, seqs: list[TokenizedSequence], *, lora=True) -> torch.Tensor:
+    """Each sequence alone through the PEFT model (no packing), full logits, log-softmax / temperature."""
+    out = []
+    ctx = trainer.peft_model.disable_adapter() if not lora else torch.enable_grad()
+    with ctx:
+        for s in seqs:
+            ids = torch.tensor(s.token_ids)[None]
+            logits = trainer.peft_model(input_ids=ids).logits[0, :-1].float()
+            temps = torch.tensor(s.temperatures[1:])
+            logp = torch.log_softmax(logits / temps[:, None], -1).gather(1, ids[0, 1:, None]).squeeze(1)
+            out.append(logp[torch.tensor(s.loss_mask[1:])])
+    return torch.cat(out)
+
+
+def ours(trainer: Trainer, seqs, *, lora=True, checkpointing=False) -> torch.Tensor:
+    [micro] = pack_sequences(seqs, max_tokens=4096)
+    assert micro.sequences == seqs
+    with trainer._forward_mode(checkpointing):
+        logprobs, _ = trainer._logprobs(micro, micro.loss_mask[:, 1:], chunk_size=7, lora=lora)
+    return logprobs
+
+
+def lora_grads(trainer: Trainer, logprobs: torch.Tensor, upstream: torch.Tensor) -> list[torch.Tensor]:
+    for p in trainer.params:
+        p.grad = None
+    (logprobs * upstream).sum().backward()
+    return [p.grad.clone() for p in trainer.params]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_packed_forward_matches_the_peft_model_in_logprobs_and_lora_gradients(arch):
+    trainer = trainer_for(tiny_model(arch))
+    assert trainer.decoder is not None
+    seqs = sequences(trainer.model.config.vocab_size)
+    ref = reference_logprobs(trainer, seqs)
+    upstream = torch.randn(ref.shape[0], generator=torch.Generator().manual_seed(2))
+    ref_grads = lora_grads(trainer, ref, upstream)
+    for checkpointing in (False, True):
+        lp = ours(trainer, seqs, checkpointing=checkpointing)
+        torch.testing.assert_close(lp, ref, atol=2e-5, rtol=1e-5)
+        for g, g_ref in zip(lora_grads(trainer, lp, upstream), ref_grads):
+            torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+    with torch.no_grad():  # the KL reference: the adapter switched off
+        torch.testing.assert_close(ours(trainer, seqs, lora=False), reference_logprobs(trainer, seqs, lora=False),
+                                   atol=2e-5, rtol=1e-5)
+
+
+def test_packed_forward_matches_on_the_default_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    trainer = trainer_for(AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32))
+    seqs = sequences(trainer.model.config.vocab_size, lengths=(61, 40, 25))
+    ref = reference_logprobs(trainer, seqs)
+    lp = ours(trainer, seqs, checkpointing=True)
+    torch.testing.assert_close(lp, ref, atol=1e-4, rtol=1e-4)
+    upstream = torch.randn(ref.shape[0], generator=torch.Generator().manual_seed(2))
+    errors = [float((g - g_ref).norm() / g_ref.norm())
+              for g, g_ref in zip(lora_grads(trainer, lp, upstream), lora_grads(trainer, ref, upstream))]
+    assert max(errors) < 1e-3, max(errors)  # fp32 sums in another order, through 30 layers
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_sliding_attention_windows_match_transformers_in_both_forwards(arch):
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "mistral":  # every layer slides
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=16))
+    else:  # layers from max_window_layers on slide
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **TINY, use_sliding_window=True, sliding_window=16, max_window_layers=1))
+    trainer = trainer_for(model.float())
+    seqs = sequences(model.config.vocab_size)  # 30 tokens: longer than the window
+    ref = reference_logprobs(trainer, seqs)
+    torch.testing.assert_close(ours(trainer, seqs), ref, atol=2e-5, rtol=1e-5)
+    trainer.decoder = None  # the transformers forward with packed attention
+    torch.testing.assert_close(ours(trainer, seqs), ref, atol=2e-5, rtol=1e-5)
