@@ -49,8 +49,8 @@ def sequences(vocab: int, lengths=(30, 17, 9)) -> list[TokenizedSequence]:
     return out
 
 
-def trainer_for(model, dropout=0.0) -> Trainer:
-    trainer = Trainer.new(model, LoRAConfig(rank=4, alpha=8, dropout=dropout))
+def trainer_for(model, dropout=0.0, **lora) -> Trainer:
+    trainer = Trainer.new(model, LoRAConfig(rank=4, alpha=8, dropout=dropout, **lora))
     with torch.no_grad():  # B starts at 0: make the adapter matter
         for name, p in trainer.peft_model.named_parameters():
             if "lora_B" in name:
@@ -135,3 +135,34 @@ def test_sliding_attention_windows_match_transformers_in_both_forwards(arch):
     torch.testing.assert_close(ours(trainer, seqs), ref, atol=2e-5, rtol=1e-5)
     trainer.decoder = None  # the transformers forward with packed attention
     torch.testing.assert_close(ours(trainer, seqs), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_lora_linear_matches_autograd_including_a_dropout_branch():
+    from tempering.training.decoder import lora_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(13, 12, requires_grad=True)
+    weight, bias = torch.randn(10, 12), torch.randn(10)
+    A, B = torch.randn(6, 12, requires_grad=True), torch.randn(10, 6, requires_grad=True)
+    mask = (torch.rand(13, 12) > 0.3).float() / 0.7  # a dropout mask
+    upstream = torch.randn(13, 10)
+    for x_lora in (None, x * mask):
+        y = lora_linear(x, weight, bias, A, B, 2.0, x_lora)
+        grads = torch.autograd.grad((y * upstream).sum(), (x, A, B))
+        x_l = x if x_lora is None else x * mask
+        y_ref = x @ weight.T + bias + 2.0 * (x_l @ A.T) @ B.T
+        grads_ref = torch.autograd.grad((y_ref * upstream).sum(), (x, A, B))
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-5)
+
+
+def test_lora_on_some_projections_only():
+    trainer = trainer_for(tiny_model("qwen2"), target_modules=["q_proj", "v_proj", "up_proj"])  # not adjacent
+    seqs = sequences(trainer.model.config.vocab_size)
+    ref = reference_logprobs(trainer, seqs)
+    lp = ours(trainer, seqs)
+    torch.testing.assert_close(lp, ref, atol=2e-5, rtol=1e-5)
+    upstream = torch.randn(ref.shape[0], generator=torch.Generator().manual_seed(2))
+    for g, g_ref in zip(lora_grads(trainer, lp, upstream), lora_grads(trainer, ref, upstream)):
+        torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)

@@ -43,6 +43,22 @@ def test_silu_and_mul_forward_and_backward_match_torch():
     torch.testing.assert_close(dgu.float(), dgu_ref.float(), atol=3e-2, rtol=3e-2)
 
 
+def test_rotary_forward_and_backward_match_torch():
+    from tempering.training import triton_kernels
+
+    torch.manual_seed(0)
+    qkv = torch.randn(300, 12 * 128 + 2 * 2 * 128, device="cuda", dtype=torch.bfloat16)
+    k = qkv[:, 12 * 128: 14 * 128].view(300, 2, 128)  # a strided view, as in the decoder
+    angles = torch.rand(300, 64, device="cuda") * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(torch.bfloat16)
+    dy = torch.randn(300, 2, 128, device="cuda", dtype=torch.bfloat16)
+    y, (dx,) = grads_of(lambda t: triton_kernels.rotary(t, cos, sin), k, upstream=dy)
+    y_ref, (dx_ref,) = grads_of(lambda t: kernels.apply_rotary(t, cos, sin), k, upstream=dy)
+    torch.testing.assert_close(y, y_ref, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(dx, dx_ref, atol=3e-2, rtol=2e-2)
+
+
 def test_logprob_epilogue_matches_torch():
     from tempering.training import triton_kernels
 

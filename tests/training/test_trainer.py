@@ -119,3 +119,25 @@ def test_each_loss_takes_a_finite_step_and_checkpointing_does_not_change_it(defa
         results.append(lora_state(trainer))
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_failed_step_puts_the_adapter_and_optimizer_back_exactly(default_model_dir):
+    config = TrainConfig(learning_rate=1e-3)
+    first, second = random_sequences(seed=1), random_sequences(seed=2)
+    reference = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    reference.step(first, config)
+    reference.step(second, config)
+
+    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    trainer.step(first, config)
+    before = lora_state(trainer)
+
+    def fail():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        trainer.step(second, config, commit=fail)  # the update ran; writing the checkpoint failed
+    assert all(torch.equal(a, b) for a, b in zip(lora_state(trainer), before))
+    assert trainer.num_updates == 1
+    trainer.step(second, config)  # the optimizer state came back too: the same step as never failing
+    assert all(torch.equal(a, b) for a, b in zip(lora_state(trainer), lora_state(reference)))

@@ -7,9 +7,9 @@ This forward reads the very same tensors (base weights as the fused q/k/v and ga
 engine uses; LoRA A/B as PEFT's own parameters, so the optimizer, checkpoints and the engine are
 unchanged) and computes, per projection group,
 
-    y = x W^T + b + s · (x A_cat^T) B_blockdiag^T        (one addmm for all LoRAs of the group)
+    y = [x | s · x A_cat^T] @ [W | B_blockdiag]^T + b        (one GEMM for the base and all LoRAs)
 
-with A_cat the stacked A's and B_blockdiag the block-diagonal of the B's, plus fused RMSNorm and
+with A_cat the stacked A's and B_blockdiag the block-diagonal of the B's (see _LoRALinear), plus fused RMSNorm and
 SwiGLU with their backward passes (kernels.py). Attention is varlen over the packed row
 (attention.py); each decoder layer is optionally recomputed in the backward pass. The math is
 Hugging Face's: tests check logprobs and LoRA gradients against the PEFT model.
@@ -28,32 +28,45 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..engine.layers.rotary import apply_rotary
 from ..engine.lora import collect_adapter
 from ..engine.models import SUPPORTED_ARCHITECTURES
 from ..engine.weights import base_layer, fuse_linears
 from .attention import varlen_causal_attention
 from .kernels import ops_for
 
-__all__ = ["PackedDecoder"]
+__all__ = ["PackedDecoder", "lora_linear"]
 
 log = logging.getLogger("tempering")
 
 
 @dataclass(slots=True)
 class _GroupLoRA:
-    """All LoRAs of one fused projection: y[:, cols] += s (x A_cat^T) B_bd^T."""
+    """All LoRAs of one fused projection (q/k/v, o, gate/up or down)."""
 
-    A: list[torch.Tensor]  # each [r, in], PEFT's parameters
-    B: list[torch.Tensor]  # each [out_i, r]
-    scale: float
-    cols: slice  # the fused output columns the B's cover, in order
+    A: list[torch.Tensor]  # each [r_i, in], PEFT's parameters
+    B: list[torch.Tensor]  # each [out_i, r_i]
+    scales: list[float]  # alpha_i / r_i
+    rows: list[slice]  # the fused output rows each B writes
     dropout: float
 
-    def delta_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def delta_inputs(self, dtype: torch.dtype, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A_cat [R, in], B_full [out_features, R]) in `dtype`, R = Σ r_i: the stacked A's and a
+        block-diagonal matrix holding each s_i B_i at its rows and columns, zero elsewhere, so that
+        (x A_cat^T) B_full^T is every LoRA delta of the group at once."""
         A = self.A[0] if len(self.A) == 1 else torch.cat(self.A, dim=0)
-        B = self.B[0] if len(self.B) == 1 else torch.block_diag(*self.B)
-        return A.to(dtype), B.to(dtype)
+        R = A.shape[0]
+        pieces, row, col = [], 0, 0
+        for B, s, rows in sorted(zip(self.B, self.scales, self.rows), key=lambda e: e[2].start or 0):
+            start, stop = rows.start or 0, out_features if rows.stop is None else rows.stop
+            if start > row:
+                pieces.append(B.new_zeros(start - row, R))
+            r = B.shape[1]
+            pieces.append(F.pad(B * s, (col, R - col - r)))
+            row, col = stop, col + r
+        if row < out_features:
+            pieces.append(pieces[0].new_zeros(out_features - row, R))
+        B_full = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        return A.to(dtype), B_full.to(dtype)
 
 
 @dataclass(slots=True)
@@ -73,18 +86,66 @@ class _Layer:
     lora: dict[str, _GroupLoRA]
     window: int | None  # sliding attention window of this layer
 
+    @property
+    def out_features(self) -> dict[str, int]:
+        return {"qkv": self.qkv.shape[0], "o": self.o.shape[0], "gate_up": self.gate_up.shape[0],
+                "down": self.down.shape[0]}
+
+
+class _LoRALinear(torch.autograd.Function):
+    """y = x W^T + b + s (x' A^T) B^T as ONE matrix product, [x | s x' A^T] @ [W | B]^T.
+
+    Adding the LoRA delta to y afterwards reads and writes all of y once more (for gate/up,
+    [T, 2I], the largest activation of a layer); appending the rank-k inputs to the base GEMM's
+    inner dimension costs k / in more FLOPs (~1%) instead. The backward does the same in reverse
+    (one GEMM gives the gradients of x and of the rank-k inputs) and computes only the LoRA
+    weights' gradients, never the frozen W's. x' is x, or x after LoRA dropout.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, A, B, scale, x_lora):
+        low = x_lora @ A.T  # [T, k r]
+        y = F.linear(torch.cat([x, low * scale], dim=1), torch.cat([weight, B], dim=1), bias)
+        ctx.save_for_backward(x_lora, low, weight, A, B)
+        ctx.scale, ctx.same_input = scale, x_lora is x
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_lora, low, weight, A, B = ctx.saved_tensors
+        s, in_features = ctx.scale, weight.shape[1]
+        grad_cat = grad_y @ torch.cat([weight, B], dim=1)  # [T, in + k r]
+        grad_low = grad_cat[:, in_features:] * s  # [T, k r]
+        grad_B = (grad_y.T @ low) * s  # [out, k r]
+        grad_A = grad_low.T @ x_lora  # [k r, in]
+        grad_x_lora = grad_low @ A  # [T, in]
+        grad_x = grad_cat[:, :in_features]
+        if ctx.same_input:
+            return grad_x + grad_x_lora, None, None, grad_A, grad_B, None, None
+        return grad_x, None, None, grad_A, grad_B, None, grad_x_lora
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
+                scale: float, x_lora: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b + scale (x_lora A^T) B^T with a frozen W and b (see _LoRALinear).
+
+    Args:
+        x: [T, in]; weight: [out, in]; bias: [out] or None; A: [k r, in]; B: [out, k r], all one dtype.
+        x_lora: the LoRA branch's input (x after dropout); x when None.
+
+    Returns:
+        [T, out].
+    """
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("lora_linear trains only A and B; the base weight and bias must be frozen")
+    return _LoRALinear.apply(x, weight, bias, A, B, scale, x if x_lora is None else x_lora)
+
 
 def _group(entries: list[Any], module_dropouts: list[float]) -> _GroupLoRA | None:
     if not entries:
         return None
-    scales = {e.scale for e in entries}
-    contiguous = all(a.out.stop == b.out.start for a, b in zip(entries, entries[1:]))
-    if len(scales) != 1 or not contiguous:
-        raise ValueError("LoRAs of one fused projection need one scale and adjacent outputs")
-    start = entries[0].out.start or 0
-    stop = entries[-1].out.stop
-    return _GroupLoRA([e.A for e in entries], [e.B for e in entries], entries[0].scale, slice(start, stop),
-                      max(module_dropouts, default=0.0))
+    return _GroupLoRA([e.A for e in entries], [e.B for e in entries], [e.scale for e in entries],
+                      [e.out for e in entries], max(module_dropouts, default=0.0))
 
 
 def _dropout_p(module: Any, adapter: str) -> float:
@@ -188,47 +249,47 @@ class PackedDecoder:
         cos, sin = cos[0], sin[0]
         recompute = checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
+            # the stacked A's and block-diagonal B's in the model dtype, built once per forward
+            # (not again when the layer is recomputed)
+            adapters = {name: g.delta_inputs(x.dtype, layer.out_features[name]) for name, g in layer.lora.items()} if lora else {}
             if recompute:
-                x = checkpoint(self._layer, layer, x, cos, sin, cu_seq_lens, max_seq_len, lora, use_reentrant=False)
+                x = checkpoint(self._layer, layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, use_reentrant=False)
             else:
-                x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, lora)
+                x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters)
         return self.ops.rms_norm(x, self.final_norm, self.eps)
 
     def _layer(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seq_lens: torch.Tensor,
-               max_seq_len: int, lora: bool) -> torch.Tensor:
+               max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         T = x.shape[0]
         ops = self.ops
         h = ops.rms_norm(x, layer.input_norm, self.eps)
-        qkv = self._linear(h, layer.qkv, layer.qkv_bias, layer.lora.get("qkv") if lora else None)
-        q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        qkv = self._linear(h, layer.qkv, layer.qkv_bias, layer, "qkv", adapters)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)  # one gradient concat, not three
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if layer.q_norm is not None:  # Qwen3: RMSNorm of each head before the rotation
             q = ops.rms_norm(q, layer.q_norm, self.eps)
             k = ops.rms_norm(k, layer.k_norm, self.eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q = ops.rotary(q, cos, sin)
+        k = ops.rotary(k, cos, sin)
         o = varlen_causal_attention(q, k, v, cu_seq_lens, max_seq_len, self.scale, window=layer.window)
         o = o.reshape(T, self.q_size)
-        x = x + self._linear(o, layer.o, layer.o_bias, layer.lora.get("o") if lora else None)
+        x = x + self._linear(o, layer.o, layer.o_bias, layer, "o", adapters)
         h = ops.rms_norm(x, layer.post_norm, self.eps)
-        gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias, layer.lora.get("gate_up") if lora else None)
+        gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias, layer, "gate_up", adapters)
         act = ops.silu_and_mul(gate_up)
-        return x + self._linear(act, layer.down, layer.down_bias, layer.lora.get("down") if lora else None)
+        return x + self._linear(act, layer.down, layer.down_bias, layer, "down", adapters)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: _GroupLoRA | None) -> torch.Tensor:
-        """x W^T + b, plus the group's LoRA deltas in one more matmul: [T, in] → [T, out]."""
-        y = F.linear(x, weight, bias)
-        if lora is None:
-            return y
-        A, B = lora.delta_inputs(x.dtype)
-        xa = x if lora.dropout == 0 or not self.training else F.dropout(x, lora.dropout)
-        low = xa @ A.T  # [T, k r]
-        if lora.cols.start == 0 and lora.cols.stop == y.shape[1]:
-            return torch.addmm(y, low, B.T, alpha=lora.scale)
-        y = y.clone()
-        y[:, lora.cols] = torch.addmm(y[:, lora.cols], low, B.T, alpha=lora.scale)
-        return y
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: _Layer, name: str,
+                adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x W^T + b plus the group's LoRA deltas: [T, in] → [T, out]."""
+        if name not in adapters:
+            return F.linear(x, weight, bias)
+        A, B = adapters[name]
+        lora = layer.lora[name]
+        x_lora = x if lora.dropout == 0 or not self.training else F.dropout(x, lora.dropout)
+        return lora_linear(x, weight, bias, A, B, 1.0, x_lora)  # the scales are inside B
 
 
 def _sliding_window(config: Any, layer: int) -> int | None:

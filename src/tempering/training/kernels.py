@@ -7,6 +7,7 @@ on CUDA and the PyTorch twins (plain autograd, the same math) elsewhere; tests c
 
 - `rms_norm(x, w, eps)`: w * (x / sqrt(mean(x²) + eps)) over the last dim (Zhang & Sennrich 2019).
 - `silu_and_mul(gate_up)`: silu(gate) * up of a fused [T, 2I] projection (SwiGLU, Shazeer 2020).
+- `rotary(x, cos, sin)`: x [T, heads, D] rotated by its positions' cos/sin [T, D] ("rotate half").
 - `logprob_epilogue(logits, targets, inv_temperature)`: per row, the target's log-softmax,
   the entropy, and d logprob / d logits written over the logits (used by logprobs.py).
 """
@@ -17,6 +18,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
+from ..engine.layers.rotary import apply_rotary
 
 __all__ = ["TORCH_OPS", "ops_for"]
 
@@ -63,16 +66,17 @@ def logprob_epilogue_torch(logits: torch.Tensor, targets: torch.Tensor, inv_temp
     return chosen, entropy, grad.mul_(inv_temperature[:, None])
 
 
-TORCH_OPS = SimpleNamespace(rms_norm=rms_norm_torch, silu_and_mul=silu_and_mul_torch, logprob_epilogue=logprob_epilogue_torch)
+TORCH_OPS = SimpleNamespace(rms_norm=rms_norm_torch, silu_and_mul=silu_and_mul_torch, rotary=apply_rotary,
+                            logprob_epilogue=logprob_epilogue_torch)
 
 
 def ops_for(device: torch.device) -> SimpleNamespace:
-    """rms_norm, silu_and_mul and logprob_epilogue for tensors on `device`."""
+    """rms_norm, silu_and_mul, rotary and logprob_epilogue for tensors on `device`."""
     if device.type == "cuda":
         try:
             from . import triton_kernels
         except ImportError:  # no Triton: the PyTorch versions run on CUDA too
             return TORCH_OPS
         return SimpleNamespace(rms_norm=triton_kernels.rms_norm, silu_and_mul=triton_kernels.silu_and_mul,
-                               logprob_epilogue=triton_kernels.logprob_epilogue)
+                               rotary=triton_kernels.rotary, logprob_epilogue=triton_kernels.logprob_epilogue)
     return TORCH_OPS

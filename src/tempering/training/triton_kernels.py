@@ -1,5 +1,8 @@
 """Triton versions of the training ops in kernels.py (CUDA only; imported lazily).
 
+The rotary embedding (RoFormer, arXiv 2104.09864) writes a new contiguous tensor and its backward
+is the transposed rotation.
+
 Each forward/backward pair is one launch per tensor. RMSNorm keeps 1/rms per row for its
 backward; SwiGLU recomputes silu in its backward from the saved [T, 2I] input and writes both
 halves of the input gradient in place (no zero-filled slice gradients); the logprob epilogue is
@@ -13,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["logprob_epilogue", "rms_norm", "silu_and_mul"]
+__all__ = ["logprob_epilogue", "rms_norm", "rotary", "silu_and_mul"]
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------
@@ -79,6 +82,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.requires_grad:
         raise ValueError("the fused RMSNorm has no weight gradient; it is for frozen norms (LoRA training)")
     return _RMSNorm.apply(x, weight, eps)
+
+
+# ---- rotary embedding ----------------------------------------------------------------------------
+
+@triton.jit
+def _rotary(X, Cos, Sin, Y, stride_xt, stride_xh, stride_yt, stride_yh, stride_c, num_heads,
+            BACKWARD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    hmask = heads[:, None] < num_heads
+    x_base = X + t * stride_xt + heads[:, None] * stride_xh
+    x1 = tl.load(x_base + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_base + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+    c1 = tl.load(Cos + t * stride_c + d)[None, :].to(tl.float32)
+    c2 = tl.load(Cos + t * stride_c + HALF + d)[None, :].to(tl.float32)
+    s1 = tl.load(Sin + t * stride_c + d)[None, :].to(tl.float32)
+    s2 = tl.load(Sin + t * stride_c + HALF + d)[None, :].to(tl.float32)
+    if BACKWARD:  # the transpose of the rotation below
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    else:  # x * cos + rotate_half(x) * sin
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    y_base = Y + t * stride_yt + heads[:, None] * stride_yh
+    tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=hmask)
+    tl.store(y_base + HALF + d[None, :], y2.to(Y.dtype.element_ty), mask=hmask)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    T, heads, D = x.shape
+    y = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
+    _rotary[(T,)](x, cos, sin, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), heads,
+                  BACKWARD=backward, HALF=D // 2, BLOCK_H=triton.next_power_of_2(heads))
+    return y
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        return _rotate(dy, cos, sin, backward=True), None, None
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (any row/head strides) rotated by cos/sin [T, D] into a new contiguous tensor."""
+    return _Rotary.apply(x, cos, sin)
 
 
 # ---- SwiGLU --------------------------------------------------------------------------------------
