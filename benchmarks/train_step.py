@@ -96,12 +96,18 @@ def main() -> None:
     parser.add_argument("--hf-forward", action="store_true",
                         help="ours with the transformers forward instead of tempering's decoder (for comparison)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one step of ours to stderr")
+    parser.add_argument("--kernels", default=None,
+                        help="override training.kernels.CUDA_KERNELS, e.g. rms_norm=triton,rotary=triton")
     args = parser.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
+    if args.kernels:
+        from tempering.training import kernels
+
+        kernels.CUDA_KERNELS.update(dict(item.split("=") for item in args.kernels.split(",")))
     args.num_seqs = args.num_seqs or (16 if gpu else 8)
     args.seq_len = args.seq_len or (1024 if gpu else 256)
-    micro = args.micro_batch_tokens or (8192 if gpu else 2048)
+    micro = args.micro_batch_tokens or TrainConfig().micro_batch_tokens
 
     model = build_model(args, device)
     vocab = model.config.vocab_size
@@ -191,6 +197,7 @@ def main() -> None:
         "memory_ratio": round(ours_peak / base_peak, 3) if gpu and base_s else None,
         "micro_batch_tokens": micro,
         "gradient_checkpointing": config.gradient_checkpointing,
+        "kernels": __import__("tempering.training.kernels").training.kernels.CUDA_KERNELS if gpu else "torch (CPU)",
         "torch": torch.__version__,
     }
     print(json.dumps(record))

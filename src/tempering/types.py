@@ -335,7 +335,7 @@ class TrainConfig(BaseModel):
     normalize_advantages: bool = True
     advantage_normalization: Literal["group", "batch", "none"] | None = None
     batch_size: int | None = Field(default=None, ge=1, description="trajectories per optimizer update")
-    micro_batch_tokens: int = Field(default=4096, ge=64, description="tokens per forward/backward pass")
+    micro_batch_tokens: int = Field(default=16384, ge=64, description="tokens per forward/backward pass")
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     lora_rank: int | None = Field(default=None, ge=1, description="LoRA rank; fixed by the model's first step")
@@ -398,7 +398,7 @@ class TrainSFTConfig(BaseModel):
     learning_rate: float | list[float] = Field(default=5e-5, description="a list gives one value per batch")
     batch_size: int | Literal["auto"] = "auto"
     epochs: int = Field(default=1, ge=1)
-    micro_batch_tokens: int = Field(default=4096, ge=64)
+    micro_batch_tokens: int = Field(default=16384, ge=64)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     gradient_checkpointing: bool = True
     shuffle: bool = True

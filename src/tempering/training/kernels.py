@@ -66,17 +66,34 @@ def logprob_epilogue_torch(logits: torch.Tensor, targets: torch.Tensor, inv_temp
     return chosen, entropy, grad.mul_(inv_temperature[:, None])
 
 
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's own RMSNorm (one fused kernel each way on CUDA); rounds once, after the weight."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 TORCH_OPS = SimpleNamespace(rms_norm=rms_norm_torch, silu_and_mul=silu_and_mul_torch, rotary=apply_rotary,
                             logprob_epilogue=logprob_epilogue_torch)
+
+# Which implementation each op uses on CUDA. A training step there is bound by the CPU that
+# launches its kernels as much as by the GPU, and a Triton launch costs several times a native
+# op's; measured per op on an H100 host (benchmarks/RESULTS.md). Benchmarks may change it.
+CUDA_KERNELS = {"rms_norm": "native", "silu_and_mul": "triton", "rotary": "torch", "logprob_epilogue": "triton"}
 
 
 def ops_for(device: torch.device) -> SimpleNamespace:
     """rms_norm, silu_and_mul, rotary and logprob_epilogue for tensors on `device`."""
-    if device.type == "cuda":
-        try:
-            from . import triton_kernels
-        except ImportError:  # no Triton: the PyTorch versions run on CUDA too
-            return TORCH_OPS
-        return SimpleNamespace(rms_norm=triton_kernels.rms_norm, silu_and_mul=triton_kernels.silu_and_mul,
-                               rotary=triton_kernels.rotary, logprob_epilogue=triton_kernels.logprob_epilogue)
-    return TORCH_OPS
+    if device.type != "cuda":
+        return TORCH_OPS
+    try:
+        from . import triton_kernels
+    except ImportError:  # no Triton: the PyTorch versions run on CUDA too
+        triton_kernels = None
+    ops = {}
+    for name, choice in CUDA_KERNELS.items():
+        if choice == "triton" and triton_kernels is not None:
+            ops[name] = getattr(triton_kernels, name)
+        elif choice == "native" and name == "rms_norm":
+            ops[name] = rms_norm_native
+        else:
+            ops[name] = getattr(TORCH_OPS, name)
+    return SimpleNamespace(**ops)
