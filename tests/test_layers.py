@@ -12,7 +12,7 @@ SRC = Path(tempering.__file__).parent
 # Lower layers never import higher ones (DESIGN.md "Layers"); the leaves import no other layer.
 RANK = {
     "errors": 0, "types": 0, "chat": 0,
-    "storage": 1,
+    "storage": 1, "modeling": 1,
     "engine": 2, "training": 2,
     "service": 3,
     "backends": 4,

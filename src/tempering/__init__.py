@@ -9,6 +9,7 @@
     await model.train(groups, config=art.TrainConfig(learning_rate=1e-4))
 """
 
+from . import rewards
 from .backends import Backend, LocalBackend, RemoteBackend
 from .errors import (
     BackendError,
@@ -20,7 +21,6 @@ from .errors import (
     TrajectoryError,
     UnknownModelError,
 )
-from . import rewards
 from .gather import gather_trajectories, gather_trajectory_groups
 from .model import Model, TrainableModel
 from .sft import read_sft_jsonl, train_sft_from_file

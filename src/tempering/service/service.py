@@ -25,7 +25,15 @@ from ..storage import ModelPaths, append_history, latest_step, list_checkpoints,
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
 from ..training.sft import sft_batches, sft_sequences
 from ..training.trainer import ADAPTER_NAME
-from ..types import LoRAConfig, TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup, check_reward, summarize_groups
+from ..types import (
+    LoRAConfig,
+    TrainConfig,
+    TrainResult,
+    TrainSFTConfig,
+    TrajectoryGroup,
+    check_reward,
+    summarize_groups,
+)
 from .base_model import resolve_base_model
 from .policies import AdapterPolicy, NoAdapterPolicy
 

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..engine.lora import collect_adapter
-from ..engine.models import SUPPORTED_ARCHITECTURES
-from ..engine.weights import base_layer, fuse_linears
+from ..modeling import SUPPORTED_ARCHITECTURES
+from ..modeling.lora import collect_adapter
+from ..modeling.weights import base_layer, fuse_linears
 from .attention import varlen_causal_attention
 from .kernels import ops_for
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from ..engine.layers.rotary import apply_rotary
+from ..modeling.rotary import apply_rotary
 
 __all__ = ["TORCH_OPS", "ops_for"]
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ...modeling.rotary import apply_rotary
+
 __all__ = ["RotaryTable", "apply_rotary", "rope_is_static", "rotary_"]
 
 
@@ -41,13 +43,6 @@ class RotaryTable:
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [N] → each [N, D]."""
         return self.cos[positions], self.sin[positions]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, heads, D] by the cos/sin [N, D] of its positions."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...modeling import SUPPORTED_ARCHITECTURES
+from ...modeling.weights import base_layer, fuse_linears
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention, store_kv
 from ..lora import LoRASegment, add_lora
-from ..weights import base_layer, fuse_linears
 
 __all__ = ["LlamaFamilyModel", "SUPPORTED_ARCHITECTURES"]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(slots=True)
