@@ -1,6 +1,6 @@
 """Train SmolLM2-135M-Instruct to use a calculator tool over two turns (ART-style loop; CPU is enough).
 
-    python examples/calculator_agent/train.py [--steps 15]
+    python examples/calculator_agent/train.py [--steps 8]
 
 Prints the validation reward (held-out problems) before and after training.
 """
@@ -45,8 +45,8 @@ async def main(steps: int, groups_per_step: int, group_size: int, learning_rate:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--groups-per-step", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--path", default=".tempering")
