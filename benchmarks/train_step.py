@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from tempering.training import TokenizedSequence, Trainer
+from tempering.training import TokenizedSequence, Trainer, kernels
 from tempering.types import LoRAConfig, TrainConfig
 
 SHAPES = {
@@ -102,8 +102,6 @@ def main() -> None:
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     if args.kernels:
-        from tempering.training import kernels
-
         kernels.CUDA_KERNELS.update(dict(item.split("=") for item in args.kernels.split(",")))
     args.num_seqs = args.num_seqs or (16 if gpu else 8)
     args.seq_len = args.seq_len or (1024 if gpu else 256)
@@ -197,7 +195,7 @@ def main() -> None:
         "memory_ratio": round(ours_peak / base_peak, 3) if gpu and base_s else None,
         "micro_batch_tokens": micro,
         "gradient_checkpointing": config.gradient_checkpointing,
-        "kernels": __import__("tempering.training.kernels").training.kernels.CUDA_KERNELS if gpu else "torch (CPU)",
+        "kernels": kernels.CUDA_KERNELS if gpu else "torch (CPU)",
         "torch": torch.__version__,
     }
     print(json.dumps(record))

@@ -209,7 +209,6 @@ class PackedDecoder:
                 window=_sliding_window(config, i),
             ))
         self.ops = ops_for(self.final_norm.device)
-        self.training = True
 
     @classmethod
     def maybe(cls, peft_model: Any, adapter: str) -> PackedDecoder | None:
@@ -288,7 +287,7 @@ class PackedDecoder:
             return F.linear(x, weight, bias)
         A, B = adapters[name]
         lora = layer.lora[name]
-        x_lora = x if lora.dropout == 0 or not self.training else F.dropout(x, lora.dropout)
+        x_lora = x if lora.dropout == 0 else F.dropout(x, lora.dropout)  # this forward always trains
         return lora_linear(x, weight, bias, A, B, 1.0, x_lora)  # the scales are inside B
 
 

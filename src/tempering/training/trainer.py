@@ -208,9 +208,13 @@ class Trainer:
         """
         if not sequences:
             raise ConfigError("nothing to train on: every sequence was filtered out")
+        return self._undoable(lambda: self._step(sequences, config, on_update), commit)
+
+    def _undoable(self, run: Callable[[], StepMetrics], commit: Callable[[], None] | None) -> StepMetrics:
+        """`run()` then `commit()`; if either raises, the adapter, optimizer and RNG go back to before."""
         snapshot = self._snapshot()
         try:
-            metrics = self._step(sequences, config, on_update)
+            metrics = run()
             if commit is not None:
                 commit()
             return metrics
@@ -306,15 +310,7 @@ class Trainer:
         """Supervised updates: each (sequences, learning rate) batch is one optimizer update of the
         mean cross-entropy over its trained tokens. `config` is a TrainSFTConfig. Undone on failure,
         like `step`."""
-        snapshot = self._snapshot()
-        try:
-            metrics = self._sft(batches, config, on_update)
-            if commit is not None:
-                commit()
-            return metrics
-        except BaseException:
-            self._restore(snapshot)
-            raise
+        return self._undoable(lambda: self._sft(batches, config, on_update), commit)
 
     def _sft(self, batches, config, on_update) -> StepMetrics:
         start = time.perf_counter()
