@@ -8,12 +8,17 @@ forward returns full logits, log-softmax over them in float32, the same PPO loss
 AdamW; when the full batch does not fit, it runs on half the sequences (then a quarter...) and
 the speedup compares tokens/s (`baseline_num_seqs` says). Ours is `Trainer.step` (tempering's
 packed forward with fused LoRA and kernels, varlen attention, chunked logprobs from hidden states,
-gradient checkpointing). Both are warmed up; each figure is the mean of `--steps` timed
-steps after a device sync. MFU counts the model FLOPs of a LoRA step, 4 × params × tokens
+gradient checkpointing, each row's forward/backward replayed from a CUDA graph). Both are warmed
+up (ours: its first step captures the graphs); each figure is the mean of `--steps` timed steps
+after a device sync. Peak memory is reported as allocated and as reserved by the caching
+allocator (which holds the CUDA graphs' memory pool); the memory ratio uses the reserved peaks.
+`--also KEY=VALUE,...` times more configurations of ours in the same run (TrainConfig fields,
+e.g. `--also gradient_checkpointing=0,micro_batch_tokens=4096 --also cuda_graphs=0`). MFU counts the model FLOPs of a LoRA step, 4 × params × tokens
 (forward plus the backward pass to the inputs; recomputation not counted), against 989 TFLOP/s
 (H100 SXM dense bf16). On CPU (default) the default model in fp32, 8 × 256 tokens.
 
     python benchmarks/train_step.py --device cuda
+    python benchmarks/train_step.py --device cuda --also cuda_graphs=0 --also gradient_checkpointing=0,micro_batch_tokens=4096
     python benchmarks/train_step.py --device cuda --model 7b --num-seqs 1 --seq-len 8192 --skip-baseline
 """
 
@@ -91,8 +96,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep activations instead of recomputing")
-    parser.add_argument("--also-no-checkpointing", action="store_true",
-                        help="also time ours without recomputation (rows of --micro-batch-tokens / 2)")
+    parser.add_argument("--also", action="append", default=[],
+                        help="also time ours with these TrainConfig fields, e.g. gradient_checkpointing=0,micro_batch_tokens=4096")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run ours eagerly (no CUDA graphs)")
     parser.add_argument("--hf-forward", action="store_true",
                         help="ours with the transformers forward instead of tempering's decoder (for comparison)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one step of ours to stderr")
@@ -122,10 +128,11 @@ def main() -> None:
                           trajectory_index=i)
         for i in range(args.num_seqs)
     ]
-    config = TrainConfig(learning_rate=1e-5, micro_batch_tokens=micro, gradient_checkpointing=not args.no_checkpointing)
+    config = TrainConfig(learning_rate=1e-5, micro_batch_tokens=micro, gradient_checkpointing=not args.no_checkpointing,
+                         cuda_graphs=not args.no_cuda_graphs)
     tokens = args.num_seqs * args.seq_len
 
-    def timed(fn) -> tuple[float, float]:
+    def timed(fn) -> tuple[float, float | None, float | None]:
         fn()  # warm-up
         sync(device)
         if gpu:
@@ -135,20 +142,22 @@ def main() -> None:
             fn()
         sync(device)
         elapsed = (time.perf_counter() - start) / args.steps
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None
-        return elapsed, peak
+        if not gpu:
+            return elapsed, None, None
+        return elapsed, torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
 
-    base_s = base_peak = None
+    base_s = base_peak = base_reserved = None
     base_seqs = args.num_seqs
     if not args.skip_baseline:  # first, so that nothing of ours is cached on the device
         trainer.model.train()
         while base_seqs >= 1:  # the full batch may not fit: halve it, and compare tokens/s
             try:
-                base_s, base_peak = timed(lambda: baseline_step(trainer.peft_model, trainer.optimizer, ids[:base_seqs],
-                                                                prompt, sampled[:base_seqs], advantages[:base_seqs], device))
+                base_s, base_peak, base_reserved = timed(lambda: baseline_step(
+                    trainer.peft_model, trainer.optimizer, ids[:base_seqs], prompt, sampled[:base_seqs],
+                    advantages[:base_seqs], device))
                 break
             except torch.OutOfMemoryError:
-                base_s = base_peak = None
+                base_s = base_peak = base_reserved = None
                 base_seqs //= 2
                 trainer.optimizer.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
@@ -156,14 +165,23 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
     base_tokens = base_seqs * args.seq_len
-    ours_s, ours_peak = timed(lambda: trainer.step(sequences, config))
-    extra = {}
-    if args.also_no_checkpointing:
-        lean = config.model_copy(update={"gradient_checkpointing": False, "micro_batch_tokens": max(micro // 2, 1024)})
-        s_nc, peak_nc = timed(lambda: trainer.step(sequences, lean))
-        extra = {"ours_no_ckpt_tok_per_s": round(tokens / s_nc, 1), "ours_no_ckpt_peak_gib": round(peak_nc, 2) if gpu else None,
-                 "ours_no_ckpt_micro_batch_tokens": lean.micro_batch_tokens,
-                 "speedup_no_ckpt": round((tokens / s_nc) / (base_tokens / base_s), 2) if base_s else None}
+    if gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    ours_s, ours_peak, ours_reserved = timed(lambda: trainer.step(sequences, config))
+    variants = []
+    for spec in args.also:
+        update = {k: type(getattr(config, k))(int(v) if v.isdigit() else v) for k, v in (kv.split("=") for kv in spec.split(","))}
+        variant = config.model_copy(update=update)
+        if gpu:
+            torch.cuda.empty_cache()
+        v_s, v_peak, v_reserved = timed(lambda: trainer.step(sequences, variant))
+        variants.append({"config": update, "tok_per_s": round(tokens / v_s, 1),
+                         "peak_gib": round(v_peak, 2) if gpu else None,
+                         "reserved_gib": round(v_reserved, 2) if gpu else None,
+                         "speedup": round((tokens / v_s) / (base_tokens / base_s), 2) if base_s else None,
+                         "memory_ratio": round(v_reserved / base_reserved, 3) if gpu and base_s else None,
+                         "mfu": round(4 * matmul_params * tokens / v_s / 989e12, 4) if gpu else None})
     if args.profile and gpu:
         from torch.profiler import ProfilerActivity, profile
 
@@ -184,17 +202,21 @@ def main() -> None:
         "ours_s": round(ours_s, 4),
         "ours_tok_per_s": round(tokens / ours_s, 1),
         "ours_peak_gib": round(ours_peak, 2) if gpu else None,
+        "ours_reserved_gib": round(ours_reserved, 2) if gpu else None,
         "ours_mfu": round(4 * matmul_params * tokens / ours_s / peak_flops, 4) if gpu else None,
-        **extra,
+        "ours_graph_captures": trainer.rows.num_captures,
         "forward": "transformers" if trainer.decoder is None else "tempering",
         "baseline_num_seqs": base_seqs if base_s else None,
         "baseline_s": round(base_s, 4) if base_s else None,
         "baseline_tok_per_s": round(base_tokens / base_s, 1) if base_s else None,
         "baseline_peak_gib": round(base_peak, 2) if gpu and base_s else None,
+        "baseline_reserved_gib": round(base_reserved, 2) if gpu and base_s else None,
         "speedup": round((tokens / ours_s) / (base_tokens / base_s), 2) if base_s else None,
-        "memory_ratio": round(ours_peak / base_peak, 3) if gpu and base_s else None,
+        "memory_ratio": round(ours_reserved / base_reserved, 3) if gpu and base_s else None,
         "micro_batch_tokens": micro,
         "gradient_checkpointing": config.gradient_checkpointing,
+        "cuda_graphs": config.cuda_graphs and gpu,
+        "variants": variants,
         "kernels": kernels.CUDA_KERNELS if gpu else "torch (CPU)",
         "torch": torch.__version__,
     }

@@ -346,6 +346,7 @@ class TrainConfig(BaseModel):
     truncated_importance_sampling: float | None = Field(default=None, gt=0)
     importance_ratio_mask: tuple[float, float] | None = None
     gradient_checkpointing: bool = True
+    cuda_graphs: bool = Field(default=True, description="on a GPU, replay each row's forward/backward from a CUDA graph")
     logprob_chunk_size: int = Field(default=1024, ge=16)
     save_checkpoint: bool = True
 

@@ -5,17 +5,106 @@ sequence gets a row of its own). Inside a row each sequence's position ids resta
 row carries the cumulative sequence lengths that the packed attention (attention.py) uses, so a
 token attends only to its own sequence (no cross-contamination) and no compute is spent on
 padding. A row is one micro-batch.
+
+`MicroBatch.row()` gives the flat tensors the loss is computed on (`Row`): the row's tokens and,
+for each trained token, the position that predicts it with its target, sampled logprob,
+advantage, temperature and loss weight. `MicroBatch.row(shape)` pads them to a fixed `RowShape`,
+so that a forward/backward captured once as a CUDA graph can be replayed for any row that fits
+(cuda_graphs.py): padding tokens form sequences of their own (no real token attends to them),
+padding predictions carry weight 0 and finite stand-in values, and neither changes the loss or
+the gradient.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import torch
 
 from .tokenize import TokenizedSequence
 
-__all__ = ["MicroBatch", "pack_sequences"]
+__all__ = ["MicroBatch", "Row", "RowShape", "pack_sequences"]
+
+
+@dataclass(frozen=True, slots=True)
+class RowShape:
+    """The static sizes of a padded row.
+
+    Attributes:
+        num_tokens: T, tokens in the row.
+        num_predictions: N, trained tokens (predictions) the loss is computed on.
+        num_segments: S, attention segments (sequences, padding ones included); cu_seq_lens has S + 1.
+        max_seq_len: L, the longest segment.
+    """
+
+    num_tokens: int
+    num_predictions: int
+    num_segments: int
+    max_seq_len: int
+
+    @classmethod
+    def bucket(cls, micro: MicroBatch, *, min_tokens: int = 256) -> RowShape:
+        """The smallest power-of-two shape that `micro` fits: few shapes (few CUDA graphs) across a
+        run, at most 2× padding."""
+        T = _pow2(max(micro.num_tokens, min_tokens))
+        L = min(_pow2(max(micro.max_seq_len, 128)), T)
+        N = min(_pow2(max(int(micro.loss_mask[0, 1:].sum()), 64)), T)
+        num_padding_segments = -(-(T - micro.num_tokens) // L)
+        # one spare segment slot: padding predictions get a sequence index of their own
+        S = _pow2(len(micro.sequences) + num_padding_segments + 1)
+        return cls(T, N, S, L)
+
+
+@dataclass(slots=True)
+class Row:
+    """One packed row as flat tensors: the input of the trainer's forward and loss.
+
+    Attributes:
+        input_ids: [T] int64 token ids.
+        position_ids: [T] int64, restarting at 0 at each segment start.
+        cu_seq_lens: [S + 1] int32 cumulative segment lengths.
+        max_seq_len: the longest segment, tokens.
+        pred_positions: [N] int64, the position whose hidden state predicts each trained token.
+        targets: [N] int64 trained token ids.
+        sampled_logprobs: [N] float32 logprob of each target at sampling time (0 on padding).
+        advantages: [N] float32.
+        temperature: [N] float32 (1 on padding).
+        weights: [N] float32 loss weight of each prediction (0 on padding).
+        seq_index: [N] int64 sequence of each prediction, in [0, num_seqs).
+        valid: [N] bool, False on padding.
+        num_seqs: number of sequence indices (real sequences, plus one for padding when padded).
+        num_tokens: the real tokens of the row (T without padding).
+        num_valid: the real predictions (N without padding).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    max_seq_len: int
+    pred_positions: torch.Tensor
+    targets: torch.Tensor
+    sampled_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    temperature: torch.Tensor
+    weights: torch.Tensor
+    seq_index: torch.Tensor
+    valid: torch.Tensor
+    num_seqs: int
+    num_tokens: int
+    num_valid: int
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if torch.is_tensor(getattr(self, f.name))}
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> Row:
+        for name, t in self.tensors().items():
+            setattr(self, name, t.to(device, non_blocking=non_blocking))
+        return self
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class MicroBatch:
@@ -66,11 +155,56 @@ class MicroBatch:
         self.cu_seq_lens = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], dtype=torch.int32)
         self.max_seq_len = max(lengths)
 
+    def row(self, shape: RowShape | None = None) -> Row:
+        """The flat tensors of this row (on the CPU), padded to `shape` when given.
+
+        Raises:
+            ValueError: if the row does not fit `shape`.
+        """
+        mask = self.loss_mask[0, 1:]  # position t predicts token t + 1
+        pred_positions = mask.nonzero()[:, 0]
+        n, T, S = len(pred_positions), self.num_tokens, len(self.sequences)
+        row = Row(
+            input_ids=self.input_ids[0], position_ids=self.position_ids[0], cu_seq_lens=self.cu_seq_lens,
+            max_seq_len=self.max_seq_len, pred_positions=pred_positions, targets=self.input_ids[0, 1:][mask],
+            sampled_logprobs=self.sampled_logprobs[0, 1:][mask], advantages=self.advantages[0, 1:][mask],
+            temperature=self.temperature[0, 1:][mask], weights=self.token_weight[0, 1:][mask],
+            seq_index=self.seq_index[0, 1:][mask], valid=torch.ones(n, dtype=torch.bool), num_seqs=S,
+            num_tokens=T, num_valid=n,
+        )
+        if shape is None:
+            return row
+        L = shape.max_seq_len
+        padding = shape.num_tokens - T
+        segments = [min(L, padding - i) for i in range(0, padding, L)]  # padding as segments of at most L
+        if padding < 0 or n > shape.num_predictions or self.max_seq_len > L or S + len(segments) + 1 > shape.num_segments:
+            raise ValueError(f"a row of {T} tokens, {n} predictions, {S} sequences up to {self.max_seq_len} "
+                             f"tokens does not fit {shape}")
+        positions = [torch.arange(k) for k in segments]
+        ends = torch.tensor(segments, dtype=torch.int32).cumsum(0) + T if segments else torch.zeros(0, dtype=torch.int32)
+        fill = shape.num_segments + 1 - (S + 1 + len(segments))  # empty segments up to the static count
+        row.input_ids = _pad(row.input_ids, shape.num_tokens, 0)
+        row.position_ids = torch.cat([row.position_ids, *positions])
+        row.cu_seq_lens = torch.cat([row.cu_seq_lens, ends.to(torch.int32),
+                                     torch.full((fill,), shape.num_tokens, dtype=torch.int32)])
+        row.max_seq_len = L
+        N = shape.num_predictions
+        row.num_seqs = shape.num_segments  # indices 0..S-1 are real sequences; the last one takes the padding
+        for name, value in (("pred_positions", 0), ("targets", 0), ("sampled_logprobs", 0.0), ("advantages", 0.0),
+                            ("temperature", 1.0), ("weights", 0.0), ("seq_index", shape.num_segments - 1),
+                            ("valid", False)):
+            setattr(row, name, _pad(getattr(row, name), N, value))
+        return row
+
     def to(self, device: torch.device) -> MicroBatch:
         for name in ("input_ids", "position_ids", "loss_mask", "sampled_logprobs", "advantages", "temperature",
                      "token_weight", "seq_index", "cu_seq_lens"):
             setattr(self, name, getattr(self, name).to(device))
         return self
+
+
+def _pad(t: torch.Tensor, size: int, value: float | int | bool) -> torch.Tensor:
+    return torch.cat([t, t.new_full((size - len(t),), value)])
 
 
 def pack_sequences(

@@ -209,6 +209,8 @@ class PackedDecoder:
                 window=_sliding_window(config, i),
             ))
         self.ops = ops_for(self.final_norm.device)
+        # whether any LoRA applies dropout (random numbers in the forward)
+        self.has_dropout = any(g.dropout > 0 for layer in self.layers for g in layer.lora.values())
 
     @classmethod
     def maybe(cls, peft_model: Any, adapter: str) -> PackedDecoder | None:
@@ -252,7 +254,9 @@ class PackedDecoder:
             # (not again when the layer is recomputed)
             adapters = {name: g.delta_inputs(x.dtype, layer.out_features[name]) for name, g in layer.lora.items()} if lora else {}
             if recompute:
-                x = checkpoint(self._layer, layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, use_reentrant=False)
+                # the RNG state matters only to dropout (and reading it is not allowed in a CUDA graph capture)
+                x = checkpoint(self._layer, layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, use_reentrant=False,
+                               preserve_rng_state=self.has_dropout)
             else:
                 x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters)
         return self.ops.rms_norm(x, self.final_norm, self.eps)

@@ -6,7 +6,9 @@ accumulates gradients over packed micro-batches of at most `micro_batch_tokens` 
 trained token carries a weight fixed by the loss aggregation over its whole mini-batch, so
 micro-batching never changes the loss. Logprobs come from the hidden states in chunks (the
 `tokens × vocab` logits never exist at once) and layers are recomputed in the backward pass
-(gradient checkpointing) unless turned off.
+(gradient checkpointing) unless turned off. On a GPU each row's forward and backward is
+replayed from a CUDA graph (cuda_graphs.py); the step's statistics stay on the device and are
+read once, at its end.
 
 If a step fails half way, the adapter, the optimizer and the RNG state are restored to what they
 were before it, so the live policy always equals the last checkpoint or a complete step.
@@ -30,10 +32,11 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..types import LoRAConfig, TrainConfig
 from .attention import use_packed_attention
-from .batching import MicroBatch, pack_sequences
+from .batching import MicroBatch, Row, pack_sequences
+from .cuda_graphs import RowGraphs
 from .decoder import PackedDecoder
 from .logprobs import selective_logprobs
-from .losses import kl_estimate, policy_loss
+from .objective import STATS, rl_objective
 from .tokenize import TokenizedSequence
 
 __all__ = ["ADAPTER_NAME", "StepMetrics", "Trainer"]
@@ -55,23 +58,43 @@ class StepMetrics:
     values: dict[str, float]
 
 
+_IS_MAX = [name == "ratio_max" for name in STATS]
+
+
 @dataclass(slots=True)
 class _Totals:
-    """Sums over a step's trained tokens (divided at the end)."""
+    """A step's statistics: device-side sums of the objective's STATS vectors, read at the end."""
 
-    loss: float = 0.0
+    sums: torch.Tensor | None = None  # [len(STATS)] over the whole step
+    first_update: torch.Tensor | None = None  # the same over the first update (mismatch before any change)
     tokens: int = 0
-    trained: int = 0
-    entropy: float = 0.0
-    clipped: float = 0.0
-    ratio_sum: float = 0.0
-    ratio_max: float = 0.0
-    kl: float = 0.0
-    masked: float = 0.0
-    tis_capped: float = 0.0
-    mismatch_abs: list[float] = field(default_factory=list)  # first update only: before any change
-    mismatch_k3: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    _read: dict[str, float] | None = None
+    _is_max: torch.Tensor | None = None
+
+    def add(self, stats: torch.Tensor) -> None:
+        def combined(total: torch.Tensor | None) -> torch.Tensor:
+            if total is None:
+                return stats.clone()
+            return torch.where(is_max, torch.maximum(total, stats), total + stats)
+
+        is_max = stats.new_tensor(_IS_MAX, dtype=torch.bool) if self._is_max is None else self._is_max
+        self._is_max = is_max
+
+        self.sums = combined(self.sums)
+        if not self.grad_norms:
+            self.first_update = combined(self.first_update)
+
+    def values(self) -> dict[str, float]:
+        """The sums as floats (reads the device once; call after the last `add`)."""
+        if self._read is not None:
+            return self._read
+        zeros = [0.0] * len(STATS)
+        sums = dict(zip(STATS, self.sums.tolist() if self.sums is not None else zeros))
+        first = dict(zip(STATS, self.first_update.tolist() if self.first_update is not None else zeros))
+        self._read = {**sums, "first_trained": first["trained"], "first_mismatch_abs": first["mismatch_abs"],
+                      "first_mismatch_k3": first["mismatch_k3"]}
+        return self._read
 
 
 def token_weights(sequences: list[TokenizedSequence], aggregation: str, dr_grpo_normalizer: int | None) -> list[float]:
@@ -116,6 +139,7 @@ class Trainer:
         # our own forward for the Llama family; None: run the transformers model (other architectures)
         self.decoder = PackedDecoder.maybe(peft_model, ADAPTER_NAME)
         self._checkpointing = False
+        self.rows = RowGraphs(self.params, self.params[0].device)
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -235,6 +259,7 @@ class Trainer:
                 self._run_minibatches(sequences, config, totals, device, on_update)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
+        totals.values()  # waits for the device: the step time below is the whole step's
         return StepMetrics(self._metrics(totals, config, time.perf_counter() - start))
 
     @contextlib.contextmanager
@@ -288,16 +313,34 @@ class Trainer:
     def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals, device,
                          on_update=None) -> None:
         minibatches = self._minibatches(sequences, config)
+        capture = self._can_capture(config)
+        # everything the captured objective depends on besides the row's shape
+        key = (config.loss_fn, config.clip_low, config.clip_high, config.truncated_importance_sampling,
+               config.importance_ratio_mask, config.kl_penalty_coef, config.kl_estimator, config.logprob_chunk_size,
+               self._checkpointing)
+        weight = self.model.get_output_embeddings().weight
+        objective = lambda row: rl_objective(self._row_hidden, weight, row, config)  # noqa: E731
         for index, minibatch in enumerate(minibatches):
             weights = token_weights(minibatch, config.aggregation, config.dr_grpo_normalizer)
             self.optimizer.zero_grad(set_to_none=True)
+            self.rows.begin_update()
             for micro in pack_sequences(minibatch, max_tokens=config.micro_batch_tokens, weights=weights):
-                self._micro_step(micro.to(device), config, totals, first_update=not totals.grad_norms)
+                totals.tokens += micro.num_tokens
+                if not micro.loss_mask[0, 1:].any():
+                    continue  # nothing trained in this row
+                totals.add(self.rows.run(micro, objective, key, capture=capture))
+            self.rows.install_grads()
             grad_norm = self._apply_update(config.max_grad_norm)
             totals.grad_norms.append(grad_norm)
             if on_update is not None:
+                loss = float(totals.sums[STATS.index("loss")]) if totals.sums is not None else 0.0
                 on_update({"update": index + 1, "num_updates": len(minibatches), "grad_norm": float(grad_norm),
-                           "loss": totals.loss})
+                           "loss": loss})
+
+    def _can_capture(self, config: TrainConfig) -> bool:
+        """CUDA graphs for the rows: on CUDA, with tempering's own forward and no LoRA dropout."""
+        return (config.cuda_graphs and self.params[0].device.type == "cuda" and self.decoder is not None
+                and not self.decoder.has_dropout)
 
     def sft_step(
         self,
@@ -405,75 +448,49 @@ class Trainer:
                 max_length_k=micro.max_seq_len,
             ).last_hidden_state  # [1, T, H]
 
-    def _micro_step(self, micro: MicroBatch, config: TrainConfig, totals: _Totals, *, first_update: bool) -> None:
-        target_mask = micro.loss_mask[:, 1:]  # [1, T-1]
-        new_logprobs, entropy = self._logprobs(micro, target_mask, config.logprob_chunk_size)
-        sampled = micro.sampled_logprobs[:, 1:][target_mask]
-        advantages = micro.advantages[:, 1:][target_mask]
-        weights = micro.token_weight[:, 1:][target_mask]
-        seq_index = micro.seq_index[:, 1:][target_mask]
-        loss_tok, clipped, ratio = policy_loss(
-            new_logprobs, sampled, advantages, loss_fn=config.loss_fn, clip_low=config.clip_low,
-            clip_high=config.clip_high, seq_index=seq_index, num_seqs=len(micro.sequences),
-        )
-        token_ratio = torch.exp(new_logprobs.detach() - sampled)
-        if config.truncated_importance_sampling is not None:
-            cap = config.truncated_importance_sampling
-            loss_tok = loss_tok * token_ratio.clamp(max=cap)
-            totals.tis_capped += float((token_ratio > cap).sum())
-        if config.importance_ratio_mask is not None:
-            low, high = config.importance_ratio_mask
-            keep = (token_ratio >= low) & (token_ratio <= high)
-            loss_tok = loss_tok * keep
-            totals.masked += float((~keep).sum())
-        if config.kl_penalty_coef > 0:
-            with torch.no_grad():  # the base policy: LoRA off
-                ref_logprobs, _ = self._logprobs(micro, target_mask, config.logprob_chunk_size, lora=False)
-            kl = kl_estimate(new_logprobs, ref_logprobs, config.kl_estimator)
-            loss_tok = loss_tok + config.kl_penalty_coef * kl
-            totals.kl += float(kl.detach().sum())
-        loss = (loss_tok * weights).sum()
-        loss.backward()
+    def _row_hidden(self, row: Row, lora: bool) -> torch.Tensor:
+        """Final hidden states [T, H] of a row (`lora=False`: the base model's)."""
+        if self.decoder is not None:
+            return self.decoder(row.input_ids, row.position_ids, row.cu_seq_lens, row.max_seq_len, lora=lora,
+                                checkpointing=self._checkpointing)
+        with contextlib.nullcontext() if lora else self.peft_model.disable_adapter():
+            return self.model.get_decoder()(
+                input_ids=row.input_ids[None],
+                position_ids=row.position_ids[None],
+                use_cache=False,
+                cu_seq_lens_q=row.cu_seq_lens,
+                cu_seq_lens_k=row.cu_seq_lens,
+                max_length_q=row.max_seq_len,
+                max_length_k=row.max_seq_len,
+            ).last_hidden_state[0]  # [T, H]
 
-        n = int(new_logprobs.numel())
-        totals.loss += float(loss.detach())
-        totals.tokens += micro.num_tokens
-        totals.trained += n
-        totals.entropy += float(entropy.sum())
-        totals.clipped += float(clipped.sum())
-        totals.ratio_sum += float(token_ratio.sum())
-        totals.ratio_max = max(totals.ratio_max, float(token_ratio.max()) if n else 0.0)
-        if first_update and n:  # before any update: the engine-vs-trainer mismatch alone
-            log_ratio = new_logprobs.detach() - sampled
-            totals.mismatch_abs.append(float(log_ratio.abs().sum()) / n)
-            totals.mismatch_k3.append(float((torch.exp(-log_ratio) - 1 + log_ratio).sum()) / n)
-
-    def _metrics(self, t: _Totals, config: TrainConfig, elapsed: float) -> dict[str, float]:
-        n = max(t.trained, 1)
-        updates = max(len(t.grad_norms), 1)
+    def _metrics(self, totals: _Totals, config: TrainConfig, elapsed: float) -> dict[str, float]:
+        t = totals.values()  # the step's one read of device values
+        n = max(t["trained"], 1)
+        updates = max(len(totals.grad_norms), 1)
         metrics = {
-            "loss/train": t.loss / updates,
-            "loss/grad_norm": sum(t.grad_norms) / updates,
-            "loss/entropy": t.entropy / n,
+            "loss/train": t["loss"] / updates,
+            "loss/grad_norm": sum(totals.grad_norms) / updates,
+            "loss/entropy": t["entropy"] / n,
             "loss/learning_rate": config.learning_rate,
-            "loss/clip_fraction": t.clipped / n,
-            "offpolicy/ratio_mean": t.ratio_sum / n,
-            "offpolicy/ratio_max": t.ratio_max,
-            "data/step_trainer_tokens": float(t.tokens),
-            "data/step_completion_tokens": float(t.trained),
-            "data/step_num_optimizer_updates": float(len(t.grad_norms)),
+            "loss/clip_fraction": t["clipped"] / n,
+            "offpolicy/ratio_mean": t["ratio_sum"] / n,
+            "offpolicy/ratio_max": t["ratio_max"],
+            "data/step_trainer_tokens": float(totals.tokens),
+            "data/step_completion_tokens": t["trained"],
+            "data/step_num_optimizer_updates": float(len(totals.grad_norms)),
             "time/step_trainer_s": elapsed,
-            "throughput/trainer_tok_per_s": t.tokens / elapsed if elapsed > 0 else 0.0,
+            "throughput/trainer_tok_per_s": totals.tokens / elapsed if elapsed > 0 else 0.0,
         }
-        if t.mismatch_abs:
-            metrics["offpolicy/mismatch_abs_logprob"] = sum(t.mismatch_abs) / len(t.mismatch_abs)
-            metrics["offpolicy/mismatch_kl"] = sum(t.mismatch_k3) / len(t.mismatch_k3)
+        if t["first_trained"]:  # before any update: the engine-vs-trainer mismatch alone
+            metrics["offpolicy/mismatch_abs_logprob"] = t["first_mismatch_abs"] / t["first_trained"]
+            metrics["offpolicy/mismatch_kl"] = t["first_mismatch_k3"] / t["first_trained"]
         if config.kl_penalty_coef > 0:
-            metrics["loss/kl"] = t.kl / n
+            metrics["loss/kl"] = t["kl"] / n
         if config.truncated_importance_sampling is not None:
-            metrics["offpolicy/tis_capped_fraction"] = t.tis_capped / n
+            metrics["offpolicy/tis_capped_fraction"] = t["tis_capped"] / n
         if config.importance_ratio_mask is not None:
-            metrics["offpolicy/masked_fraction"] = t.masked / n
+            metrics["offpolicy/masked_fraction"] = t["masked"] / n
         return metrics
 
     # ---- failure safety -------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""One packed row's RL objective: logprobs, surrogate loss, corrections and statistics, with no host sync.
+
+`rl_objective` turns a `Row` (batching.py) into the weighted loss whose gradient the trainer
+accumulates, and a vector of sums (`STATS`) that the trainer adds up over the step and reads
+once at its end. Nothing here reads a value back to the host (no `.item()`, no boolean
+indexing), so the same code runs eagerly and inside a captured CUDA graph (cuda_graphs.py).
+
+Padded predictions (`row.valid` False) enter every formula with stand-in values (logprobs 0,
+weight 0), so they are finite and contribute exactly zero to the loss, the gradient and the
+statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..types import TrainConfig
+from .batching import Row
+from .logprobs import selective_logprobs
+from .losses import kl_estimate, policy_loss
+
+__all__ = ["STATS", "rl_objective"]
+
+# the sums in the statistics vector, in order (ratio_max is a max, not a sum)
+STATS = ("loss", "trained", "entropy", "clipped", "ratio_sum", "ratio_max", "kl", "masked", "tis_capped",
+         "mismatch_abs", "mismatch_k3")
+
+
+def rl_objective(
+    hidden: Callable[[Row, bool], torch.Tensor],
+    lm_head_weight: torch.Tensor,
+    row: Row,
+    config: TrainConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row's loss Σ weight × loss_token and its statistics.
+
+    Args:
+        hidden: `hidden(row, lora)` → [T, H] final hidden states of the row (lora=False: the base model).
+        lm_head_weight: [V, H] the output embedding (frozen).
+        row: the row, on the model's device.
+        config: loss, clipping, corrections and KL options (see TrainConfig).
+
+    Returns:
+        (loss: 0-dim float32 with gradient, stats: [len(STATS)] float32 detached sums over the
+        row's valid predictions, in the order of STATS).
+    """
+    valid = row.valid
+    validf = valid.float()
+    h = hidden(row, True)[row.pred_positions]  # [N, H]
+    logprobs, entropy = selective_logprobs(h, lm_head_weight, row.targets, row.temperature,
+                                           chunk_size=config.logprob_chunk_size)
+    new = torch.where(valid, logprobs, 0.0)  # [N]; padding: a finite stand-in without gradient
+    sampled = row.sampled_logprobs
+    loss_tok, clipped, _ = policy_loss(new, sampled, row.advantages, loss_fn=config.loss_fn, clip_low=config.clip_low,
+                                       clip_high=config.clip_high, seq_index=row.seq_index, num_seqs=row.num_seqs)
+    log_ratio = new.detach() - sampled  # the engine-vs-trainer log ratio per token
+    token_ratio = torch.exp(log_ratio)
+    zero = torch.zeros((), device=new.device)
+    tis_capped = masked = kl_sum = zero
+    if config.truncated_importance_sampling is not None:
+        cap = config.truncated_importance_sampling
+        loss_tok = loss_tok * token_ratio.clamp(max=cap)
+        tis_capped = ((token_ratio > cap) & valid).sum()
+    if config.importance_ratio_mask is not None:
+        low, high = config.importance_ratio_mask
+        keep = (token_ratio >= low) & (token_ratio <= high)
+        loss_tok = loss_tok * keep
+        masked = (~keep & valid).sum()
+    if config.kl_penalty_coef > 0:
+        with torch.no_grad():  # the base policy: the same weights with the LoRA off
+            h_ref = hidden(row, False)[row.pred_positions]
+            ref, _ = selective_logprobs(h_ref, lm_head_weight, row.targets, row.temperature,
+                                        chunk_size=config.logprob_chunk_size)
+            ref = torch.where(valid, ref, 0.0)
+        kl = kl_estimate(new, ref, config.kl_estimator)
+        loss_tok = loss_tok + config.kl_penalty_coef * kl
+        kl_sum = (kl.detach() * validf).sum()
+    loss = (loss_tok * row.weights).sum()
+    stats = [
+        loss.detach(),
+        validf.sum(),
+        (entropy * validf).sum(),
+        (clipped & valid).sum(),
+        (token_ratio * validf).sum(),
+        (token_ratio * validf).max() if len(valid) else zero,
+        kl_sum,
+        masked,
+        tis_capped,
+        (log_ratio.abs() * validf).sum(),
+        ((torch.exp(-log_ratio) - 1 + log_ratio) * validf).sum(),  # k3 estimate of KL(engine || trainer)
+    ]
+    return loss, torch.stack([v.float() for v in stats])

@@ -1,0 +1,176 @@
+"""Padded rows and CUDA-graph replay (training/cuda_graphs.py) give the eager, unpadded result.
+
+The padding tests run on the CPU: they are the twin of the GPU path, which pads every row to its
+shape bucket before capturing it. The graph tests need a GPU and skip without one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tempering.training import Trainer
+from tempering.training.batching import RowShape, pack_sequences
+from tempering.training.objective import STATS, rl_objective
+from tempering.types import TrainConfig
+
+from test_decoder import sequences, tiny_model, trainer_for
+
+CONFIGS = {
+    "ppo": TrainConfig(loss_fn="ppo"),
+    "cispo": TrainConfig(loss_fn="cispo"),
+    "gspo+kl": TrainConfig(loss_fn="gspo", kl_penalty_coef=0.1),
+    "ppo+tis+mask": TrainConfig(loss_fn="ppo", truncated_importance_sampling=1.5, importance_ratio_mask=(0.3, 3.0),
+                                kl_penalty_coef=0.05, kl_estimator="k2"),
+}
+
+
+def with_sampled(seqs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for i, s in enumerate(seqs):
+        s.sampled_logprobs = [lp if not m else float(-torch.rand(1, generator=g) * 4 - 1.5)
+                              for lp, m in zip(s.sampled_logprobs, s.loss_mask)]
+        s.advantage = (-1.0) ** i * (i + 1) / 3
+    return seqs
+
+
+def test_a_padded_row_fits_its_bucket_and_keeps_padding_apart():
+    seqs = sequences(211, lengths=(30, 17, 9))
+    [micro] = pack_sequences(seqs, max_tokens=4096, weights=[0.1, 0.2, 0.3])
+    shape = RowShape.bucket(micro)
+    assert shape == RowShape(num_tokens=256, num_predictions=64, num_segments=8, max_seq_len=128)
+    row = micro.row(shape)
+    assert row.input_ids.shape == row.position_ids.shape == (256,)
+    # padding: segments of at most 128 tokens, then empty ones up to the static count
+    assert row.cu_seq_lens.tolist() == [0, 30, 47, 56, 184, 256, 256, 256, 256]
+    assert row.position_ids[56:60].tolist() == [0, 1, 2, 3] and row.position_ids[184].item() == 0
+    n = micro.loss_mask[0, 1:].sum().item()
+    assert row.num_valid == n and row.valid.sum().item() == n and not row.valid[n:].any()
+    assert (row.weights[n:] == 0).all() and (row.seq_index[n:] == row.num_seqs - 1).all()
+    assert row.seq_index[:n].max().item() < 3 and torch.isfinite(row.sampled_logprobs).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        micro.row(RowShape(num_tokens=32, num_predictions=64, num_segments=8, max_seq_len=32))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_padding_changes_neither_the_loss_nor_the_gradient_nor_the_statistics(name, checkpointing):
+    config = CONFIGS[name]
+    trainer = trainer_for(tiny_model("qwen2"))
+    seqs = with_sampled(sequences(211, lengths=(30, 17, 9, 21)))
+    [micro] = pack_sequences(seqs, max_tokens=4096, weights=[0.05, 0.1, 0.2, 0.3])
+    weight = trainer.model.get_output_embeddings().weight
+    objective = lambda row: rl_objective(trainer._row_hidden, weight, row, config)  # noqa: E731
+    results = []
+    with trainer._forward_mode(checkpointing):
+        for pad in (False, True):
+            trainer.rows.begin_update()
+            stats = trainer.rows.run(micro, objective, key=name, capture=False, pad=pad)
+            results.append((stats.clone(), [g.clone() for g in trainer.rows.grads]))
+    (stats, grads), (padded_stats, padded_grads) = results
+    torch.testing.assert_close(padded_stats, stats, rtol=1e-5, atol=1e-6)
+    assert stats[STATS.index("trained")].item() == micro.loss_mask[0, 1:].sum().item()
+    assert any(g.abs().sum() > 0 for g in grads)
+    for a, b in zip(padded_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_statistics_are_the_eager_trainers(default_model_dir):
+    """The objective's sums equal a direct computation from the trained tokens' logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    from tempering.training.losses import policy_loss
+    from tempering.types import LoRAConfig
+
+    trainer = Trainer.new(AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32),
+                          LoRAConfig(rank=4))
+    seqs = with_sampled(sequences(40000, lengths=(40, 25)))
+    [micro] = pack_sequences(seqs, max_tokens=4096, weights=[0.5, 0.25])
+    config = TrainConfig(loss_fn="ppo")
+    row = micro.row()
+    loss, stats = rl_objective(trainer._row_hidden, trainer.model.get_output_embeddings().weight, row, config)
+    with torch.no_grad():
+        lp, entropy = trainer._logprobs(micro, micro.loss_mask[:, 1:], 1024)
+        per_token, clipped, ratio = policy_loss(lp, row.sampled_logprobs, row.advantages, loss_fn="ppo",
+                                                clip_low=0.2, clip_high=0.2)
+    s = dict(zip(STATS, stats.tolist()))
+    assert s["loss"] == pytest.approx(float((per_token * row.weights).sum()), rel=1e-5)
+    assert s["entropy"] == pytest.approx(float(entropy.sum()), rel=1e-5)
+    assert s["clipped"] == float(clipped.sum())
+    assert s["ratio_max"] == pytest.approx(float(ratio.max()), rel=1e-5)
+    assert s["mismatch_abs"] == pytest.approx(float((lp - row.sampled_logprobs).abs().sum()), rel=1e-5)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu_trainer(seed=0):
+    import transformers
+
+    from tempering.types import LoRAConfig
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
+    with torch.device("cuda"):
+        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
+    return Trainer.new(model, LoRAConfig(rank=8), seed=seed)
+
+
+def gpu_batches():
+    out = []
+    for seed, lengths in ((1, (300, 120, 64, 200)), (2, (250, 180, 90)), (3, (310, 100, 70, 150))):
+        seqs = with_sampled(sequences(1000, lengths=lengths), seed=seed)
+        for j, s in enumerate(seqs):
+            s.group_index, s.trajectory_index = seed, j
+        out.append(seqs)
+    return out
+
+
+@cuda
+@pytest.mark.parametrize("name", ["ppo", "gspo+kl", "ppo+tis+mask"])
+def test_replayed_graphs_take_the_same_steps_as_eager_rows(name):
+    """Three steps with graphs (the first captures, later ones replay) equal three eager steps."""
+    results = []
+    for graphs in (False, True):
+        trainer = gpu_trainer()
+        config = CONFIGS[name].model_copy(update={"learning_rate": 1e-3, "micro_batch_tokens": 512,
+                                                  "cuda_graphs": graphs})
+        metrics = [trainer.step(seqs, config).values for seqs in gpu_batches()]
+        if graphs:
+            assert trainer.rows.num_captures >= 1 and trainer.rows.num_replays >= 1
+        results.append((metrics, [p.detach().float().clone() for p in trainer.params]))
+    (eager_metrics, eager_params), (graph_metrics, graph_params) = results
+    for a, b in zip(eager_params, graph_params):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-4)
+    for m_eager, m_graph in zip(eager_metrics, graph_metrics):
+        for key in ("loss/train", "loss/entropy", "offpolicy/ratio_mean", "data/step_completion_tokens"):
+            assert m_graph[key] == pytest.approx(m_eager[key], rel=2e-2, abs=1e-4), key
+
+
+@cuda
+def test_a_replay_reads_the_current_adapter_and_the_new_row():
+    """The graph reads the LoRA tensors in place and the row from its input buffers: replaying it for a
+    new row after an update gives what an eager run gives."""
+    trainer = gpu_trainer()
+    first, second, _ = gpu_batches()
+    config = TrainConfig(learning_rate=1e-3, micro_batch_tokens=1024)
+    trainer.step(first, config)  # captures
+    captures = trainer.rows.num_captures
+    weight = trainer.model.get_output_embeddings().weight
+    objective = lambda row: rl_objective(trainer._row_hidden, weight, row, config)  # noqa: E731
+    [micro] = pack_sequences(second, max_tokens=1024, weights=[0.01] * len(second))
+    key = ("probe",)
+    out = []
+    for capture in (True, True, False):  # capture (eager warm-up), replay, plain eager
+        trainer.rows.begin_update()
+        with trainer._forward_mode(True):
+            stats = trainer.rows.run(micro, objective, key, capture=capture, pad=True).clone()
+        out.append((stats, [g.clone() for g in trainer.rows.grads]))
+    assert trainer.rows.num_captures == captures + 1
+    for stats, grads in out[1:]:
+        torch.testing.assert_close(stats, out[0][0], rtol=1e-3, atol=1e-4)
+        for a, b in zip(grads, out[0][1]):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
