@@ -190,7 +190,7 @@ def main() -> None:
             sync(device)
         import sys
 
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), file=sys.stderr)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45), file=sys.stderr)
     peak_flops = 989e12 if gpu else None
     record = {
         "benchmark": "train_step",
