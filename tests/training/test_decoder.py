@@ -137,15 +137,16 @@ def test_sliding_attention_windows_match_transformers_in_both_forwards(arch):
     torch.testing.assert_close(ours(trainer, seqs), ref, atol=2e-5, rtol=1e-5)
 
 
-def test_lora_linear_matches_autograd_including_a_dropout_branch():
+@pytest.mark.parametrize("out_features", [10, 20], ids=["delta-added-to-output", "lora-folded-into-input"])
+def test_lora_linear_matches_autograd_including_a_dropout_branch(out_features):
     from tempering.training.decoder import lora_linear
 
     torch.manual_seed(0)
     x = torch.randn(13, 12, requires_grad=True)
-    weight, bias = torch.randn(10, 12), torch.randn(10)
-    A, B = torch.randn(6, 12, requires_grad=True), torch.randn(10, 6, requires_grad=True)
+    weight, bias = torch.randn(out_features, 12), torch.randn(out_features)
+    A, B = torch.randn(6, 12, requires_grad=True), torch.randn(out_features, 6, requires_grad=True)
     mask = (torch.rand(13, 12) > 0.3).float() / 0.7  # a dropout mask
-    upstream = torch.randn(13, 10)
+    upstream = torch.randn(13, out_features)
     for x_lora in (None, x * mask):
         y = lora_linear(x, weight, bias, A, B, 2.0, x_lora)
         grads = torch.autograd.grad((y * upstream).sum(), (x, A, B))

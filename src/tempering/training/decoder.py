@@ -93,52 +93,75 @@ class _Layer:
 
 
 class _LoRALinear(torch.autograd.Function):
-    """y = x W^T + b + s (x' A^T) B^T as ONE matrix product, [x | s x' A^T] @ [W | B]^T.
+    """y = x W^T + b + s (x' A^T) B^T with a frozen W and b, in as few passes over memory as possible.
 
-    Adding the LoRA delta to y afterwards reads and writes all of y once more (for gate/up,
-    [T, 2I], the largest activation of a layer); appending the rank-k inputs to the base GEMM's
-    inner dimension costs k / in more FLOPs (~1%) instead. The backward does the same in reverse
-    (one GEMM gives the gradients of x and of the rank-k inputs) and computes only the LoRA
-    weights' gradients, never the frozen W's. x' is x, or x after LoRA dropout.
+    Forward, when the output is wider than the input (q/k/v, gate/up): ONE matrix product,
+    [x | s x' A^T] @ [W | B]^T, appending the rank-k inputs to the base GEMM's inner dimension
+    (k / in more FLOPs, ~1%) instead of reading and writing the wide output once more to add the
+    delta. Otherwise (o, down): y = x W^T, then the rank-k delta added in place (a pass over the
+    narrow output, cheaper than copying the wide input).
+
+    Backward: the input gradient is grad_y (W + s B A) — the LoRA merged into a temporary copy of
+    the weight, one GEMM with no extra pass over the activations — and only the LoRA weights'
+    gradients are computed, never the frozen W's. x' is x, or x after LoRA dropout (then the
+    two input gradients are kept apart).
+
+    `skip_output` (used when a checkpointed layer is recomputed for its backward, which needs
+    only the tensors saved here) saves the same tensors but leaves y uncomputed.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, A, B, scale, x_lora):
+    def forward(ctx, x, weight, bias, A, B, scale, x_lora, skip_output):
+        T, (out_features, in_features) = x.shape[0], weight.shape
         low = x_lora @ A.T  # [T, k r]
-        y = F.linear(torch.cat([x, low * scale], dim=1), torch.cat([weight, B], dim=1), bias)
+        fold_input = in_features < out_features
+        if skip_output:
+            y = x.new_empty(T, out_features)
+        elif fold_input:
+            y = F.linear(torch.cat([x, low * scale], dim=1), torch.cat([weight, B], dim=1), bias)
+        else:
+            y = F.linear(x, weight, bias)
+            y.addmm_(low, B.T, alpha=scale)
         ctx.save_for_backward(x_lora, low, weight, A, B)
-        ctx.scale, ctx.same_input = scale, x_lora is x
+        ctx.scale, ctx.same_input, ctx.fold_input = scale, x_lora is x, fold_input
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x_lora, low, weight, A, B = ctx.saved_tensors
         s, in_features = ctx.scale, weight.shape[1]
-        grad_cat = grad_y @ torch.cat([weight, B], dim=1)  # [T, in + k r]
-        grad_low = grad_cat[:, in_features:] * s  # [T, k r]
+        # d/dx of x W^T + s (x A^T) B^T is W + s B A (when the LoRA branch sees x itself)
+        w_input = torch.addmm(weight, B, A, alpha=s) if ctx.same_input else weight  # [out, in]
+        if ctx.fold_input:  # the wide gradient: one GEMM for the input's and the rank-k inputs' gradients
+            grad_cat = grad_y @ torch.cat([w_input, B], dim=1)  # [T, in + k r]
+            grad_x, grad_low = grad_cat[:, :in_features], grad_cat[:, in_features:] * s
+        else:
+            grad_x, grad_low = grad_y @ w_input, (grad_y @ B) * s  # [T, in], [T, k r]
         grad_B = (grad_y.T @ low) * s  # [out, k r]
         grad_A = grad_low.T @ x_lora  # [k r, in]
-        grad_x_lora = grad_low @ A  # [T, in]
-        grad_x = grad_cat[:, :in_features]
         if ctx.same_input:
-            return grad_x + grad_x_lora, None, None, grad_A, grad_B, None, None
-        return grad_x, None, None, grad_A, grad_B, None, grad_x_lora
+            return grad_x, None, None, grad_A, grad_B, None, None, None
+        return grad_x, None, None, grad_A, grad_B, None, grad_low @ A, None
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
-                scale: float, x_lora: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, x_lora: torch.Tensor | None = None, *, skip_output: bool = False) -> torch.Tensor:
     """x W^T + b + scale (x_lora A^T) B^T with a frozen W and b (see _LoRALinear).
 
     Args:
         x: [T, in]; weight: [out, in]; bias: [out] or None; A: [k r, in]; B: [out, k r], all one dtype.
         x_lora: the LoRA branch's input (x after dropout); x when None.
+        skip_output: return an uninitialized [T, out] (a recomputation that needs only the saved tensors).
 
     Returns:
         [T, out].
+
+    Raises:
+        ValueError: if the weight or bias requires a gradient.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("lora_linear trains only A and B; the base weight and bias must be frozen")
-    return _LoRALinear.apply(x, weight, bias, A, B, scale, x if x_lora is None else x_lora)
+    return _LoRALinear.apply(x, weight, bias, A, B, scale, x if x_lora is None else x_lora, skip_output)
 
 
 def _group(entries: list[Any], module_dropouts: list[float]) -> _GroupLoRA | None:
@@ -255,14 +278,15 @@ class PackedDecoder:
             adapters = {name: g.delta_inputs(x.dtype, layer.out_features[name]) for name, g in layer.lora.items()} if lora else {}
             if recompute:
                 # the RNG state matters only to dropout (and reading it is not allowed in a CUDA graph capture)
-                x = checkpoint(self._layer, layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, use_reentrant=False,
-                               preserve_rng_state=self.has_dropout)
+                x = checkpoint(_Recomputable(self._layer), layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters,
+                               use_reentrant=False, preserve_rng_state=self.has_dropout)
             else:
                 x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters)
         return self.ops.rms_norm(x, self.final_norm, self.eps)
 
     def _layer(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seq_lens: torch.Tensor,
-               max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+               max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], *,
+               recomputing: bool = False) -> torch.Tensor:
         T = x.shape[0]
         ops = self.ops
         h = ops.rms_norm(x, layer.input_norm, self.eps)
@@ -282,17 +306,32 @@ class PackedDecoder:
         h = ops.rms_norm(x, layer.post_norm, self.eps)
         gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias, layer, "gate_up", adapters)
         act = ops.silu_and_mul(gate_up)
-        return x + self._linear(act, layer.down, layer.down_bias, layer, "down", adapters)
+        # the layer's output is not needed when recomputing it for the backward: skip the down GEMM
+        return x + self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: _Layer, name: str,
-                adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], *, skip_output: bool = False) -> torch.Tensor:
         """x W^T + b plus the group's LoRA deltas: [T, in] → [T, out]."""
         if name not in adapters:
             return F.linear(x, weight, bias)
         A, B = adapters[name]
         lora = layer.lora[name]
         x_lora = x if lora.dropout == 0 else F.dropout(x, lora.dropout)  # this forward always trains
-        return lora_linear(x, weight, bias, A, B, 1.0, x_lora)  # the scales are inside B
+        return lora_linear(x, weight, bias, A, B, 1.0, x_lora, skip_output=skip_output)  # the scales are inside B
+
+
+class _Recomputable:
+    """A layer as `checkpoint` calls it: the first call is the forward pass, a later one the
+    recomputation for the backward pass, which needs the layer's saved tensors but not its output."""
+
+    def __init__(self, layer_fn: Any) -> None:
+        self.layer_fn = layer_fn
+        self.num_calls = 0
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        recomputing = self.num_calls > 0
+        self.num_calls += 1
+        return self.layer_fn(*args, recomputing=recomputing)
 
 
 def _sliding_window(config: Any, layer: int) -> int | None:

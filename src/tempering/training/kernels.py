@@ -74,10 +74,11 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 TORCH_OPS = SimpleNamespace(rms_norm=rms_norm_torch, silu_and_mul=silu_and_mul_torch, rotary=apply_rotary,
                             logprob_epilogue=logprob_epilogue_torch)
 
-# Which implementation each op uses on CUDA. A training step there is bound by the CPU that
-# launches its kernels as much as by the GPU, and a Triton launch costs several times a native
-# op's; measured per op on an H100 host (benchmarks/RESULTS.md). Benchmarks may change it.
-CUDA_KERNELS = {"rms_norm": "native", "silu_and_mul": "triton", "rotary": "torch", "logprob_epilogue": "triton"}
+# Which implementation each op uses on CUDA (benchmarks may change it). PyTorch's rotary is five
+# elementwise passes over strided q/k; the Triton one reads and writes each once. A Triton launch
+# costs the host several times a native op's, which mattered before CUDA graphs (cuda_graphs.py)
+# and still does with `cuda_graphs=False`; torch's own RMSNorm is a single kernel each way.
+CUDA_KERNELS = {"rms_norm": "native", "silu_and_mul": "triton", "rotary": "triton", "logprob_epilogue": "triton"}
 
 
 def ops_for(device: torch.device) -> SimpleNamespace:
