@@ -58,7 +58,7 @@ class StepMetrics:
     values: dict[str, float]
 
 
-_IS_MAX = [name == "ratio_max" for name in STATS]
+_MAX = STATS.index("ratio_max")
 
 
 @dataclass(slots=True)
@@ -70,16 +70,14 @@ class _Totals:
     tokens: int = 0
     grad_norms: list[float] = field(default_factory=list)
     _read: dict[str, float] | None = None
-    _is_max: torch.Tensor | None = None
 
     def add(self, stats: torch.Tensor) -> None:
         def combined(total: torch.Tensor | None) -> torch.Tensor:
             if total is None:
                 return stats.clone()
-            return torch.where(is_max, torch.maximum(total, stats), total + stats)
-
-        is_max = stats.new_tensor(_IS_MAX, dtype=torch.bool) if self._is_max is None else self._is_max
-        self._is_max = is_max
+            out = total + stats
+            out[_MAX] = torch.maximum(total[_MAX], stats[_MAX])  # no host value reaches the device
+            return out
 
         self.sums = combined(self.sums)
         if not self.grad_norms:
@@ -143,6 +141,7 @@ class Trainer:
         self._checkpointing = False
         self.rows = RowGraphs(self.params, self.params[0].device)
         self._snapshot_buffers: list[torch.Tensor] | None = None  # reused by every step's snapshot
+        self._undo: _Undo | None = None  # what a failing step restores (see _undoable)
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -238,23 +237,31 @@ class Trainer:
         return self._undoable(lambda: self._step(sequences, config, on_update), commit)
 
     def _undoable(self, run: Callable[[], StepMetrics], commit: Callable[[], None] | None) -> StepMetrics:
-        """`run()` then `commit()`; if either raises, the adapter, optimizer and RNG go back to before."""
-        snapshot = self._snapshot()
+        """`run()` then `commit()`; if either raises, the adapter, optimizer and RNG go back to before.
+
+        The RNG states are saved now; the adapter and optimizer tensors only before the first
+        optimizer update changes them (`_apply_update`), so that on a GPU their copy is queued
+        behind the first forward/backward instead of delaying it.
+        """
+        self._undo = _Undo(self.num_updates, self.rng.getstate(), torch.get_rng_state())
         try:
             metrics = run()
             if commit is not None:
                 commit()
             return metrics
         except BaseException:
-            self._restore(snapshot)
+            self._restore(self._undo)
             raise
+        finally:
+            self._undo = None
 
     def _step(self, sequences: list[TokenizedSequence], config: TrainConfig, on_update=None) -> StepMetrics:
         start = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = config.learning_rate
             group["weight_decay"] = config.weight_decay
-        self.model.train()
+        if not self.model.training:  # .train() walks every module: milliseconds per step
+            self.model.train()
         device = self.params[0].device
         totals = _Totals()
         try:
@@ -360,7 +367,8 @@ class Trainer:
 
     def _sft(self, batches, config, on_update) -> StepMetrics:
         start = time.perf_counter()
-        self.model.train()
+        if not self.model.training:
+            self.model.train()
         device = self.params[0].device
         losses, grad_norms, tokens, trained = [], [], 0, 0
         try:
@@ -407,6 +415,7 @@ class Trainer:
         Raises:
             FloatingPointError: for a non-finite gradient norm (the caller undoes the step).
         """
+        self._save_tensors()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm if max_grad_norm is not None else math.inf)
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the step was undone")
@@ -498,47 +507,58 @@ class Trainer:
 
     # ---- failure safety -------------------------------------------------------------------
 
-    def _snapshot(self) -> tuple:
-        """Copies of the adapter, the optimizer state, the update count and the RNG states.
+    def _save_tensors(self) -> None:
+        """Copy the adapter and the optimizer state into the pending undo record (once per step).
 
         The tensors (hundreds: A and B of every projection, and Adam's two moments of each) are
         copied with one multi-tensor kernel into buffers kept from the last step, not one
         allocation and copy each: that cost a GPU step tens of milliseconds of host time.
         """
+        undo = self._undo
+        if undo is None or undo.tensors is not None:
+            return
         state = self.optimizer.state
-        keys = [(i, k) for i, p in enumerate(self.params) if p in state for k, v in state[p].items() if torch.is_tensor(v)]
-        tensors = [p.detach() for p in self.params] + [state[self.params[i]][k] for i, k in keys]
-        others = {i: {k: v for k, v in state[p].items() if not torch.is_tensor(v)}
-                  for i, p in enumerate(self.params) if p in state}
+        undo.keys = [(i, k) for i, p in enumerate(self.params) if p in state
+                     for k, v in state[p].items() if torch.is_tensor(v)]
+        tensors = [p.detach() for p in self.params] + [state[self.params[i]][k] for i, k in undo.keys]
+        undo.others = {i: {k: v for k, v in state[p].items() if not torch.is_tensor(v)}
+                       for i, p in enumerate(self.params) if p in state}
         buffers = self._snapshot_buffers
         if buffers is None or [b.shape for b in buffers] != [t.shape for t in tensors]:
             buffers = self._snapshot_buffers = [torch.empty_like(t) for t in tensors]
-        if buffers:
-            torch._foreach_copy_(buffers, tensors)
-        return (
-            buffers,
-            keys,
-            others,
-            self.num_updates,
-            self.rng.getstate(),
-            torch.get_rng_state(),
-        )
+        torch._foreach_copy_(buffers, tensors)
+        undo.tensors = buffers
 
-    def _restore(self, snapshot: tuple) -> None:
-        saved, keys, others, self.num_updates, python_rng, torch_rng = snapshot
+    def _restore(self, undo: _Undo) -> None:
+        self.num_updates = undo.num_updates
+        self.rng.setstate(undo.python_rng)
+        torch.set_rng_state(undo.torch_rng)
+        for p in self.params:
+            p.grad = None
+        if undo.tensors is None:  # failed before the first update: the tensors never changed
+            return
         self._snapshot_buffers = None  # the saved moments become the optimizer's own tensors below
         n = len(self.params)
         with torch.no_grad():
-            for p, copy_ in zip(self.params, saved[:n]):
+            for p, copy_ in zip(self.params, undo.tensors[:n]):
                 p.copy_(copy_)
-                p.grad = None
         self.optimizer.state.clear()  # parameters without state before the step get none back
-        for i, extra in others.items():
+        for i, extra in undo.others.items():
             self.optimizer.state[self.params[i]] = dict(extra)
-        for (i, k), tensor in zip(keys, saved[n:]):
+        for (i, k), tensor in zip(undo.keys, undo.tensors[n:]):
             self.optimizer.state[self.params[i]][k] = tensor
-        self.rng.setstate(python_rng)
-        torch.set_rng_state(torch_rng)
+
+
+@dataclass(slots=True)
+class _Undo:
+    """What a failed step puts back: update count and RNG states, and (once saved) the tensors."""
+
+    num_updates: int
+    python_rng: Any
+    torch_rng: torch.Tensor
+    tensors: list[torch.Tensor] | None = None  # params, then optimizer state tensors at `keys`
+    keys: list[tuple[int, str]] = field(default_factory=list)
+    others: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def _jsonable(value: Any) -> Any:
