@@ -3,7 +3,8 @@
 Builds a Qwen2.5-1.5B-shaped model with random bf16 weights (hub weights cannot be fetched) that
 uses the default model's tokenizer and chat template (from `--tokenizer-dir`), saves it as a local
 Hugging Face directory, and runs LocalBackend on it: CUDA and bf16 are the defaults when a GPU is
-present. Prints one JSON line with the timings of each phase.
+present. Prints one JSON line with the timings of each phase (two train steps: on GPU the first captures
+the trainer's CUDA graphs, the second replays them).
 
     python benchmarks/gpu_loop.py --tokenizer-dir ~/.cache/tempering/models/SmolLM2-135M-Instruct
 """
@@ -80,6 +81,13 @@ async def run(base_model: Path, root: Path, group_size: int, num_groups: int) ->
     after = await probe_logprobs(model.name)
     times["first_request_after_train_s"] = time.perf_counter() - start
     at_zero = await probe_logprobs(f"{model.name}@0")
+    # a second step: on GPU the first one captured the trainer's CUDA graphs, this one replays them
+    groups = await art.gather_trajectory_groups(
+        (art.TrajectoryGroup(rollout(g) for _ in range(group_size)) for g in range(num_groups)), pbar_desc=None
+    )
+    start = time.perf_counter()
+    second = await model.train(groups, config=art.TrainConfig(learning_rate=1e-4))
+    times["second_train_s"] = time.perf_counter() - start
     await backend.close()
     return {
         "benchmark": "gpu_loop",
@@ -90,6 +98,7 @@ async def run(base_model: Path, root: Path, group_size: int, num_groups: int) ->
         "model": "Qwen2.5-1.5B-shaped random bf16 (SmolLM2 tokenizer)",
         "rollouts": group_size * num_groups,
         "step_after_train": result.step,
+        "step_after_second_train": second.step,
         "train_metrics": {k: round(v, 4) for k, v in result.metrics.items() if k.startswith(("loss/", "data/", "train/reward"))},
         "policy_changed": max(abs(a - b) for a, b in zip(before, after)) > 1e-3,
         "step0_still_served": max(abs(a - b) for a, b in zip(before, at_zero)) < 5e-2,

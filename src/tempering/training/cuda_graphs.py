@@ -129,7 +129,8 @@ class RowGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()  # one memory pool for all shapes: they never overlap
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread-local: another model's engine may keep working on the GPU from its own thread
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             static_stats = self._forward_backward(inputs, objective)
         self._graphs[key] = _Captured(graph, inputs, static_stats)
         self.num_captures += 1
