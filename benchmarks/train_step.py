@@ -152,9 +152,8 @@ def main() -> None:
         trainer.model.train()
         while base_seqs >= 1:  # the full batch may not fit: halve it, and compare tokens/s
             try:
-                base_s, base_peak, base_reserved = timed(lambda: baseline_step(
-                    trainer.peft_model, trainer.optimizer, ids[:base_seqs], prompt, sampled[:base_seqs],
-                    advantages[:base_seqs], device))
+                base_s, base_peak, base_reserved = timed(lambda n=base_seqs: baseline_step(
+                    trainer.peft_model, trainer.optimizer, ids[:n], prompt, sampled[:n], advantages[:n], device))
                 break
             except torch.OutOfMemoryError:
                 base_s = base_peak = base_reserved = None
@@ -175,7 +174,7 @@ def main() -> None:
         variant = config.model_copy(update=update)
         if gpu:
             torch.cuda.empty_cache()
-        v_s, v_peak, v_reserved = timed(lambda: trainer.step(sequences, variant))
+        v_s, v_peak, v_reserved = timed(lambda v=variant: trainer.step(sequences, v))
         variants.append({"config": update, "tok_per_s": round(tokens / v_s, 1),
                          "peak_gib": round(v_peak, 2) if gpu else None,
                          "reserved_gib": round(v_reserved, 2) if gpu else None,

@@ -52,9 +52,9 @@ def test_packed_logprobs_equal_separate_sequences(default_model_dir, device, dty
         s.token_ids = torch.randint(10, 40000, (len(s),), generator=g).tolist()
     with torch.no_grad():
         [row] = pack_sequences(seqs, max_tokens=1000)
-        packed, _ = trainer._logprobs(row.to(device), row.loss_mask[:, 1:], 1024)
+        packed, _ = trainer._logprobs(row)
         alone = []
         for s in row.sequences:
             [single] = pack_sequences([s], max_tokens=1000)
-            alone.append(trainer._logprobs(single.to(device), single.loss_mask[:, 1:], 1024)[0])
+            alone.append(trainer._logprobs(single)[0])
     assert (packed - torch.cat(alone)).abs().max() < tol

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decoder import sequences, tiny_model, trainer_for
 
 from tempering.training import Trainer
 from tempering.training.batching import RowShape, pack_sequences
 from tempering.training.objective import STATS, rl_objective
 from tempering.types import TrainConfig
-
-from test_decoder import sequences, tiny_model, trainer_for
 
 CONFIGS = {
     "ppo": TrainConfig(loss_fn="ppo"),
@@ -60,7 +59,7 @@ def test_padding_changes_neither_the_loss_nor_the_gradient_nor_the_statistics(na
     seqs = with_sampled(sequences(211, lengths=(30, 17, 9, 21)))
     [micro] = pack_sequences(seqs, max_tokens=4096, weights=[0.05, 0.1, 0.2, 0.3])
     weight = trainer.model.get_output_embeddings().weight
-    objective = lambda row: rl_objective(trainer._row_hidden, weight, row, config)  # noqa: E731
+    objective = lambda row: rl_objective(trainer._row_hidden, weight, row, config)
     results = []
     with trainer._forward_mode(checkpointing):
         for pad in (False, True):
@@ -88,9 +87,9 @@ def test_statistics_are_the_eager_trainers(default_model_dir):
     [micro] = pack_sequences(seqs, max_tokens=4096, weights=[0.5, 0.25])
     config = TrainConfig(loss_fn="ppo")
     row = micro.row()
-    loss, stats = rl_objective(trainer._row_hidden, trainer.model.get_output_embeddings().weight, row, config)
+    _, stats = rl_objective(trainer._row_hidden, trainer.model.get_output_embeddings().weight, row, config)
     with torch.no_grad():
-        lp, entropy = trainer._logprobs(micro, micro.loss_mask[:, 1:], 1024)
+        lp, entropy = trainer._logprobs(micro)
         per_token, clipped, ratio = policy_loss(lp, row.sampled_logprobs, row.advantages, loss_fn="ppo",
                                                 clip_low=0.2, clip_high=0.2)
     s = dict(zip(STATS, stats.tolist()))
@@ -162,7 +161,7 @@ def test_a_replay_reads_the_current_adapter_and_the_new_row():
     trainer.step(first, config)  # captures
     captures = trainer.rows.num_captures
     weight = trainer.model.get_output_embeddings().weight
-    objective = lambda row: rl_objective(trainer._row_hidden, weight, row, config)  # noqa: E731
+    objective = lambda row: rl_objective(trainer._row_hidden, weight, row, config)
     [micro] = pack_sequences(second, max_tokens=1024, weights=[0.01] * len(second))
     key = ("probe",)
     out = []

@@ -76,7 +76,7 @@ def ours(trainer: Trainer, seqs, *, lora=True, checkpointing=False) -> torch.Ten
     [micro] = pack_sequences(seqs, max_tokens=4096)
     assert micro.sequences == seqs
     with trainer._forward_mode(checkpointing):
-        logprobs, _ = trainer._logprobs(micro, micro.loss_mask[:, 1:], chunk_size=7, lora=lora)
+        logprobs, _ = trainer._logprobs(micro, chunk_size=7, lora=lora)
     return logprobs
 
 

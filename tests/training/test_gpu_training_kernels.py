@@ -94,7 +94,7 @@ def test_bf16_packed_forward_is_close_to_the_peft_model():
     [micro] = pack_sequences(seqs, max_tokens=4096)
     micro = micro.to(torch.device("cuda"))
     with trainer._forward_mode(checkpointing=True):
-        ours, _ = trainer._logprobs(micro, micro.loss_mask[:, 1:], chunk_size=64)
+        ours, _ = trainer._logprobs(micro, chunk_size=64)
     ref = []
     for s in micro.sequences:
         ids = torch.tensor(s.token_ids, device="cuda")[None]

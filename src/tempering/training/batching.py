@@ -218,7 +218,7 @@ def _tensor(values: list, typecode: str) -> torch.Tensor:
     return torch.frombuffer(array.array(typecode, values), dtype=_DTYPES[typecode])
 
 
-def _pad(t: torch.Tensor, size: int, value: float | int | bool) -> torch.Tensor:
+def _pad(t: torch.Tensor, size: int, value: float) -> torch.Tensor:
     return torch.cat([t, t.new_full((size - len(t),), value)])
 
 

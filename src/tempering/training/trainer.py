@@ -329,7 +329,7 @@ class Trainer:
                config.importance_ratio_mask, config.kl_penalty_coef, config.kl_estimator, config.logprob_chunk_size,
                self._checkpointing)
         weight = self.model.get_output_embeddings().weight
-        objective = lambda row: rl_objective(self._row_hidden, weight, row, config)  # noqa: E731
+        objective = lambda row: rl_objective(self._row_hidden, weight, row, config)
         for index, minibatch in enumerate(minibatches):
             weights = token_weights(minibatch, config.aggregation, config.dr_grpo_normalizer)
             self.optimizer.zero_grad(set_to_none=True)
@@ -381,10 +381,11 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     batch_loss = 0.0
                     for micro in pack_sequences(batch, max_tokens=config.micro_batch_tokens, weights=weights):
-                        micro = micro.to(device)
-                        target_mask = micro.loss_mask[:, 1:]
-                        logprobs, _ = self._logprobs(micro, target_mask, 1024)
-                        loss = -(logprobs * micro.token_weight[:, 1:][target_mask]).sum()
+                        row = micro.row().to(device)
+                        h = self._row_hidden(row, True)[row.pred_positions]  # [N, H]
+                        logprobs, _ = selective_logprobs(h, self.model.get_output_embeddings().weight, row.targets,
+                                                         row.temperature)
+                        loss = -(logprobs * row.weights).sum()
                         loss.backward()
                         batch_loss += float(loss.detach())
                         tokens += micro.num_tokens
@@ -435,30 +436,13 @@ class Trainer:
         minibatches = [sum(trajectories[i:i + size], []) for i in range(0, len(trajectories), size)]
         return [m for m in minibatches if any(s.num_completion_tokens for s in m)]
 
-    def _logprobs(self, micro: MicroBatch, target_mask: torch.Tensor, chunk_size: int, *,
-                  lora: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs [N] and entropies [N] of the row's trained tokens; `lora=False`: the base model's."""
-        h = self._hidden(micro, lora)[:, :-1][target_mask]  # [N, H]: position t predicts token t + 1
-        targets = micro.input_ids[:, 1:][target_mask]
-        temperature = micro.temperature[:, 1:][target_mask]
+    def _logprobs(self, micro: MicroBatch, chunk_size: int = 1024, *, lora: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs [N] and entropies [N] of the row's trained tokens, in row order; `lora=False`: the
+        base model's."""
+        row = micro.row().to(self.params[0].device)
+        h = self._row_hidden(row, lora)[row.pred_positions]  # [N, H]
         weight = self.model.get_output_embeddings().weight
-        return selective_logprobs(h, weight, targets, temperature, chunk_size=chunk_size)
-
-    def _hidden(self, micro: MicroBatch, lora: bool) -> torch.Tensor:
-        """Final hidden states [1, T, H] of a packed row."""
-        if self.decoder is not None:
-            return self.decoder(micro.input_ids[0], micro.position_ids[0], micro.cu_seq_lens, micro.max_seq_len,
-                                lora=lora, checkpointing=self._checkpointing)[None]
-        with contextlib.nullcontext() if lora else self.peft_model.disable_adapter():
-            return self.model.get_decoder()(
-                input_ids=micro.input_ids,
-                position_ids=micro.position_ids,
-                use_cache=False,
-                cu_seq_lens_q=micro.cu_seq_lens,
-                cu_seq_lens_k=micro.cu_seq_lens,
-                max_length_q=micro.max_seq_len,
-                max_length_k=micro.max_seq_len,
-            ).last_hidden_state  # [1, T, H]
+        return selective_logprobs(h, weight, row.targets, row.temperature, chunk_size=chunk_size)
 
     def _row_hidden(self, row: Row, lora: bool) -> torch.Tensor:
         """Final hidden states [T, H] of a row (`lora=False`: the base model's)."""
