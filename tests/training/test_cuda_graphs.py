@@ -175,3 +175,33 @@ def test_a_replay_reads_the_current_adapter_and_the_new_row():
         torch.testing.assert_close(stats, out[0][0], rtol=1e-3, atol=1e-4)
         for a, b in zip(grads, out[0][1]):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
+@cuda
+def test_a_row_that_cannot_be_captured_falls_back_to_eager_rows():
+    """An objective that reads a value back to the host cannot be captured: the trainer warns, keeps
+    the row's eager gradient, and runs later rows eagerly."""
+    trainer = gpu_trainer()
+    first, second, _ = gpu_batches()
+    config = TrainConfig(micro_batch_tokens=1024)
+    weight = trainer.model.get_output_embeddings().weight
+
+    def syncing(row):
+        loss, stats = rl_objective(trainer._row_hidden, weight, row, config)
+        if loss.item() > 1e30:  # a host sync: not allowed while capturing
+            raise AssertionError
+        return loss, stats
+
+    [micro] = pack_sequences(second, max_tokens=1024, weights=[0.01] * len(second))
+    grads = []
+    for capture in (True, True, False):
+        trainer.rows.begin_update()
+        with trainer._forward_mode(True):
+            trainer.rows.run(micro, syncing, ("syncing",), capture=capture)
+        grads.append([g.clone() for g in trainer.rows.grads])
+    assert trainer.rows.capture_error is not None and trainer.rows.num_captures == 0
+    for run in grads[1:]:
+        for a, b in zip(run, grads[0]):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+    metrics = trainer.step(first, config).values  # later steps: eager, and they still train
+    assert metrics["loss/grad_norm"] > 0

@@ -61,6 +61,7 @@ class RowGraphs:
         self.grads = [torch.zeros_like(p) for p in params]
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
         self._pool = None
+        self.capture_error: str | None = None  # set when a capture failed: rows then run eagerly
         self.num_captures = 0
         self.num_replays = 0
 
@@ -94,6 +95,7 @@ class RowGraphs:
         """
         if capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        capture = capture and self.capture_error is None
         shape = RowShape.bucket(micro) if (capture if pad is None else pad) else None
         row = micro.row(shape)
         if not capture:
@@ -129,9 +131,15 @@ class RowGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()  # one memory pool for all shapes: they never overlap
         graph = torch.cuda.CUDAGraph()
-        # thread-local: another model's engine may keep working on the GPU from its own thread
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            static_stats = self._forward_backward(inputs, objective)
+        try:
+            # thread-local: another model's engine may keep working on the GPU from its own thread
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                static_stats = self._forward_backward(inputs, objective)
+        except RuntimeError as exc:  # an op that cannot be captured (a host sync, say): stay eager from now on
+            self.capture_error = f"{type(exc).__name__}: {exc}"
+            log.warning("training without CUDA graphs: capturing a row failed (%s)", self.capture_error)
+            torch.cuda.synchronize(self.device)
+            return stats  # the eager run above already added this row's gradient
         self._graphs[key] = _Captured(graph, inputs, static_stats)
         self.num_captures += 1
         while len(self._graphs) > self.max_graphs:

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..types import LoRAConfig, TrainConfig
-from .attention import use_packed_attention
+from .attention import use_packed_attention, varlen_attn
 from .batching import MicroBatch, Row, pack_sequences
 from .cuda_graphs import RowGraphs
 from .decoder import PackedDecoder
@@ -348,9 +348,10 @@ class Trainer:
                            "loss": loss})
 
     def _can_capture(self, config: TrainConfig) -> bool:
-        """CUDA graphs for the rows: on CUDA, with tempering's own forward and no LoRA dropout."""
+        """CUDA graphs for the rows: on CUDA, with tempering's own forward, PyTorch's varlen attention
+        (torch >= 2.10; the fallback loops over sequences on the host) and no LoRA dropout."""
         return (config.cuda_graphs and self.params[0].device.type == "cuda" and self.decoder is not None
-                and not self.decoder.has_dropout)
+                and not self.decoder.has_dropout and varlen_attn is not None)
 
     def sft_step(
         self,
