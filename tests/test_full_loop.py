@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -253,3 +255,17 @@ def test_a_plain_model_logs_metrics_without_a_trainer(tmp_path, loop):
             assert baseline.get_inference_name() == "gpt-baseline"
 
     loop.run_until_complete(check())
+
+
+def test_closing_a_backend_lets_its_models_go(tmp_path, loop):
+    """FastAPI caches endpoint functions beyond an app's life; closing must still free the weights."""
+    async def serve_and_close():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            model = art.TrainableModel(name="gone", project="tests", base_model="SmolLM2-135M-Instruct")
+            await model.register(backend)
+            await probe_logprobs(model)
+            return weakref.ref(backend._registry.get("gone").model)
+
+    weights = loop.run_until_complete(serve_and_close())
+    gc.collect()
+    assert weights() is None

@@ -30,6 +30,13 @@ class ServiceRegistry:
         with self._lock:
             return self._services.get(name)
 
+    def clear(self) -> list[ModelService]:
+        """Remove every service; returns them."""
+        with self._lock:
+            services = list(self._services.values())
+            self._services.clear()
+            return services
+
     def services(self) -> list[ModelService]:
         with self._lock:
             return list(self._services.values())
