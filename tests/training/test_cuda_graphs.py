@@ -58,8 +58,7 @@ def test_padding_changes_neither_the_loss_nor_the_gradient_nor_the_statistics(na
     trainer = trainer_for(tiny_model("qwen2"))
     seqs = with_sampled(sequences(211, lengths=(30, 17, 9, 21)))
     [micro] = pack_sequences(seqs, max_tokens=4096, weights=[0.05, 0.1, 0.2, 0.3])
-    weight = trainer.model.get_output_embeddings().weight
-    objective = lambda row: rl_objective(trainer._row_hidden, weight, row, config)
+    objective = lambda row: rl_objective(trainer._row_logprobs, row, config)
     results = []
     with trainer._forward_mode(checkpointing):
         for pad in (False, True):
@@ -87,7 +86,7 @@ def test_statistics_are_the_eager_trainers(default_model_dir):
     [micro] = pack_sequences(seqs, max_tokens=4096, weights=[0.5, 0.25])
     config = TrainConfig(loss_fn="ppo")
     row = micro.row()
-    _, stats = rl_objective(trainer._row_hidden, trainer.model.get_output_embeddings().weight, row, config)
+    _, stats = rl_objective(trainer._row_logprobs, row, config)
     with torch.no_grad():
         lp, entropy = trainer._logprobs(micro)
         per_token, clipped, ratio = policy_loss(lp, row.sampled_logprobs, row.advantages, loss_fn="ppo",
@@ -160,8 +159,7 @@ def test_a_replay_reads_the_current_adapter_and_the_new_row():
     config = TrainConfig(learning_rate=1e-3, micro_batch_tokens=1024)
     trainer.step(first, config)  # captures
     captures = trainer.rows.num_captures
-    weight = trainer.model.get_output_embeddings().weight
-    objective = lambda row: rl_objective(trainer._row_hidden, weight, row, config)
+    objective = lambda row: rl_objective(trainer._row_logprobs, row, config)
     [micro] = pack_sequences(second, max_tokens=1024, weights=[0.01] * len(second))
     key = ("probe",)
     out = []
@@ -184,10 +182,9 @@ def test_a_row_that_cannot_be_captured_falls_back_to_eager_rows():
     trainer = gpu_trainer()
     first, second, _ = gpu_batches()
     config = TrainConfig(micro_batch_tokens=1024)
-    weight = trainer.model.get_output_embeddings().weight
 
     def syncing(row):
-        loss, stats = rl_objective(trainer._row_hidden, weight, row, config)
+        loss, stats = rl_objective(trainer._row_logprobs, row, config)
         if loss.item() > 1e30:  # a host sync: not allowed while capturing
             raise AssertionError
         return loss, stats

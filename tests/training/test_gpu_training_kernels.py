@@ -92,7 +92,6 @@ def test_bf16_packed_forward_is_close_to_the_peft_model():
                               [float("nan")] * 8 + [-1.0] * (n - 8), advantage=1.0, trajectory_index=i)
             for i, n in enumerate((200, 120, 64))]
     [micro] = pack_sequences(seqs, max_tokens=4096)
-    micro = micro.to(torch.device("cuda"))
     with trainer._forward_mode(checkpointing=True):
         ours, _ = trainer._logprobs(micro, chunk_size=64)
     ref = []

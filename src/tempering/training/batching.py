@@ -77,7 +77,6 @@ class Row:
         seq_index: [N] int64 sequence of each prediction, in [0, num_seqs).
         valid: [N] bool, False on padding.
         num_seqs: number of sequence indices (real sequences, plus one for padding when padded).
-        num_tokens: the real tokens of the row (T without padding).
         num_valid: the real predictions (N without padding).
     """
 
@@ -94,15 +93,14 @@ class Row:
     seq_index: torch.Tensor
     valid: torch.Tensor
     num_seqs: int
-    num_tokens: int
     num_valid: int
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if torch.is_tensor(getattr(self, f.name))}
 
-    def to(self, device: torch.device, *, non_blocking: bool = False) -> Row:
+    def to(self, device: torch.device) -> Row:
         for name, t in self.tensors().items():
-            setattr(self, name, t.to(device, non_blocking=non_blocking))
+            setattr(self, name, t.to(device))
         return self
 
 
@@ -174,8 +172,7 @@ class MicroBatch:
             max_seq_len=self.max_seq_len, pred_positions=pred_positions, targets=at_targets(self.input_ids),
             sampled_logprobs=at_targets(self.sampled_logprobs), advantages=at_targets(self.advantages),
             temperature=at_targets(self.temperature), weights=at_targets(self.token_weight),
-            seq_index=at_targets(self.seq_index), valid=torch.ones(n, dtype=torch.bool), num_seqs=S,
-            num_tokens=T, num_valid=n,
+            seq_index=at_targets(self.seq_index), valid=torch.ones(n, dtype=torch.bool), num_seqs=S, num_valid=n,
         )
         if shape is None:
             return row
@@ -200,12 +197,6 @@ class MicroBatch:
                             ("valid", False)):
             setattr(row, name, _pad(getattr(row, name), N, value))
         return row
-
-    def to(self, device: torch.device) -> MicroBatch:
-        for name in ("input_ids", "position_ids", "loss_mask", "sampled_logprobs", "advantages", "temperature",
-                     "token_weight", "seq_index", "cu_seq_lens"):
-            setattr(self, name, getattr(self, name).to(device))
-        return self
 
 
 _DTYPES = {"q": torch.int64, "b": torch.int8, "f": torch.float32}

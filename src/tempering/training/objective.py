@@ -18,7 +18,6 @@ import torch
 
 from ..types import TrainConfig
 from .batching import Row
-from .logprobs import selective_logprobs
 from .losses import kl_estimate, policy_loss
 
 __all__ = ["STATS", "rl_objective"]
@@ -29,16 +28,16 @@ STATS = ("loss", "trained", "entropy", "clipped", "ratio_sum", "ratio_max", "kl"
 
 
 def rl_objective(
-    hidden: Callable[[Row, bool], torch.Tensor],
-    lm_head_weight: torch.Tensor,
+    logprobs_of: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     row: Row,
     config: TrainConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The row's loss Σ weight × loss_token and its statistics.
 
     Args:
-        hidden: `hidden(row, lora)` → [T, H] final hidden states of the row (lora=False: the base model).
-        lm_head_weight: [V, H] the output embedding (frozen).
+        logprobs_of: `logprobs_of(row, chunk_size, lora=...)` → (logprobs [N] float32, entropy [N]
+            float32) of the row's predictions, computed `chunk_size` rows at a time (lora=False:
+            under the base model).
         row: the row, on the model's device.
         config: loss, clipping, corrections and KL options (see TrainConfig).
 
@@ -48,9 +47,7 @@ def rl_objective(
     """
     valid = row.valid
     validf = valid.float()
-    h = hidden(row, True)[row.pred_positions]  # [N, H]
-    logprobs, entropy = selective_logprobs(h, lm_head_weight, row.targets, row.temperature,
-                                           chunk_size=config.logprob_chunk_size)
+    logprobs, entropy = logprobs_of(row, config.logprob_chunk_size, lora=True)
     new = torch.where(valid, logprobs, 0.0)  # [N]; padding: a finite stand-in without gradient
     sampled = row.sampled_logprobs
     loss_tok, clipped, _ = policy_loss(new, sampled, row.advantages, loss_fn=config.loss_fn, clip_low=config.clip_low,
@@ -70,10 +67,7 @@ def rl_objective(
         masked = (~keep & valid).sum()
     if config.kl_penalty_coef > 0:
         with torch.no_grad():  # the base policy: the same weights with the LoRA off
-            h_ref = hidden(row, False)[row.pred_positions]
-            ref, _ = selective_logprobs(h_ref, lm_head_weight, row.targets, row.temperature,
-                                        chunk_size=config.logprob_chunk_size)
-            ref = torch.where(valid, ref, 0.0)
+            ref = torch.where(valid, logprobs_of(row, config.logprob_chunk_size, lora=False)[0], 0.0)
         kl = kl_estimate(new, ref, config.kl_estimator)
         loss_tok = loss_tok + config.kl_penalty_coef * kl
         kl_sum = (kl.detach() * validf).sum()

@@ -262,11 +262,10 @@ class Trainer:
             group["weight_decay"] = config.weight_decay
         if not self.model.training:  # .train() walks every module: milliseconds per step
             self.model.train()
-        device = self.params[0].device
         totals = _Totals()
         try:
             with self._forward_mode(config.gradient_checkpointing):
-                self._run_minibatches(sequences, config, totals, device, on_update)
+                self._run_minibatches(sequences, config, totals, on_update)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         totals.values()  # waits for the device: the step time below is the whole step's
@@ -320,7 +319,7 @@ class Trainer:
             disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
             disable()
 
-    def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals, device,
+    def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals,
                          on_update=None) -> None:
         minibatches = self._minibatches(sequences, config)
         capture = self._can_capture(config)
@@ -328,8 +327,7 @@ class Trainer:
         key = (config.loss_fn, config.clip_low, config.clip_high, config.truncated_importance_sampling,
                config.importance_ratio_mask, config.kl_penalty_coef, config.kl_estimator, config.logprob_chunk_size,
                self._checkpointing)
-        weight = self.model.get_output_embeddings().weight
-        objective = lambda row: rl_objective(self._row_hidden, weight, row, config)
+        objective = lambda row: rl_objective(self._row_logprobs, row, config)
         for index, minibatch in enumerate(minibatches):
             weights = token_weights(minibatch, config.aggregation, config.dr_grpo_normalizer)
             self.optimizer.zero_grad(set_to_none=True)
@@ -383,9 +381,7 @@ class Trainer:
                     batch_loss = 0.0
                     for micro in pack_sequences(batch, max_tokens=config.micro_batch_tokens, weights=weights):
                         row = micro.row().to(device)
-                        h = self._row_hidden(row, True)[row.pred_positions]  # [N, H]
-                        logprobs, _ = selective_logprobs(h, self.model.get_output_embeddings().weight, row.targets,
-                                                         row.temperature)
+                        logprobs, _ = self._row_logprobs(row)
                         loss = -(logprobs * row.weights).sum()
                         loss.backward()
                         batch_loss += float(loss.detach())
@@ -438,9 +434,11 @@ class Trainer:
         return [m for m in minibatches if any(s.num_completion_tokens for s in m)]
 
     def _logprobs(self, micro: MicroBatch, chunk_size: int = 1024, *, lora: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs [N] and entropies [N] of the row's trained tokens, in row order; `lora=False`: the
-        base model's."""
-        row = micro.row().to(self.params[0].device)
+        """Logprobs [N] and entropies [N] of a packed row's trained tokens, in row order."""
+        return self._row_logprobs(micro.row().to(self.params[0].device), chunk_size, lora=lora)
+
+    def _row_logprobs(self, row: Row, chunk_size: int = 1024, *, lora: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs [N] and entropies [N] of the row's predictions; `lora=False`: the base model's."""
         h = self._row_hidden(row, lora)[row.pred_positions]  # [N, H]
         weight = self.model.get_output_embeddings().weight
         return selective_logprobs(h, weight, row.targets, row.temperature, chunk_size=chunk_size)
