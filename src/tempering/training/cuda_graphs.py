@@ -131,11 +131,17 @@ class RowGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()  # one memory pool for all shapes: they never overlap
         graph = torch.cuda.CUDAGraph()
+        # a capture puts the device's default generator in capture mode and a failed one never takes it
+        # out (every later random op on the device would then fail): keep its state to put back
+        generator = torch.cuda.default_generators[self.device.index or 0]
+        not_capturing = torch.Generator(device=self.device)  # a state of its own, not shared with the capture
+        not_capturing.set_state(generator.get_state())
         try:
             # thread-local: another model's engine may keep working on the GPU from its own thread
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 static_stats = self._forward_backward(inputs, objective)
         except RuntimeError as exc:  # an op that cannot be captured (a host sync, say): stay eager from now on
+            generator.graphsafe_set_state(not_capturing)
             self.capture_error = f"{type(exc).__name__}: {exc}"
             log.warning("training without CUDA graphs: capturing a row failed (%s)", self.capture_error)
             torch.cuda.synchronize(self.device)
