@@ -112,7 +112,8 @@ class BlockManager:
             seq.block_table.append(self._take_free().block_id)
         if not self.enable_prefix_caching:
             return
-        num_full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+        # only blocks whose tokens are all known: a token still being sampled is not hashed
+        num_full = min(seq.num_computed_tokens + num_new_tokens, len(seq.token_ids) - seq.num_pending) // self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
             tokens = tuple(seq.block_tokens(i, self.block_size))
             h = self.chain_hash(seq.last_block_hash, seq.adapter_key, tokens)
@@ -131,7 +132,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = seq.num_table_synced = 0
         seq.last_block_hash = None
 
     def forget_cached(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .context import StepContext
-from .lora import AdapterWeights, LoRASegment
+from .lora import EngineAdapter, LoRASegment
 
 __all__ = ["DecodeGraphs"]
 
@@ -29,7 +29,7 @@ log = logging.getLogger("tempering")
 class _Captured:
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # [bucket, H], written by each replay
-    adapter: AdapterWeights | None  # kept alive: the graph reads its tensors' addresses
+    adapter: EngineAdapter | None  # kept alive: the graph reads its tensors' addresses
 
 
 class DecodeGraphs:
@@ -67,7 +67,7 @@ class DecodeGraphs:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
-        adapter: AdapterWeights | None,
+        adapter: EngineAdapter | None,
     ) -> torch.Tensor:
         """Hidden states [B, H] of a decode-only batch (all tensors already on the device)."""
         B, width = block_tables.shape
@@ -89,7 +89,7 @@ class DecodeGraphs:
         captured.graph.replay()
         return captured.hidden[:B]
 
-    def _forward(self, bucket: int, adapter: AdapterWeights | None) -> torch.Tensor:
+    def _forward(self, bucket: int, adapter: EngineAdapter | None) -> torch.Tensor:
         ctx = StepContext(
             slot_mapping=self.slot_mapping[:bucket],
             num_decode=bucket,
@@ -99,7 +99,7 @@ class DecodeGraphs:
         lora = [LoRASegment(0, bucket, adapter)] if adapter is not None else []
         return self.model.forward(self.input_ids[:bucket], self.positions[:bucket], ctx, self.kv_cache, lora)
 
-    def _capture(self, bucket: int, adapter: AdapterWeights | None) -> _Captured | None:
+    def _capture(self, bucket: int, adapter: EngineAdapter | None) -> _Captured | None:
         """Capture a graph; on failure log it and return None (that bucket then runs eagerly)."""
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
@@ -119,6 +119,6 @@ class DecodeGraphs:
             self.pool = graph.pool()
         return _Captured(graph, hidden, adapter)
 
-    def forget(self, adapter: AdapterWeights) -> None:
+    def forget(self, adapter: EngineAdapter) -> None:
         """Drop the graphs that read `adapter`'s tensors (it is being unloaded)."""
         self.graphs = {k: v for k, v in self.graphs.items() if v.adapter is not adapter}

@@ -2,8 +2,16 @@
 
 A worker thread owns the scheduler, block manager and model runner. `submit()` (any thread)
 queues a request and returns a Future; the worker turns it into n sequences, steps while there
-is work, and resolves the Future when all n samples are done. Each step holds `lock`, which the
-trainer takes for a whole training step, so weights never change inside a step. A sequence
+is work, and resolves the Future when all n samples are done.
+
+Steps are pipelined one deep: the worker schedules and launches step t+1 before it collects the
+tokens of step t, so on a GPU the host work of a step (scheduling, building inputs, reading
+tokens back, stop checks) runs while the device computes. A sequence whose token is still being
+sampled holds a `PENDING` placeholder, which the next step reads on the device; a sample that
+turns out to have ended (a stop token) drops the one extra token computed for it.
+
+Launching a step holds `lock`, which the trainer takes while it changes weights; a launch sees
+either the old weights or the new ones, and the device runs the work in launch order. A sequence
 that spans a training step samples its later tokens from the new policy; each token's logprob
 is recorded under the policy that sampled it.
 """
@@ -22,14 +30,15 @@ from typing import Any
 from ..errors import EngineError
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .lora import AdapterWeights, collect_adapter
+from .lora import EngineAdapter, collect_adapter
 from .memory import release_free_memory
 from .model_runner import ModelRunner
 from .models import LlamaFamilyModel
 from .request import Completion, GenerationRequest, Policy, TokenCallback, new_request
 from .sampling_params import SamplingParams, row_seed
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .model_runner import LaunchedStep
+from .sequence import PENDING, Sequence
 from .stopping import completion_of, finish_reason_of
 
 __all__ = ["Engine", "EngineStats"]
@@ -78,7 +87,7 @@ class Engine:
         self.lock = lock
         self.config = config or EngineConfig()
         self._peft_model = peft_model
-        self._adapters: dict[tuple[str, int], AdapterWeights] = {}
+        self._adapters: dict[tuple[str, int], EngineAdapter] = {}
         self.runner = ModelRunner(model, self.config, self._adapter_weights, max_seq_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
@@ -88,6 +97,7 @@ class Engine:
         self._cond = threading.Condition()
         self._closed = False
         self._rng = random.Random()
+        self._in_flight: LaunchedStep | None = None
         self.stats = EngineStats()
         self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
         self._thread.start()
@@ -134,7 +144,7 @@ class Engine:
 
     # ---- adapters -------------------------------------------------------------------------------
 
-    def _adapter_weights(self, name: str) -> AdapterWeights:
+    def _adapter_weights(self, name: str) -> EngineAdapter:
         peft_model = self._peft_model()
         if peft_model is None:
             raise EngineError(f"adapter {name!r} was requested but the model has no adapters")
@@ -143,7 +153,9 @@ class Engine:
         if weights is None:
             if name not in peft_model.peft_config:
                 raise EngineError(f"adapter {name!r} is not loaded")
-            weights = collect_adapter(self.model.hf_layers, name, self.model.fused_slices)
+            hidden = self.model.hidden_size
+            weights = EngineAdapter(collect_adapter(self.model.hf_layers, name, self.model.fused_slices),
+                                    {"o": hidden, "down": hidden})
             for stale in [k for k in self._adapters if k[1] != id(peft_model)]:  # a replaced PEFT model
                 self.runner.forget_adapter(self._adapters.pop(stale))
             self._adapters[key] = weights
@@ -159,9 +171,10 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                if not self._inbox and not self.scheduler.has_work and self.stats.num_steps and self.device.type == "cpu":
+                idle = not self._inbox and not self.scheduler.has_work and self._in_flight is None
+                if idle and self.stats.num_steps and self.device.type == "cpu":
                     release_free_memory()  # going idle: hand the step's temporaries back to the OS
-                while not self._inbox and not self.scheduler.has_work and not self._closed:
+                while not self._inbox and not self.scheduler.has_work and self._in_flight is None and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
@@ -169,7 +182,7 @@ class Engine:
                 self._inbox.clear()
             for request in arrivals:
                 self._admit(request)
-            if not self.scheduler.has_work:
+            if not self.scheduler.has_work and self._in_flight is None:
                 continue
             try:
                 self._step()
@@ -191,33 +204,54 @@ class Engine:
             self.scheduler.add(seq)
 
     def _step(self) -> None:
+        """Launch the next step, then collect the one launched before it."""
         batch = self.scheduler.schedule()
-        if not batch:
+        launched = None
+        if batch:
+            with self.lock:
+                launched = self.runner.launch(batch, self._in_flight)
+            stats = self.stats
+            stats.num_steps += 1
+            stats.num_decode_tokens += len(batch.decode)
+            stats.num_preemptions = self.scheduler.num_preemptions
+            for seq, n in batch.prefill:
+                stats.num_prefill_tokens += n
+                if seq.num_computed_tokens == seq.num_cached_tokens:  # its first chunk
+                    stats.num_cached_tokens += seq.num_cached_tokens
+            for seq, n in batch.items():
+                seq.num_computed_tokens += n
+            if launched is not None:
+                for seq in launched.seqs:  # the token this step samples, until it arrives
+                    launched.indices.append(len(seq.token_ids))
+                    seq.token_ids.append(PENDING)
+                    seq.num_pending += 1
+        elif self._in_flight is None:
             raise EngineError("the scheduler could not place any request (KV cache too small?)")
-        with self.lock:
-            sampled = self.runner.run(batch)
-        stats = self.stats
-        stats.num_steps += 1
-        stats.num_decode_tokens += len(batch.decode)
-        stats.num_preemptions = self.scheduler.num_preemptions
-        for seq, n in batch.prefill:
-            stats.num_prefill_tokens += n
-            if seq.num_computed_tokens == seq.num_cached_tokens:  # its first chunk
-                stats.num_cached_tokens += seq.num_cached_tokens
-        for seq, n in batch.items():
-            seq.num_computed_tokens += n
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._process(self.runner.collect(previous))
+
+    def _process(self, sampled: list) -> None:
+        """Fill in a collected step's tokens; finish the samples that end with them."""
         for out in sampled:
             seq = out.seq
-            seq.token_ids.append(out.token_id)
+            if seq.is_finished:  # ended at an earlier token; this one was computed for nothing
+                continue
+            seq.token_ids[out.index] = out.token_id
+            seq.num_pending -= 1
             seq.logprobs.append(out.logprob)
             seq.top_logprobs.append(out.top)
+            completion = seq.token_ids[seq.num_prompt_tokens: out.index + 1]
             seq.finish_reason = finish_reason_of(
-                seq.completion_ids, seq.request.params, seq.max_tokens, self.stop_token_ids, self.tokenizer
+                completion, seq.request.params, seq.max_tokens, self.stop_token_ids, self.tokenizer
             )
             if seq.request.on_token is not None:
                 seq.request.on_token(seq.sample_index, out.token_id, out.logprob, out.top)
             if seq.finish_reason is not None:
+                del seq.token_ids[out.index + 1:]  # a token launched after this one
+                seq.num_pending = 0
                 self.scheduler.finish(seq)
+                self.runner.release(seq)
                 self._maybe_complete(seq.request)
 
     def _maybe_complete(self, request: GenerationRequest) -> None:
@@ -232,10 +266,12 @@ class Engine:
         request.future.set_result(completions)
 
     def _fail_all(self, error: EngineError) -> None:
+        self._in_flight = None
         for seqs in list(self._pending.values()):
             for seq in seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq)
+                    self.runner.release(seq)
             if not seqs[0].request.future.done():
                 seqs[0].request.future.set_exception(error)
         self._pending.clear()

@@ -1,9 +1,16 @@
 """How a scheduled batch reaches the model and comes back as sampled tokens.
 
-`run()` flattens the batch (decode rows first, then prefill chunks) into token ids, positions
+`launch()` flattens the batch (decode rows first, then prefill chunks) into token ids, positions
 and cache slots, runs the decoder, computes logits only at the rows that sample (each decode
-row and each prefill chunk that reaches the end of its prompt), and samples. The one
-device→host transfer per step is the sampled ids and logprobs.
+row and each prefill chunk that reaches the end of its prompt), samples, and starts copying the
+sampled ids and logprobs to the host. It does not wait: on a GPU the engine schedules and
+launches the next step while this one runs (one step of lookahead, as vLLM's asynchronous
+scheduler and SGLang's overlap scheduler do). A decode row whose previous token is still on its
+way reads it straight from the previous step's sampled ids on the device. `collect()` waits for
+a launched step and returns its tokens: the step's one device→host synchronization.
+
+Each running sequence owns a row of a host block table that grows as the block manager hands
+it blocks, so a step copies its rows with one numpy gather instead of rebuilding Python lists.
 """
 
 from __future__ import annotations
@@ -11,18 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import EngineConfig
 from .context import PrefillSpan, StepContext
 from .layers.attention import paged_decode_attention
-from .lora import AdapterWeights, LoRASegment
+from .lora import EngineAdapter, LoRASegment
 from .models import LlamaFamilyModel
 from .sampler import SamplingTensors, sample, sampling_flags
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
-__all__ = ["ModelRunner", "SampledToken"]
+__all__ = ["LaunchedStep", "ModelRunner", "SampledToken"]
 
 HAS_TRITON = paged_decode_attention is not None
 try:
@@ -34,9 +42,35 @@ except ImportError:  # no Triton (CPU builds of torch)
 @dataclass(slots=True)
 class SampledToken:
     seq: Sequence
+    index: int  # position in seq.token_ids that this token fills
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose sampled tokens are on their way to the host.
+
+    Attributes:
+        seqs: the sequences that sample, in row order.
+        indices: where each one's token goes in its `token_ids` (set by the engine).
+        token_ids: [S] int64 sampled ids on the device (the next step's decode inputs).
+        rows: seq_id → row of `token_ids`.
+        host_ids, host_logprobs: [S] pinned host copies being filled.
+        host_top_ids, host_top_logprobs: [S, K] when some row asked for top logprobs.
+        done: recorded after the copies (None on CPU, where they are already done).
+    """
+
+    seqs: list[Sequence]
+    indices: list[int]
+    token_ids: torch.Tensor
+    rows: dict[int, int]
+    host_ids: torch.Tensor
+    host_logprobs: torch.Tensor
+    host_top_ids: torch.Tensor | None
+    host_top_logprobs: torch.Tensor | None
+    done: torch.cuda.Event | None
 
 
 class ModelRunner:
@@ -45,14 +79,15 @@ class ModelRunner:
     Args:
         model: the engine's decoder.
         config: engine settings (cache size).
-        adapter_weights: adapter name → its LoRA tensors (None for the base weights).
+        adapter_weights: adapter name → its LoRA tensors.
+        max_seq_len: longest sequence (sizes the block tables).
     """
 
     def __init__(
         self,
         model: LlamaFamilyModel,
         config: EngineConfig,
-        adapter_weights: Callable[[str], AdapterWeights],
+        adapter_weights: Callable[[str], EngineAdapter],
         max_seq_len: int = 8192,
     ) -> None:
         self.model = model
@@ -65,6 +100,9 @@ class ModelRunner:
         shape = (model.num_layers, 2, self.num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
         self.use_varlen = self.is_cuda and HAS_VARLEN
+        self.max_blocks_per_seq = -(-max_seq_len // self.block_size)
+        self.tables = np.zeros((64, self.max_blocks_per_seq), dtype=np.int32)  # row per live sequence
+        self.free_rows = list(range(63, -1, -1))
         self.graphs = None
         if self.is_cuda and config.use_cuda_graphs and HAS_TRITON:
             from .cuda_graphs import DecodeGraphs
@@ -72,9 +110,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, self.kv_cache,
                 max_batch_size=min(config.max_graph_batch_size, config.max_num_seqs),
-                max_blocks_per_seq=-(-max_seq_len // self.block_size),
+                max_blocks_per_seq=self.max_blocks_per_seq,
             )
-
 
     @property
     def block_bytes(self) -> int:
@@ -89,33 +126,68 @@ class ModelRunner:
             budget = self.config.cpu_kv_cache_bytes
         return max(2, int(budget // self.block_bytes))
 
+    # ---- block tables ---------------------------------------------------------------------------
+
+    def _table_row(self, seq: Sequence) -> int:
+        """seq's row of the host block table, holding its current block_table."""
+        if seq.table_row < 0:
+            if not self.free_rows:
+                old = self.tables.shape[0]
+                self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+                self.free_rows = list(range(2 * old - 1, old - 1, -1))
+            seq.table_row, seq.num_table_synced = self.free_rows.pop(), 0
+        n = len(seq.block_table)
+        if seq.num_table_synced != n:
+            self.tables[seq.table_row, seq.num_table_synced:n] = seq.block_table[seq.num_table_synced:]
+            seq.num_table_synced = n
+        return seq.table_row
+
+    def release(self, seq: Sequence) -> None:
+        """Give a finished sequence's table row back."""
+        if seq.table_row >= 0:
+            self.free_rows.append(seq.table_row)
+            seq.table_row = -1
+
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
+    # ---- one step -------------------------------------------------------------------------------
+
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """Compute one step; returns the token sampled by each sequence that samples this step."""
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep | None:
+        """Start computing one step; returns its sampling rows (None if no sequence samples).
+
+        `previous` is the step launched before this one, not yet collected: decode rows whose
+        newest token it sampled read that token from its device tensor.
+        """
         ints, floats = _Pack(), _Pack()  # every host array of the step goes over in two transfers
-        input_ids, positions, slots = [], [], []
+        input_ids, positions, slots, sources = [], [], [], []
         samplers: list[tuple[Sequence, int]] = []  # (sequence, flat row of its last token)
+        pending_rows = previous.rows if previous is not None else {}
         for seq in batch.decode:
             pos = len(seq) - 1
-            input_ids.append(seq.token_ids[pos])
+            source = pending_rows.get(seq.seq_id, -1) if seq.num_pending else -1
+            input_ids.append(seq.token_ids[pos] if source < 0 else 0)
+            sources.append(source)
             positions.append(pos)
             slots.append(self._slot(seq, pos))
             samplers.append((seq, len(input_ids) - 1))
+        has_sources = any(s >= 0 for s in sources)
         spans, key_slots, cu_q, cu_k, tables = [], [], [0], [0], []
         for seq, n in batch.prefill:
+            assert not seq.num_pending, "a sequence is prefilled before its sampled token arrived"
             start = seq.num_computed_tokens
             if not self.use_varlen:
                 tables.append(ints.add(seq.block_table))
             spans.append(PrefillSpan(len(input_ids), n, start + n, None))
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
-            new_slots = [self._slot(seq, p) for p in range(start + n)]
-            slots += new_slots[start:]
+            block_ids = np.asarray(seq.block_table, dtype=np.int64)
+            pos = np.arange(start + n)
+            new_slots = block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+            slots += new_slots[start:].tolist()
             if self.use_varlen:
-                key_slots += new_slots
+                key_slots.append(new_slots)
                 cu_q.append(cu_q[-1] + n)
                 cu_k.append(cu_k[-1] + start + n)
             if start + n == len(seq):
@@ -124,19 +196,25 @@ class ModelRunner:
         params = [s.request.params for s in seqs]
 
         f_ids, f_pos, f_slots = ints.add(input_ids), ints.add(positions), ints.add(slots)
+        f_src = ints.add(sources) if has_sources else None
         f_rows = ints.add([r for _, r in samplers])
         f_seeds, f_counters = ints.add([s.seed for s in seqs]), ints.add([s.num_completion_tokens for s in seqs])
         f_top_k = ints.add([max(p.top_k, 0) for p in params])
         f_temp, f_top_p = floats.add([p.temperature for p in params]), floats.add([p.top_p for p in params])
         if batch.decode:
+            rows = np.fromiter((self._table_row(s) for s in batch.decode), dtype=np.int64, count=len(batch.decode))
             width = max(len(s.block_table) for s in batch.decode)
-            f_tables = ints.add([b for s in batch.decode for b in s.block_table + [0] * (width - len(s.block_table))])
+            f_tables = ints.add(self.tables[rows, :width].ravel())
             f_lens = ints.add([len(s) for s in batch.decode])
         if self.use_varlen and spans:
-            f_keys, f_cu = ints.add(key_slots), ints.add(cu_q + cu_k)
+            f_keys, f_cu = ints.add(np.concatenate(key_slots)), ints.add(cu_q + cu_k)
         i = ints.send(torch.long, self.device, self.is_cuda)
         f = floats.send(torch.float32, self.device, self.is_cuda)
 
+        ids = i(f_ids)
+        if has_sources:  # the newest token of these rows is still on the device: read it there
+            src = i(f_src)
+            ids[: len(sources)] = torch.where(src >= 0, previous.token_ids[src.clamp(min=0)], ids[: len(sources)])
         ctx = StepContext(slot_mapping=i(f_slots), num_decode=len(batch.decode), prefill=spans)
         for span, t in zip(spans, tables):
             span.block_table = i(t)
@@ -152,27 +230,46 @@ class ModelRunner:
         lora = self._lora_segments(batch)
         if self._graphable(batch, lora):
             hidden = self.graphs.run(
-                i(f_ids), i(f_pos), ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_context_lens,
+                ids, i(f_pos), ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_context_lens,
                 lora[0].adapter if lora else None,
             )
         else:
-            hidden = self.model.forward(i(f_ids), i(f_pos), ctx, self.kv_cache, lora)
+            hidden = self.model.forward(ids, i(f_pos), ctx, self.kv_cache, lora)
         if not samplers:
-            return []
+            return None
         logits = self.model.logits(hidden[i(f_rows)])  # [S, V]
         options = SamplingTensors(
             temperature=f(f_temp), top_k=i(f_top_k), top_p=f(f_top_p), seeds=i(f_seeds), counters=i(f_counters),
             **sampling_flags(params),
         )
         out = sample(logits, options)
-        ids, lps = out.token_ids.tolist(), out.logprobs.tolist()  # the step's one device→host sync
-        tops = [[] for _ in seqs]
-        if out.top_ids is not None:
-            top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
-            for j, s in enumerate(seqs):
+        host = [_to_host(t, self.is_cuda) for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]
+        done = None
+        if self.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(seqs, [], out.token_ids, {s.seq_id: j for j, s in enumerate(seqs)}, *host, done)
+
+    def collect(self, step: LaunchedStep) -> list[SampledToken]:
+        """Wait for a launched step and return its sampled tokens, in row order."""
+        if step.done is not None:
+            step.done.synchronize()  # the step's one device→host synchronization
+        ids, lps = step.host_ids.tolist(), step.host_logprobs.tolist()
+        tops = [[] for _ in step.seqs]
+        if step.host_top_ids is not None:
+            top_ids, top_lps = step.host_top_ids.tolist(), step.host_top_logprobs.tolist()
+            for j, s in enumerate(step.seqs):
                 k = s.request.params.num_top_logprobs
                 tops[j] = list(zip(top_ids[j][:k], top_lps[j][:k]))
-        return [SampledToken(s, ids[j], lps[j], tops[j]) for j, s in enumerate(seqs)]
+        return [SampledToken(s, step.indices[j], ids[j], lps[j], tops[j]) for j, s in enumerate(step.seqs)]
+
+    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
+        """Launch and collect one step (no lookahead; tests and simple callers)."""
+        step = self.launch(batch, None)
+        if step is None:
+            return []
+        step.indices = [len(s) for s in step.seqs]
+        return self.collect(step)
 
     def _graphable(self, batch: ScheduledBatch, lora: list[LoRASegment]) -> bool:
         """A decode-only batch that fits a graph bucket, with one adapter (or none) for all rows."""
@@ -182,13 +279,13 @@ class ModelRunner:
             return False
         return not lora or (len(lora) == 1 and lora[0].start == 0 and lora[0].end == len(batch.decode))
 
-    def forget_adapter(self, adapter: AdapterWeights) -> None:
+    def forget_adapter(self, adapter: EngineAdapter) -> None:
         if self.graphs is not None:
             self.graphs.forget(adapter)
 
     def _lora_segments(self, batch: ScheduledBatch) -> list[LoRASegment]:
         """Contiguous row ranges of the flat batch that share an adapter."""
-        segments: list[LoRASegment] = []
+        segments: list[_Segment] = []
         row = 0
         for seq, n in batch.items():
             name = seq.request.policy.adapter_name
@@ -197,8 +294,15 @@ class ModelRunner:
             else:
                 segments.append(_Segment(row, row + n, name))
             row += n
-        out = [LoRASegment(s.start, s.end, self.adapter_weights(s.adapter_name)) for s in segments if s.adapter_name]
-        return out
+        return [LoRASegment(s.start, s.end, self.adapter_weights(s.adapter_name)) for s in segments if s.adapter_name]
+
+
+def _to_host(t: torch.Tensor | None, is_cuda: bool) -> torch.Tensor | None:
+    """Start copying t to (pinned) host memory; on CPU, t itself."""
+    if t is None or not is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 @dataclass(slots=True)
@@ -209,19 +313,23 @@ class _Segment:
 
 
 class _Pack:
-    """Host lists concatenated into one buffer, sent to the device in one (pinned, async) copy."""
+    """Host lists and arrays concatenated into one buffer, sent to the device in one (pinned, async) copy."""
 
     def __init__(self) -> None:
-        self.values: list = []
+        self.parts: list = []
+        self.size = 0
 
-    def add(self, values: list) -> tuple[int, int]:
-        start = len(self.values)
-        self.values.extend(values)
+    def add(self, values) -> tuple[int, int]:
+        start = self.size
+        self.parts.append(values)
+        self.size += len(values)
         return start, len(values)
 
     def send(self, dtype: torch.dtype, device: torch.device, pinned: bool):
         """Copy to `device`; returns a function from an `add` handle to its device slice."""
-        buffer = torch.tensor(self.values, dtype=dtype, pin_memory=pinned)
+        np_dtype = np.int64 if dtype == torch.long else np.float32
+        values = np.concatenate([np.asarray(p, dtype=np_dtype) for p in self.parts]) if self.parts else np.zeros(0, np_dtype)
+        buffer = torch.from_numpy(values)
         if pinned:
-            buffer = buffer.to(device, non_blocking=True)
+            buffer = buffer.pin_memory().to(device, non_blocking=True)
         return lambda handle: buffer[handle[0]:handle[0] + handle[1]]

@@ -65,7 +65,8 @@ class Scheduler:
         num_seqs = 0
 
         # 1. decoding sequences, oldest first; preempt from the newest when blocks run out
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        # (a sequence whose last token is still being sampled and reaches max_tokens is done)
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1 and s.num_completion_tokens < s.max_tokens]
         for seq in decoding:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below by an older sequence
@@ -97,6 +98,8 @@ class Scheduler:
         # 3. new sequences, first come first served
         while self.waiting and budget > 0 and num_seqs < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted while its last token was being sampled: wait for it
+                break
             if not seq.block_table:
                 self.blocks.allocate_prefix(seq)
             chunk = min(seq.num_uncomputed_tokens, budget)

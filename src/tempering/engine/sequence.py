@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 
 from .request import GenerationRequest
 
-__all__ = ["Sequence", "SequenceStatus"]
+__all__ = ["PENDING", "Sequence", "SequenceStatus"]
 
 _ids = itertools.count()
+
+PENDING = -1  # the id of a token a launched step is still sampling
 
 
 class SequenceStatus(enum.Enum):
@@ -26,7 +28,8 @@ class Sequence:
 
     `token_ids` holds the prompt followed by the sampled tokens. The KV cache holds the first
     `num_computed_tokens` of them, in the blocks of `block_table`; the first `num_cached_tokens`
-    of those came from the prefix cache.
+    of those came from the prefix cache. The last `num_pending` entries are `PENDING`: tokens
+    being sampled by a launched step, filled in when the step is collected.
     """
 
     request: GenerationRequest
@@ -47,6 +50,9 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_pending: int = 0
+    table_row: int = -1  # the model runner's block-table row (-1: none)
+    num_table_synced: int = 0  # entries of block_table already in that row
 
     @classmethod
     def from_request(cls, request: GenerationRequest, sample_index: int, seed: int, max_tokens: int) -> Sequence:

@@ -2,9 +2,9 @@
 
 Decode (one query per sequence) reads K/V straight from the paged cache, with no gather: a
 split-K kernel whose grid is (rows, kv_heads, splits) processes every query head of one KV
-head together (one `tl.dot` per page), walks its share of the sequence's pages through the
-block table with an online softmax, and writes a partial output and log-sum-exp; a few tensor
-ops merge the splits. Rows with context length 0 (padding of a CUDA-graph bucket) exit at
+head together (one `tl.dot` per tile of 64 keys, gathered from several pages through the block
+table), walks its share of the sequence with an online softmax in base 2, and writes a partial
+output and log-sum-exp; a second kernel merges the splits. Rows with context length 0 (padding of a CUDA-graph bucket) exit at
 once. The grid depends only on the batch bucket, so the kernel can be captured in a CUDA graph.
 Design after lightllm/SGLang's grouped decode kernels and vLLM's block-table addressing (see
 reference/ENGINE_NOTES.md, section 2); the code is ours.
@@ -30,9 +30,14 @@ except ImportError:  # torch < 2.10: prefill falls back to one SDPA call per chu
 HAS_VARLEN = varlen_attn is not None
 
 
-def num_splits(batch_size: int) -> int:
-    """Splits of each row's keys: many for small batches (to fill the GPU), few for large ones."""
-    return 16 if batch_size <= 16 else 8 if batch_size <= 64 else 4
+def num_splits(batch_size: int, num_kv_heads: int) -> int:
+    """Splits of each row's keys: enough programs to fill the GPU at small batches, few at large ones.
+
+    The count depends only on the batch bucket (a CUDA graph fixes the grid); a split with no
+    keys exits at once.
+    """
+    programs = batch_size * num_kv_heads
+    return max(1, min(16, triton.next_power_of_2(max(1, 1024 // programs))))
 
 
 @triton.jit
@@ -46,45 +51,51 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(ContextLens + b)
-    num_pages = tl.cdiv(context_len, PAGE)
-    pages_per_split = tl.cdiv(num_pages, NUM_SPLITS)
-    page_start = split * pages_per_split
-    page_end = tl.minimum(page_start + pages_per_split, num_pages)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
     g = tl.arange(0, GROUP_PAD)
     head_mask = g < GROUP
     heads = kv_head * GROUP + g
     d = tl.arange(0, D)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_mask[:, None], other=0.0)
+    qk_scale = scale * 1.4426950408889634  # log2(e) folded in: exp2 below
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    offsets = tl.arange(0, PAGE)
-    for page in range(page_start, page_end):
-        block = tl.load(BlockTables + b * stride_bt + page).to(tl.int64)
-        valid = page * PAGE + offsets < context_len
-        k = tl.load(K + block * stride_kb + offsets[:, None] * stride_kp + kv_head * stride_kh + d[None, :],
-                    mask=valid[:, None], other=0.0)  # [PAGE, D]
-        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, PAGE]
+    offsets = tl.arange(0, BLOCK_N)
+    table = BlockTables + b * stride_bt
+    for tile in tl.range(tile_start, tile_end, num_stages=2):
+        tokens = tile * BLOCK_N + offsets  # BLOCK_N tokens over BLOCK_N // PAGE pages
+        valid = tokens < context_len
+        block = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
+        row = tokens % PAGE
+        k = tl.load(K + block[:, None] * stride_kb + row[:, None] * stride_kp + kv_head * stride_kh + d[None, :],
+                    mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], in log2 units
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + block * stride_vb + offsets[:, None] * stride_vp + kv_head * stride_vh + d[None, :],
+        v = tl.load(V + block[:, None] * stride_vb + row[:, None] * stride_vp + kv_head * stride_vh + d[None, :],
                     mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    # natural-log LSE for the merge: (m + log2 l) · ln 2
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(OutPartial + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=head_mask[:, None])
     tl.store(LsePartial + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
@@ -94,6 +105,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """One query per row against its paged keys.
+
+    Each program walks BLOCK_N = 64 keys at a time (several pages, found through the block
+    table) so that its loads are large enough to keep the memory system busy; the split count
+    grows as the batch shrinks.
 
     Args:
         q: [B, Hq, D] (contiguous in D).
@@ -108,7 +123,8 @@ def paged_decode_attention(
     B, Hq, D = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = Hq // num_kv_heads
-    S = num_splits(B)
+    S = num_splits(B, num_kv_heads)
+    block_n = max(64, page)
     out_partial = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
     lse_partial = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, num_kv_heads, S)](
@@ -121,6 +137,7 @@ def paged_decode_attention(
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, NUM_SPLITS=S,
+        BLOCK_N=block_n, num_warps=4,
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     _merge_splits_kernel[(B, Hq)](  # the splits, weighted by their log-sum-exp

@@ -21,7 +21,7 @@ from ...modeling import SUPPORTED_ARCHITECTURES
 from ...modeling.weights import base_layer, fuse_linears
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention, store_kv
-from ..lora import LoRASegment, add_lora
+from ..lora import LoRASegment, add_lora, lora_silu_and_mul
 
 __all__ = ["LlamaFamilyModel", "SUPPORTED_ARCHITECTURES"]
 
@@ -149,8 +149,9 @@ class LlamaFamilyModel:
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
             gate_up = F.linear(h, layer.gate_up)  # [N, 2I]
             if lora:
-                add_lora(gate_up, h, lora, i, "gate_up")
-            act = ops.silu_and_mul(gate_up)  # [N, I]
+                act = lora_silu_and_mul(gate_up, h, lora, i, ops.silu_and_mul)  # [N, I]
+            else:
+                act = ops.silu_and_mul(gate_up)
             x = F.linear(act, layer.down)
             if lora:
                 add_lora(x, act, lora, i, "down")

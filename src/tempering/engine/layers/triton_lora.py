@@ -1,0 +1,221 @@
+"""LoRA at decode speed: the adapter's delta in two small Triton kernels per fused projection.
+
+`y = x W^T + Σ_s s_s (x A_s^T) B_s^T` over the slices s of a fused projection (q/k/v, gate/up),
+Hu et al. 2021 (arXiv 2106.09685). Shrink then expand, as Punica's SGMV/BGMV (arXiv 2310.18547)
+and vLLM's LoRA ops do, but for one adapter and with the slices of a fused projection in one
+launch each:
+
+- `lora_shrink`: t[N, S·r] = x @ [A_0; A_1; A_2]^T, reading x once for all slices.
+- `lora_expand_`: y[:, cols_s] += s_s · t[:, s·r:(s+1)·r] @ B_s^T for every slice, in place.
+- `silu_and_mul_lora`: the gate/up expand fused into the SwiGLU kernel, so the [N, 2I] gate/up
+  output is never read and written an extra time.
+
+A and B are read where the trainer keeps them (its fp32 parameters, updated in place by the
+optimizer), so a training step is served at the next engine step with no copy. They are rounded
+to the activations' dtype inside the kernel, as the trainer's autocast does (t is rounded to
+that dtype after scaling, like the trainer's `s · x A^T`). Every launch has a fixed grid for a
+given batch size, so the kernels are captured in the engine's CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["lora_expand_", "lora_shrink", "silu_and_mul_lora"]
+
+MAX_SLICES = 3
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot precision: exact float32 products for float32 models (TF32 would round them)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _shrink_kernel(
+    X, A0, A1, A2, T, N, K, stride_x, stride_t,
+    RANK: tl.constexpr, NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    r = tl.arange(0, R_PAD)
+    r_mask = r < RANK
+    acc0 = tl.zeros([BLOCK_N, R_PAD], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, R_PAD], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, R_PAD], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        x = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a_mask = r_mask[:, None] & k_mask[None, :]
+        a_off = r[:, None] * K + k[None, :]
+        a = tl.load(A0 + a_off, mask=a_mask, other=0.0).to(x.dtype)  # [R_PAD, BLOCK_K]
+        acc0 = tl.dot(x, tl.trans(a), acc0, input_precision=PRECISION)
+        if NUM_SLICES > 1:
+            a = tl.load(A1 + a_off, mask=a_mask, other=0.0).to(x.dtype)
+            acc1 = tl.dot(x, tl.trans(a), acc1, input_precision=PRECISION)
+        if NUM_SLICES > 2:
+            a = tl.load(A2 + a_off, mask=a_mask, other=0.0).to(x.dtype)
+            acc2 = tl.dot(x, tl.trans(a), acc2, input_precision=PRECISION)
+    out_mask = row_mask[:, None] & r_mask[None, :]
+    base = T + rows[:, None] * stride_t + r[None, :]
+    tl.store(base, acc0, mask=out_mask)
+    if NUM_SLICES > 1:
+        tl.store(base + RANK, acc1, mask=out_mask)
+    if NUM_SLICES > 2:
+        tl.store(base + 2 * RANK, acc2, mask=out_mask)
+
+
+def lora_shrink(x: torch.Tensor, A: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """t = x @ [A_0; ...; A_{S-1}]^T.
+
+    Args:
+        x: [N, K] activations (rows may be strided; the last dim contiguous).
+        A: 1-3 LoRA A matrices [r, K], contiguous, of one rank (any float dtype; rounded to x's).
+        out: optional [N, S·r] float32 buffer to write into.
+
+    Returns:
+        t: [N, S·r] float32.
+    """
+    N, K = x.shape
+    rank, S = A[0].shape[0], len(A)
+    t = out if out is not None else torch.empty(N, S * rank, dtype=torch.float32, device=x.device)
+    a = A + [A[0]] * (MAX_SLICES - S)
+    BLOCK_N = 16 if N <= 256 else 32
+    _shrink_kernel[(triton.cdiv(N, BLOCK_N),)](
+        x, a[0], a[1], a[2], t, N, K, x.stride(0), t.stride(0),
+        RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)),
+        BLOCK_N=BLOCK_N, BLOCK_K=128 if K >= 2048 else 64, PRECISION=_precision(x.dtype),
+    )
+    return t
+
+
+@triton.jit
+def _slice_delta(acc, T, B, rows, row_mask, cols, stride_t, t_col, start, end, scale,
+                 RANK: tl.constexpr, R_PAD: tl.constexpr, PRECISION: tl.constexpr, like):
+    """acc += scale · t[rows, t_col:t_col+RANK] @ B[cols - start]^T for the columns in [start, end)."""
+    r = tl.arange(0, R_PAD)
+    r_mask = r < RANK
+    in_slice = (cols >= start) & (cols < end)
+    b = tl.load(B + (cols - start)[:, None] * RANK + r[None, :], mask=in_slice[:, None] & r_mask[None, :], other=0.0)
+    t = tl.load(T + rows[:, None] * stride_t + t_col + r[None, :], mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+    t = (t * scale).to(like.dtype)  # the trainer rounds s · x A^T to the model dtype
+    return tl.dot(t, tl.trans(b.to(like.dtype)), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _expand_kernel(
+    Y, T, B0, B1, B2, N, M, stride_y, stride_t,
+    start0, end0, start1, end1, start2, end2, scale0, scale1, scale2,
+    RANK: tl.constexpr, NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    col_mask = cols < M
+    tile_start = tl.program_id(1) * BLOCK_M
+    tile_end = tile_start + BLOCK_M
+    # a tile that touches no slice (a projection without LoRA) is left alone
+    touches = (tile_start < end0) & (tile_end > start0)
+    if NUM_SLICES > 1:
+        touches |= (tile_start < end1) & (tile_end > start1)
+    if NUM_SLICES > 2:
+        touches |= (tile_start < end2) & (tile_end > start2)
+    if touches:
+        ptr = Y + rows[:, None] * stride_y + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        y = tl.load(ptr, mask=mask, other=0.0)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc = _slice_delta(acc, T, B0, rows, row_mask, cols, stride_t, 0, start0, end0, scale0,
+                           RANK, R_PAD, PRECISION, y)
+        if NUM_SLICES > 1:
+            acc = _slice_delta(acc, T, B1, rows, row_mask, cols, stride_t, RANK, start1, end1, scale1,
+                               RANK, R_PAD, PRECISION, y)
+        if NUM_SLICES > 2:
+            acc = _slice_delta(acc, T, B2, rows, row_mask, cols, stride_t, 2 * RANK, start2, end2, scale2,
+                               RANK, R_PAD, PRECISION, y)
+        tl.store(ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
+                 scales: list[float]) -> torch.Tensor:
+    """y[:, columns[s]] += scales[s] · t[:, s·r:(s+1)·r] @ B[s]^T for each slice s, in place.
+
+    Args:
+        y: [N, M] output of the base projection (model dtype; rows may be strided).
+        t: [N, S·r] float32 from `lora_shrink`.
+        B: 1-3 LoRA B matrices [cols_s, r], contiguous.
+        columns: each slice's output columns in y (start and stop set).
+        scales: alpha / r of each slice.
+
+    Returns:
+        y.
+    """
+    N, M = y.shape
+    S, rank = len(B), B[0].shape[1]
+    bounds = [(c.start, c.stop) for c in columns] + [(0, 0)] * (MAX_SLICES - S)
+    b = B + [B[0]] * (MAX_SLICES - S)
+    sc = list(scales) + [0.0] * (MAX_SLICES - S)
+    BLOCK_N = 16 if N <= 64 else 64
+    BLOCK_M = 128
+    _expand_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
+        y, t, b[0], b[1], b[2], N, M, y.stride(0), t.stride(0),
+        bounds[0][0], bounds[0][1], bounds[1][0], bounds[1][1], bounds[2][0], bounds[2][1],
+        float(sc[0]), float(sc[1]), float(sc[2]),
+        RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)),
+        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, PRECISION=_precision(y.dtype),
+    )
+    return y
+
+
+@triton.jit
+def _silu_mul_lora_kernel(
+    X, Yout, T, BG, BU, N, I, stride_x, stride_y, stride_t, t_col_g, t_col_u, scale_g, scale_u,
+    HAS_G: tl.constexpr, HAS_U: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    row_mask = rows < N
+    mask = row_mask[:, None] & (cols < I)[None, :]
+    base = X + rows[:, None] * stride_x + cols[None, :]
+    gate = tl.load(base, mask=mask, other=0.0)
+    up = tl.load(base + I, mask=mask, other=0.0)
+    if HAS_G:  # round like the unfused path: the base output plus the delta, stored in the model dtype
+        acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BG, rows, row_mask, cols, stride_t,
+                           t_col_g, 0, I, scale_g, RANK, R_PAD, PRECISION, gate)
+        gate = (gate.to(tl.float32) + acc).to(up.dtype)
+    if HAS_U:
+        acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BU, rows, row_mask, cols, stride_t,
+                           t_col_u, 0, I, scale_u, RANK, R_PAD, PRECISION, up)
+        up = (up.to(tl.float32) + acc).to(gate.dtype)
+    g32 = gate.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)  # silu, rounded like F.silu
+    tl.store(Yout + rows[:, None] * stride_y + cols[None, :], (act * up).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tensor | None, B_up: torch.Tensor | None,
+                      scale_gate: float, scale_up: float) -> torch.Tensor:
+    """silu(gate + Δgate) * (up + Δup) for gate_up [N, 2I] → [N, I], Δ from t [N, S·r] (gate's slice first).
+
+    B_gate, B_up: [I, r] or None for a projection without LoRA (at least one is given).
+    """
+    N, two_i = gate_up.shape
+    I = two_i // 2
+    some = B_gate if B_gate is not None else B_up
+    rank = some.shape[1]
+    y = torch.empty(N, I, dtype=gate_up.dtype, device=gate_up.device)
+    BLOCK_N = 16 if N <= 64 else 64
+    BLOCK_I = 128
+    _silu_mul_lora_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(I, BLOCK_I))](
+        gate_up, y, t, B_gate if B_gate is not None else some, B_up if B_up is not None else some,
+        N, I, gate_up.stride(0), y.stride(0), t.stride(0),
+        0, rank if B_gate is not None else 0, float(scale_gate), float(scale_up),
+        HAS_G=B_gate is not None, HAS_U=B_up is not None, RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
+        BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, PRECISION=_precision(gate_up.dtype),
+    )
+    return y
