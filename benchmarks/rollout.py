@@ -1,14 +1,26 @@
-"""Rollout throughput: tempering's engine vs `model.generate` on the same model, in one run.
+"""Rollout throughput on the RL path: the engine with and without the live LoRA adapter, in one run.
 
-Prints one JSON line. On CPU (default): the default model (SmolLM2-135M-Instruct, fp32),
-8 chat prompts × n=4, 64 new tokens. On GPU (`--device cuda`): a Qwen2.5-1.5B-shaped model with
-random bf16 weights, 32 prompts × n=8, 128-token prompts, 256 new tokens. EOS is ignored so
-every sample has exactly max_new_tokens tokens. Both are warmed up before timing, and the
-device is synchronized before each clock read. Our engine returns the logprob of every sampled
-token; `generate` returns only the tokens.
+Prints one JSON line. Workloads (EOS ignored, so every sample has exactly max_new tokens; the
+logprob of every sampled token returned):
 
-    python benchmarks/rollout.py                 # CPU
-    python benchmarks/rollout.py --device cuda   # GPU
+- GPU (`--device cuda`, Qwen2.5-1.5B-shaped model, random bf16 weights, 128-token prompts):
+  R = 32 prompts × n=8, 256 new; 1024x1 = 1024 distinct prompts × 1, 256 new;
+  long = 64 prompts × n=8, 2048 new.
+- CPU (default model, SmolLM2-135M-Instruct, fp32, chat prompts): R = 8 prompts × n=4, 64 new;
+  distinct = 32 prompts × 1, 64 new; long = 4 prompts × n=4, 512 new.
+
+Each workload runs with the base weights and with a live LoRA adapter (rank 8, alpha 16, on
+q/k/v/o/gate/up/down, A and B non-zero: the trainer's tensors, as every rollout after step 0
+uses). Both are warmed up with the same prompts and shapes (CUDA graphs captured) and the
+prefix cache is emptied before timing. `model.generate` is timed on R after a full-length
+warm-up call. Also reported: logprob error against a transformers(+PEFT) forward, the adapter
+switch time after a training step, and with `--profile` the fraction of a decode step the GPU is
+busy. `--vllm` runs the same workloads through vLLM (with and without a rank-8 LoRA) in a
+subprocess first, in the same run, and prints the ratios.
+
+    python benchmarks/rollout.py                              # CPU
+    python benchmarks/rollout.py --device cuda --profile      # GPU
+    python benchmarks/rollout.py --device cuda --vllm         # GPU, against vLLM
 """
 
 from __future__ import annotations
@@ -16,13 +28,32 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 from tempering.chat import ChatRenderer
 from tempering.engine import BasePolicy, Engine, EngineConfig, SamplingParams, engine_model_for
+
+GPU_WORKLOADS = {
+    "R": dict(num_prompts=32, n=8, max_new=256),
+    "1024x1": dict(num_prompts=1024, n=1, max_new=256),
+    "long": dict(num_prompts=64, n=8, max_new=2048),
+}
+CPU_WORKLOADS = {
+    "R": dict(num_prompts=8, n=4, max_new=64),
+    "distinct": dict(num_prompts=32, n=1, max_new=64),
+    "long": dict(num_prompts=4, n=4, max_new=512),
+}
+PROMPT_LEN = 128
+QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, architectures=["Qwen2ForCausalLM"])
 
 
 def sync(device: torch.device) -> None:
@@ -42,109 +73,124 @@ def load_cpu_model(dtype: torch.dtype = torch.float32):
     from tempering.service.base_model import default_model_dir
 
     path = default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model, tokenizer
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
 
 
 def build_gpu_model(device: torch.device):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, architectures=["Qwen2ForCausalLM"],
-    )
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B)).to(torch.bfloat16)
     return model.eval(), None
 
 
-def prompts_for(args, tokenizer, vocab: int, device_type: str) -> list[list[int]]:
-    if tokenizer is not None:
-        renderer = ChatRenderer(tokenizer)
-        topics = ["the sea", "a robot", "the moon", "a city", "winter", "a dragon", "music", "a garden"]
-        return [renderer.render_prompt([{"role": "user", "content": f"Tell me a long story about {t}."}])
-                for t in topics[: args.num_prompts]]
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(100, vocab - 100, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
+def make_prompts(count: int, tokenizer, vocab: int, seed: int) -> list[list[int]]:
+    """`count` distinct prompts: random 128-token ids (GPU), or chat prompts of the default model (CPU)."""
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(100, vocab - 100, (PROMPT_LEN,), generator=g).tolist() for _ in range(count)]
+    renderer = ChatRenderer(tokenizer)
+    topics = ["the sea", "a robot", "the moon", "a city", "winter", "a dragon", "music", "a garden"]
+    return [renderer.render_prompt([{"role": "user", "content": f"Tell me a long story about {topics[i % 8]} ({seed}.{i})."}])
+            for i in range(count)]
 
 
-def time_generate(model, prompts, args, device) -> float:
-    rows = [p for p in prompts for _ in range(args.n)]
+def add_live_adapter(model) -> object:
+    """The trainer's rank-8 LoRA on every linear layer, with random non-zero A and B."""
+    from tempering.training import Trainer
+    from tempering.types import LoRAConfig
+
+    trainer = Trainer.new(model, LoRAConfig(rank=8, alpha=16))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in trainer.params:
+            p.copy_(torch.randn(p.shape, generator=g) * (0.01 if p.shape[0] == 8 else 0.02))
+    return trainer
+
+
+def time_engine(engine: Engine, prompts, work: dict, policy, profile_s: float = 0.0) -> tuple[float, list, float | None]:
+    """Seconds to sample the workload (after a warm-up with the same prompts), results, GPU busy fraction."""
+    warm = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    for f in [engine.submit(p, warm, n=work["n"], policy=policy) for p in prompts]:
+        f.result()
+    engine.blocks.forget_cached()
+    params = SamplingParams(max_tokens=work["max_new"], temperature=1.0, ignore_eos=True)
+    sync(engine.device)
+    start = time.perf_counter()
+    futures = [engine.submit(p, params, n=work["n"], policy=policy) for p in prompts]
+    busy = gpu_busy_fraction(engine, profile_s) if profile_s else None
+    results = [f.result() for f in futures]
+    sync(engine.device)
+    elapsed = time.perf_counter() - start
+    assert all(len(c.token_ids) == work["max_new"] for r in results for c in r)
+    return elapsed, results, busy
+
+
+def gpu_busy_fraction(engine: Engine, window_s: float) -> float:
+    """Kernel time / wall time over a window of steady decoding (torch.profiler, all threads)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time.sleep(window_s)  # past the prefill
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sync(engine.device)
+        start = time.perf_counter()
+        time.sleep(window_s)
+        sync(engine.device)
+        wall = time.perf_counter() - start
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return round(kernel_us / 1e6 / wall, 3)
+
+
+def time_generate(model, prompts, work: dict, device) -> float:
+    """`model.generate` on the workload, timed after one full-length warm-up call."""
+    rows = [p for p in prompts for _ in range(work["n"])]
     width = max(len(p) for p in rows)
-    pad = 0
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    input_ids = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for i, p in enumerate(rows):  # left padding
         input_ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
-                  min_new_tokens=args.max_new_tokens, pad_token_id=pad)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=work["max_new"],
+                  min_new_tokens=work["max_new"], pad_token_id=0)
     with torch.inference_mode():
-        model.generate(input_ids=input_ids, attention_mask=mask, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)  # full-length warm-up
         sync(device)
         start = time.perf_counter()
         out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
         sync(device)
         elapsed = time.perf_counter() - start
-    assert out.shape[1] - width == args.max_new_tokens
+    assert out.shape[1] - width == work["max_new"]
     return elapsed
 
 
-def time_engine(engine: Engine, prompts, args) -> tuple[float, list]:
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True)
-    # warm-up with the same shapes (CUDA graphs, allocator), then drop the prefix cache's advantage
-    # by timing fresh prompts' KV only through the real run
-    for f in [engine.submit(p, SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True), n=args.n, policy=BasePolicy()) for p in prompts]:
-        f.result()
-    engine.blocks.forget_cached()
-    sync(engine.device)
-    start = time.perf_counter()
-    futures = [engine.submit(p, params, n=args.n, policy=BasePolicy()) for p in prompts]
-    results = [f.result() for f in futures]
-    sync(engine.device)
-    elapsed = time.perf_counter() - start
-    assert all(len(c.token_ids) == args.max_new_tokens for r in results for c in r)
-    return elapsed, results
-
-
-def logprob_error(model, prompts, results, device) -> tuple[float, float]:
-    """Mean and max |engine logprob - transformers forward logprob| over a few samples."""
+def logprob_error(forward, prompts, results, device) -> tuple[float, float]:
+    """Mean and max |engine logprob - reference forward logprob| over a few samples."""
     diffs = []
     with torch.inference_mode():
         for p, r in list(zip(prompts, results))[:4]:
             c = r[0]
             ids = torch.tensor([p + c.token_ids], device=device)
-            logits = model(ids).logits[0, len(p) - 1:-1].float()
+            logits = forward(ids).logits[0, len(p) - 1:-1].float()
             ref = torch.log_softmax(logits / c.logprob_temperature, -1).gather(1, torch.tensor(c.token_ids, device=device)[:, None])[:, 0]
             diffs.append((ref.cpu() - torch.tensor(c.logprobs)).abs())
     d = torch.cat(diffs)
-    return float(d.mean()), float(d.max())
+    return round(float(d.mean()), 5), round(float(d.max()), 5)
 
 
-def adapter_switch(engine: Engine, model, prompts, results, holder: dict, args) -> dict:
-    """How long after a training step the engine serves the new adapter.
-
-    A LoRA trainer is attached to the same model (the engine reads its tensors). We time a
-    1-token request right after a train step, and the same request with no step before it;
-    the difference is the switch cost. The first use of the adapter also captures its CUDA
-    graphs (reported apart).
-    """
+def adapter_switch(engine: Engine, trainer, prompts, results) -> dict:
+    """Latency of a 4-token request right after a training step minus the same with no step (medians of 5)."""
     from tempering.service.policies import AdapterPolicy
-    from tempering.training import TokenizedSequence, Trainer
-    from tempering.types import LoRAConfig, TrainConfig
+    from tempering.training import TokenizedSequence
+    from tempering.types import TrainConfig
 
-    trainer = Trainer.new(model, LoRAConfig(rank=8, alpha=16))
-    holder["peft"] = trainer.peft_model
     seqs = []
     for j, (p, r) in enumerate(zip(prompts[:8], results[:8])):
         c = r[0]
-        seqs.append(TokenizedSequence(p + c.token_ids, [False] * len(p) + [True] * len(c.token_ids),
-                                      [float("nan")] * len(p) + c.logprobs, advantage=1.0 if j % 2 else -1.0))
-    config = TrainConfig(learning_rate=1e-5)
+        seqs.append(TokenizedSequence(p + c.token_ids[:64], [False] * len(p) + [True] * 64,
+                                      [float("nan")] * len(p) + c.logprobs[:64], advantage=1.0 if j % 2 else -1.0))
+    config = TrainConfig(learning_rate=1e-6)
     probe = prompts[0][:32]
 
     def latency(version: int, train: bool) -> float:
@@ -156,78 +202,132 @@ def adapter_switch(engine: Engine, model, prompts, results, holder: dict, args) 
         engine.submit(probe, SamplingParams(max_tokens=4, temperature=0), policy=AdapterPolicy(trainer.peft_model, "default", version)).result()
         return time.perf_counter() - start
 
-    first_use = latency(1, train=True)  # includes capturing the adapter's CUDA graphs
+    latency(1, train=True)
     after, before = [], []
     for k in range(5):
         after.append(latency(100 + 2 * k, train=True))
         before.append(latency(101 + 2 * k, train=False))
-    return {
-        "adapter_first_use_ms": round(first_use * 1e3, 1),
-        "adapter_switch_ms": round((sorted(after)[2] - sorted(before)[2]) * 1e3, 2),
-        "request_latency_after_step_ms": round(sorted(after)[2] * 1e3, 2),
-    }
+    return {"adapter_switch_ms": round((sorted(after)[2] - sorted(before)[2]) * 1e3, 2),
+            "request_latency_after_step_ms": round(sorted(after)[2] * 1e3, 2)}
+
+
+def run_vllm(workloads: dict, names: list[str]) -> dict:
+    """The same workloads through vLLM in a subprocess (before this process touches the GPU)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model_dir, lora_dir = Path(tmp) / "model", Path(tmp) / "lora"
+        Qwen2Config(**QWEN_1_5B, torch_dtype="bfloat16").save_pretrained(model_dir)
+        with torch.device("meta"):  # only the adapter's tensors are needed, from a meta-device model
+            shell = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B))
+        from peft import LoraConfig, get_peft_model
+
+        peft = get_peft_model(shell, LoraConfig(r=8, lora_alpha=16, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        g = torch.Generator().manual_seed(1)
+        state = {k: torch.randn(v.shape, generator=g).to(torch.bfloat16) * (0.01 if "lora_A" in k else 0.02)
+                 for k, v in peft.state_dict().items() if "lora_" in k}
+        lora_dir.mkdir()
+        peft.peft_config["default"].save_pretrained(lora_dir)
+        from safetensors.torch import save_file
+
+        save_file({k.replace(".default", ""): v.contiguous() for k, v in state.items()}, lora_dir / "adapter_model.safetensors")
+        spec = json.dumps({n: workloads[n] for n in names})
+        merged: dict = {"workloads": {}}
+        for adapter in ("-", str(lora_dir)):  # one process per mode: each vLLM instance gets the whole GPU
+            out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_rollout.py")), str(model_dir), adapter, spec],
+                                 capture_output=True, text=True, timeout=3000)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+            if out.returncode != 0 or not lines:
+                merged.setdefault("error", []).append((out.stderr or out.stdout)[-1500:])
+                continue
+            result = json.loads(lines[-1])
+            for name, figures in result.pop("workloads").items():
+                merged["workloads"].setdefault(name, {}).update(figures)
+            merged.update(result)
+        return merged
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--n", type=int, default=None)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--workloads", default=None, help="comma-separated subset of the workloads")
     parser.add_argument("--skip-generate", action="store_true")
+    parser.add_argument("--skip-lora", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="GPU busy fraction during R with the live adapter")
+    parser.add_argument("--vllm", action="store_true", help="also run the workloads through vLLM (subprocess)")
     parser.add_argument("--cpu-dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    args.num_prompts = args.num_prompts or (32 if gpu else 8)
-    args.n = args.n or (8 if gpu else 4)
-    args.max_new_tokens = args.max_new_tokens or (256 if gpu else 64)
+    workloads = GPU_WORKLOADS if gpu else CPU_WORKLOADS
+    names = args.workloads.split(",") if args.workloads else (list(workloads) if gpu else ["R"])
 
+    vllm = run_vllm(workloads, names) if args.vllm else None
     model, tokenizer = build_gpu_model(device) if gpu else load_cpu_model(getattr(torch, args.cpu_dtype))
-    prompts = prompts_for(args, tokenizer, model.config.vocab_size, device.type)
-    num_tokens = args.num_prompts * args.n * args.max_new_tokens
-
-    baseline_s = None if args.skip_generate else time_generate(model, prompts, args, device)
+    vocab = model.config.vocab_size
 
     class _Tok:  # random-weight GPU model: no tokenizer; EOS ignored anyway
         def decode(self, ids, skip_special_tokens=True):
             return ""
 
+    generate_s = None
+    if not args.skip_generate and "R" in names:  # first: the trainer below changes the model's settings
+        generate_s = time_generate(model, make_prompts(workloads["R"]["num_prompts"], tokenizer, vocab, seed=7),
+                                   workloads["R"], device)
+
     holder = {"peft": None}
     engine = Engine(
-        engine_model_for(model, 4096),
-        tokenizer or _Tok(),
-        stop_token_ids=[0],
-        lock=threading.RLock(),
+        engine_model_for(model, 4096), tokenizer or _Tok(), stop_token_ids=[0], lock=threading.RLock(),
         config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, cpu_kv_cache_bytes=1 << 30),
-        max_seq_len=4096,
-        peft_model=lambda: holder["peft"],
+        max_seq_len=4096, peft_model=lambda: holder["peft"],
     )
-    engine_s, results = time_engine(engine, prompts, args)
-    lp_mean, lp_max = logprob_error(model, prompts, results, device)
-    switch = adapter_switch(engine, model, prompts, results, holder, args)
-    engine.close()
+    record: dict = {"benchmark": "rollout", "device": args.device, "machine": machine(device),
+                    "model": "Qwen2.5-1.5B-shaped random bf16" if gpu else f"SmolLM2-135M-Instruct {args.cpu_dtype}",
+                    "engine_returns_logprobs": True, "torch": torch.__version__, "workloads": {}}
+    trainer = None
+    for mode in ["base"] + ([] if args.skip_lora else ["lora"]):
+        if mode == "lora":
+            from tempering.service.policies import AdapterPolicy
 
-    ours = num_tokens / engine_s
-    record = {
-        "benchmark": "rollout",
-        "device": args.device,
-        "machine": machine(device),
-        "model": "Qwen2.5-1.5B-shaped random bf16" if gpu else f"SmolLM2-135M-Instruct {args.cpu_dtype}",
-        "workload": f"{args.num_prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens",
-        "tokens": num_tokens,
-        "engine_s": round(engine_s, 3),
-        "engine_tok_per_s": round(ours, 1),
-        "engine_returns_logprobs": True,
-        "generate_s": None if baseline_s is None else round(baseline_s, 3),
-        "generate_tok_per_s": None if baseline_s is None else round(num_tokens / baseline_s, 1),
-        "speedup_vs_generate": None if baseline_s is None else round(baseline_s / engine_s, 2),
-        "logprob_abs_err_mean": lp_mean,
-        "logprob_abs_err_max": lp_max,
-        **switch,
-        "torch": torch.__version__,
-    }
+            trainer = add_live_adapter(model)
+            holder["peft"] = trainer.peft_model
+            policy = AdapterPolicy(trainer.peft_model, "default", 1)
+        else:
+            policy = BasePolicy()
+        for k, name in enumerate(names):
+            work = workloads[name]
+            prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k + (mode == "lora"))
+            profile_s = 0.5 if args.profile and gpu and name == "R" else 0.0
+            seconds, results, busy = time_engine(engine, prompts, work, policy, profile_s)
+            tokens = work["num_prompts"] * work["n"] * work["max_new"]
+            entry = record["workloads"].setdefault(name, {"shape": work})
+            entry[f"{mode}_tok_per_s"] = round(tokens / seconds, 1)
+            if busy is not None:
+                entry[f"{mode}_gpu_busy_fraction"] = busy
+            if k == 0:
+                forward = trainer.peft_model if mode == "lora" else model
+                record[f"{mode}_logprob_abs_err_mean_max"] = logprob_error(forward, prompts, results, device)
+            if mode == "lora" and name == names[0]:
+                switch_results = results
+    for name, entry in record["workloads"].items():
+        if "lora_tok_per_s" in entry:
+            entry["lora_vs_base"] = round(entry["lora_tok_per_s"] / entry["base_tok_per_s"], 3)
+        if vllm and name in vllm.get("workloads", {}):
+            v = vllm["workloads"][name]
+            entry["vllm"] = v
+            for mode in ("base", "lora"):
+                if f"{mode}_tok_per_s" in entry and v.get(f"{mode}_tok_per_s"):
+                    entry[f"{mode}_vs_vllm_{mode}"] = round(entry[f"{mode}_tok_per_s"] / v[f"{mode}_tok_per_s"], 2)
+    if vllm is not None and "error" in vllm:
+        record["vllm_error"] = vllm["error"]
+    if generate_s is not None:
+        work, entry = workloads["R"], record["workloads"]["R"]
+        entry["generate_warm_tok_per_s"] = round(work["num_prompts"] * work["n"] * work["max_new"] / generate_s, 1)
+        entry["base_vs_generate"] = round(entry["base_tok_per_s"] / entry["generate_warm_tok_per_s"], 2)
+    if trainer is not None:
+        record.update(adapter_switch(engine, trainer, make_prompts(8, tokenizer, vocab, seed=99), switch_results))
+    engine.close()
     print(json.dumps(record))
 
 

@@ -163,6 +163,12 @@ def test_adapter_is_read_live_from_the_trainer_tensors(setup, hf_model):
             logits = trainer.peft_model(torch.tensor([p + tuned.token_ids])).logits[0, len(p) - 1:-1]
         expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tuned.token_ids)[:, None])[:, 0]
         assert (expected - torch.tensor(tuned.logprobs)).abs().max() < 1e-4
+        assert tuned.token_ids == logits.argmax(-1).tolist()  # greedy under the adapter = PEFT's argmax
+        # the mechanism: the engine holds the trainer's own A/B tensors, so nothing is copied after a step
+        trained = {q.data_ptr() for q in trainer.params}
+        adapter = engine._adapter_weights("default")
+        held = [t for layer in adapter.layers for g in layer.values() if g is not None for t in g.A + g.B]
+        assert held and all(t.data_ptr() in trained for t in held)
         with torch.no_grad():  # an in-place update (what the optimizer does) is served at once
             for q in trainer.params:
                 q.mul_(3.0)

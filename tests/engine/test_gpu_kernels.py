@@ -91,3 +91,67 @@ def test_fused_elementwise_kernels_match_their_pytorch_twins():
     act = triton_ops.silu_and_mul(gate_up)
     act_ref = activation.silu_and_mul(gate_up)
     assert (act.float() - act_ref.float()).abs().max() <= 2e-2 * act_ref.float().abs().max()
+
+
+def test_fused_sampler_draws_the_same_tokens_as_its_pytorch_twin():
+    from tempering.engine.layers.triton_sampler import gumbel_sample
+    from tempering.engine.sampler import gumbel_sample_reference
+
+    torch.manual_seed(0)
+    B, V = 64, 151936
+    logits = (torch.randn(B, V, device="cuda") * 4).to(torch.bfloat16)
+    temperature = torch.rand(B, device="cuda") + 0.3
+    temperature[::7] = 0.0  # greedy rows
+    seeds = torch.randint(0, 2**31 - 1, (B,), device="cuda")
+    counters = torch.randint(0, 1000, (B,), device="cuda")
+    ids, lps = gumbel_sample(logits, temperature, seeds, counters)
+    ref_ids, ref_lps = gumbel_sample_reference(logits, temperature, seeds, counters)
+    assert (ids == ref_ids).float().mean() > 0.98  # float rounding may flip a near-tie
+    same = ids == ref_ids
+    assert (lps[same] - ref_lps[same]).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N", [1, 37, 256])
+def test_lora_kernels_match_the_pytorch_path(dtype, N):
+    """Shrink/expand over fused slices (one without LoRA), and the SwiGLU fusion, against plain matmuls."""
+    from tempering.engine.layers import triton_lora
+
+    torch.manual_seed(0)
+    K, r = 1536, 8
+    x = torch.randn(N, K, device="cuda", dtype=dtype)
+    A = [torch.randn(r, K, device="cuda") * 0.05 for _ in range(2)]  # float32, as the trainer keeps them
+    columns = [slice(0, 1536), slice(1792, 2048)]  # q and v; k (1536:1792) has no LoRA
+    B = [torch.randn(c.stop - c.start, r, device="cuda") * 0.05 for c in columns]
+    scales = [2.0, 0.5]
+    y = torch.randn(N, 2048, device="cuda", dtype=dtype)
+    expected = y.float().clone()
+    for a, b, c, s in zip(A, B, columns, scales):
+        t = ((x.float() @ a.to(dtype).float().T) * s).to(dtype).float()
+        expected[:, c] += t @ b.to(dtype).float().T
+    t = triton_lora.lora_shrink(x, A)
+    triton_lora.lora_expand_(y, t, B, columns, scales)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (y.float() - expected).abs().max() <= tol * expected.abs().max()
+    I = 8960
+    gate_up = torch.randn(N, 2 * I, device="cuda", dtype=dtype)
+    Ag = [torch.randn(r, K, device="cuda") * 0.05 for _ in range(2)]
+    Bg, Bu = (torch.randn(I, r, device="cuda") * 0.05 for _ in range(2))
+    t2 = triton_lora.lora_shrink(x, Ag)
+    fused = triton_lora.silu_and_mul_lora(gate_up, t2, Bg, Bu, 2.0, 2.0)
+    plain = gate_up.clone()
+    triton_lora.lora_expand_(plain, t2, [Bg, Bu], [slice(0, I), slice(I, 2 * I)], [2.0, 2.0])
+    from tempering.engine.layers import activation
+
+    assert (fused.float() - activation.silu_and_mul(plain).float()).abs().max() <= tol * 10
+
+
+def test_lora_expand_leaves_columns_without_lora_untouched():
+    from tempering.engine.layers import triton_lora
+
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    A = [torch.randn(8, 256, device="cuda")]
+    y = torch.randn(16, 640, device="cuda", dtype=torch.bfloat16)
+    before = y.clone()
+    triton_lora.lora_expand_(y, triton_lora.lora_shrink(x, A), [torch.randn(64, 8, device="cuda")], [slice(576, 640)], [1.0])
+    assert torch.equal(y[:, :576], before[:, :576]) and not torch.equal(y[:, 576:], before[:, 576:])

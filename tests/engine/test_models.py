@@ -77,6 +77,104 @@ def test_engine_logprobs_and_greedy_tokens_match_transformers(arch, device, dtyp
         engine.close()
 
 
+class AdapterPolicy:
+    """A named adapter of the PEFT model, as the service's policies present it to the engine."""
+
+    def __init__(self, name):
+        self.adapter_name, self.key, self.cache_version = name, ("adapter", name), 0
+
+    def activate(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def with_lora(model, targets, *, adapters=("default",)):
+    """Wrap `model` in PEFT LoRA adapters of rank 4 with random non-zero A and B."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
+    peft_model = get_peft_model(model, config, adapter_name=adapters[0])
+    for name in adapters[1:]:
+        peft_model.add_adapter(name, config)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return peft_model
+
+
+def reference_logprobs(peft_model, adapter, prompt, token_ids, device):
+    """log_softmax of the PEFT model's forward at the sampled tokens, with `adapter` (None: disabled)."""
+    import contextlib
+
+    if adapter is not None:
+        peft_model.set_adapter(adapter)
+    with torch.no_grad(), (peft_model.disable_adapter() if adapter is None else contextlib.nullcontext()):
+        logits = peft_model(torch.tensor([prompt + token_ids], device=device)).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1)
+
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])
+@pytest.mark.parametrize("targets", [ALL, ("q_proj", "v_proj", "up_proj", "down_proj")], ids=["all", "some"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+def test_engine_with_a_live_lora_matches_the_peft_forward(arch, targets, device, dtype):
+    """Greedy tokens and logprobs with a non-zero adapter equal transformers + PEFT (decode graphs on GPU)."""
+    model = tiny(arch, device, dtype)
+    engine = Engine(engine_model_for(model, 512), NullTokenizer(), stop_token_ids=[0], lock=threading.RLock(),
+                    config=EngineConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=64), max_seq_len=512,
+                    peft_model=lambda: peft_model)
+    peft_model = with_lora(model, targets)
+    try:
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (5, 40, 77)]
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        futures = [engine.submit(p, params, n=2, policy=AdapterPolicy("default")) for p in prompts]
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        for p, f in zip(prompts, futures):
+            a, b = f.result(timeout=300)
+            assert a.token_ids == b.token_ids
+            expected = reference_logprobs(peft_model, "default", p, a.token_ids, device)
+            chosen = expected.gather(1, torch.tensor(a.token_ids, device=device)[:, None])[:, 0].cpu()
+            assert (chosen - torch.tensor(a.logprobs)).abs().max() < tol
+            if dtype == torch.float32:
+                assert a.token_ids == expected.argmax(-1).tolist()
+        base = engine.submit(prompts[0], params, policy=BasePolicy()).result(timeout=300)[0]
+        assert base.logprobs != futures[0].result()[0].logprobs  # the adapter changes the policy
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])
+def test_one_batch_mixing_base_live_and_older_adapters_gives_each_row_its_policy(device, dtype):
+    model = tiny("qwen2", device, dtype)
+    engine = Engine(engine_model_for(model, 512), NullTokenizer(), stop_token_ids=[0], lock=threading.RLock(),
+                    config=EngineConfig(num_kv_blocks=64, block_size=16), max_seq_len=512,
+                    peft_model=lambda: peft_model)
+    peft_model = with_lora(model, ALL, adapters=("default", "step-1"))
+    try:
+        prompt = torch.randint(1, 128, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        policies = {None: BasePolicy(), "default": AdapterPolicy("default"), "step-1": AdapterPolicy("step-1")}
+        steps_before = engine.stats.num_steps
+        with engine._cond:  # hold the worker back so that the three requests are scheduled together
+            futures = {name: engine.submit(prompt, params, policy=pol) for name, pol in policies.items()}
+        results = {name: f.result(timeout=300)[0] for name, f in futures.items()}
+        assert engine.stats.num_steps - steps_before <= 16  # one batch: a prefill step, then shared decode steps
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        for name, c in results.items():
+            expected = reference_logprobs(peft_model, name, prompt, c.token_ids, device)
+            chosen = expected.gather(1, torch.tensor(c.token_ids, device=device)[:, None])[:, 0].cpu()
+            assert (chosen - torch.tensor(c.logprobs)).abs().max() < tol, name
+        assert len({tuple(c.logprobs) for c in results.values()}) == 3
+    finally:
+        engine.close()
+
+
 def test_unsupported_architectures_fall_back_with_a_log_line(caplog):
     import transformers
 

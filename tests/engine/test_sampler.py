@@ -1,6 +1,6 @@
 import torch
 
-from tempering.engine.sampler import hash_uniform, sample, sampling_tensors
+from tempering.engine.sampler import gumbel_sample_reference, hash_uniform, sample, sampling_tensors
 from tempering.engine.sampling_params import SamplingParams
 
 
@@ -67,3 +67,29 @@ def test_top_logprobs_are_the_most_likely_tokens():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     out = sample(logits, _options([SamplingParams(temperature=0.0, num_top_logprobs=2)]))
     assert out.top_ids.tolist() == [[1, 3]]
+
+
+def test_gumbel_max_samples_follow_the_distribution_at_the_row_temperature():
+    """The twin of the fused GPU sampler draws from softmax(logits / T) and returns that logprob."""
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    n = 8000
+    logits = (probs.log() * 0.5).repeat(n, 1)  # at T = 0.5 the distribution is `probs` again
+    temperature = torch.full((n,), 0.5)
+    ids, lps = gumbel_sample_reference(logits, temperature, torch.arange(n), torch.zeros(n, dtype=torch.long))
+    freq = torch.bincount(ids, minlength=3).float() / n
+    assert torch.allclose(freq, probs, atol=0.02)
+    assert torch.allclose(lps, probs.log()[ids], atol=1e-5)
+
+
+def test_gumbel_max_greedy_rows_and_batch_invariance():
+    logits = torch.randn(5, 300)
+    temperature = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.7])
+    seeds, counters = torch.tensor([4, 5, 6, 7, 8]), torch.tensor([0, 1, 2, 3, 4])
+    ids, lps = gumbel_sample_reference(logits, temperature, seeds, counters)
+    assert ids[0] == logits[0].argmax() and ids[3] == logits[3].argmax()
+    assert torch.allclose(lps[0], torch.log_softmax(logits[0], -1)[ids[0]])
+    alone, _ = gumbel_sample_reference(logits[2:3], temperature[2:3], seeds[2:3], counters[2:3])
+    assert alone[0] == ids[2]
+    other, _ = gumbel_sample_reference(logits[1:2].repeat(64, 1), temperature[1:2].repeat(64), torch.arange(64),
+                                       torch.ones(64, dtype=torch.long))
+    assert len(set(other.tolist())) > 10  # different seeds draw different tokens

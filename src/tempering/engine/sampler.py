@@ -20,9 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SampleOutput", "SamplingTensors", "hash_uniform", "sample"]
+__all__ = ["SampleOutput", "SamplingTensors", "gumbel_sample_reference", "hash_uniform", "sample"]
 
 _MASK32 = 0xFFFFFFFF
+
+try:  # the fused GPU sampler needs Triton, which CPU builds of torch do not bring
+    from .layers.triton_sampler import gumbel_sample
+except ImportError:  # pragma: no cover - depends on the installation
+    gumbel_sample = None
 
 
 @dataclass(slots=True)
@@ -89,6 +94,9 @@ def sample(logits: torch.Tensor, options: SamplingTensors) -> SampleOutput:
         SampleOutput: ids [B], their logprobs [B] (natural log, float32) and, when a row asks
         for them, the K most likely ids and logprobs [B, K] under the same distribution.
     """
+    if logits.is_cuda and gumbel_sample is not None and not options.needs_truncation and not options.num_top_logprobs:
+        token_ids, logprobs = gumbel_sample(logits, options.temperature, options.seeds, options.counters)
+        return SampleOutput(token_ids, logprobs, None, None)
     if options.unit_temperature:  # one pass: read the logits, write float32 logprobs
         logprobs_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [B, V]
     else:
@@ -147,6 +155,30 @@ def _invert_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inner = inside.double().exp().cumsum(-1)
     offset = torch.searchsorted(inner, target - before, right=True).clamp_(max=_CHUNK - 1)
     return (chunk * _CHUNK + offset).squeeze(1).clamp_(max=V - 1)
+
+
+def gumbel_sample_reference(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                            counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch twin of the fused GPU sampler (`layers/triton_sampler.py`): Gumbel-max.
+
+    token = argmax_v(x_v + g_v) with x = logits / T and g_v = -log(-log u_v), u_v a hash of
+    (seed, counter, v), which is an exact sample of softmax(x); greedy rows (T <= 0) take
+    argmax x. Returns (token_ids [B] int64, logprobs [B] float32 = x_tok - logsumexp(x), T = 1
+    for greedy rows). Used on the GPU through its Triton twin; the CPU engine samples with
+    `sample`'s inverse CDF, which needs no per-token hash.
+    """
+    greedy = temperature <= 0
+    inv_t = torch.where(greedy, torch.ones_like(temperature), 1.0 / torch.where(greedy, torch.ones_like(temperature), temperature))
+    x = logits.float() * inv_t[:, None]  # [B, V]
+    h = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ (counters & _MASK32))
+    cols = torch.arange(x.shape[1], device=x.device)
+    h = _mix32(h[:, None] ^ cols[None, :])  # [B, V]
+    u = (h.float() + 0.5) * 2.3283064365386963e-10
+    score = torch.where(greedy[:, None], x, x - torch.log(-torch.log(u)))
+    token_ids = score.argmax(dim=-1)
+    logprobs = x.gather(1, token_ids[:, None])[:, 0] - x.logsumexp(dim=-1)
+    return token_ids, logprobs
 
 
 def sampling_tensors(params: list, seeds: list[int], counters: list[int], device: torch.device | None = None,
