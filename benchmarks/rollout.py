@@ -109,8 +109,8 @@ def add_live_adapter(model) -> object:
     return trainer
 
 
-def time_engine(engine: Engine, prompts, work: dict, policy, profile_s: float = 0.0) -> tuple[float, list, float | None]:
-    """Seconds to sample the workload (after a warm-up with the same prompts), results, GPU busy fraction."""
+def time_engine(engine: Engine, prompts, work: dict, policy) -> tuple[float, list]:
+    """Seconds to sample the workload (after a warm-up with the same prompts), and the results."""
     warm = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
     for f in [engine.submit(p, warm, n=work["n"], policy=policy) for p in prompts]:
         f.result()
@@ -119,25 +119,34 @@ def time_engine(engine: Engine, prompts, work: dict, policy, profile_s: float = 
     sync(engine.device)
     start = time.perf_counter()
     futures = [engine.submit(p, params, n=work["n"], policy=policy) for p in prompts]
-    busy = gpu_busy_fraction(engine, profile_s) if profile_s else None
     results = [f.result() for f in futures]
     sync(engine.device)
     elapsed = time.perf_counter() - start
     assert all(len(c.token_ids) == work["max_new"] for r in results for c in r)
-    return elapsed, results, busy
+    return elapsed, results
 
 
-def gpu_busy_fraction(engine: Engine, window_s: float) -> float:
-    """Kernel time / wall time over a window of steady decoding (torch.profiler, all threads)."""
+def gpu_busy_fraction(engine: Engine, prompts, work: dict, policy, window_s: float = 0.3) -> float:
+    """Kernel time / wall time over a window of steady decoding (torch.profiler; an untimed extra run).
+
+    The profiler starts once the prompts are prefilled and the batch decodes; the fraction is the
+    sum of kernel durations over the window's wall time (one stream: kernels do not overlap).
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    time.sleep(window_s)  # past the prefill
+    engine.blocks.forget_cached()
+    params = SamplingParams(max_tokens=work["max_new"], temperature=1.0, ignore_eos=True)
+    futures = [engine.submit(p, params, n=work["n"], policy=policy) for p in prompts]
+    while engine.stats.num_decode_tokens < len(prompts) * work["n"] * 8:  # decoding
+        time.sleep(0.001)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         sync(engine.device)
         start = time.perf_counter()
         time.sleep(window_s)
         sync(engine.device)
         wall = time.perf_counter() - start
+    for f in futures:
+        f.result()
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
     return round(kernel_us / 1e6 / wall, 3)
 
@@ -298,13 +307,12 @@ def main() -> None:
         for k, name in enumerate(names):
             work = workloads[name]
             prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k + (mode == "lora"))
-            profile_s = 0.5 if args.profile and gpu and name == "R" else 0.0
-            seconds, results, busy = time_engine(engine, prompts, work, policy, profile_s)
+            seconds, results = time_engine(engine, prompts, work, policy)
             tokens = work["num_prompts"] * work["n"] * work["max_new"]
             entry = record["workloads"].setdefault(name, {"shape": work})
             entry[f"{mode}_tok_per_s"] = round(tokens / seconds, 1)
-            if busy is not None:
-                entry[f"{mode}_gpu_busy_fraction"] = busy
+            if args.profile and gpu and name == "R":
+                entry[f"{mode}_gpu_busy_fraction"] = gpu_busy_fraction(engine, prompts, work, policy)
             if k == 0:
                 forward = trainer.peft_model if mode == "lora" else model
                 record[f"{mode}_logprob_abs_err_mean_max"] = logprob_error(forward, prompts, results, device)

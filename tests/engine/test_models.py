@@ -101,7 +101,7 @@ def with_lora(model, targets, *, adapters=("default",)):
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)  # s·B·A about as large as the base weights
     return peft_model
 
 

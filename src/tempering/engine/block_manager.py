@@ -110,8 +110,22 @@ class BlockManager:
         """
         for _ in range(self.num_blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free().block_id)
-        if not self.enable_prefix_caching:
-            return
+        if self.enable_prefix_caching:
+            self._publish(seq, num_new_tokens)
+
+    def allocate_decode(self, seq: Sequence) -> bool:
+        """`allocate(seq, 1)` for a decoding sequence, cheaply; False (nothing done) when it needs a
+        new block and none is free."""
+        if seq.num_computed_tokens >= len(seq.block_table) * self.block_size:  # its token starts a block
+            if not self.free_ids:
+                return False
+            seq.block_table.append(self._take_free().block_id)
+        if self.enable_prefix_caching and (seq.num_computed_tokens + 1) // self.block_size > seq.num_hashed_blocks:
+            self._publish(seq, 1)
+        return True
+
+    def _publish(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Hash the blocks these tokens fill, so that other sequences can share them."""
         # only blocks whose tokens are all known: a token still being sampled is not hashed
         num_full = min(seq.num_computed_tokens + num_new_tokens, len(seq.token_ids) - seq.num_pending) // self.block_size
         for i in range(seq.num_hashed_blocks, num_full):

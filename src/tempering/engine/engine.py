@@ -37,9 +37,9 @@ from .models import LlamaFamilyModel
 from .request import Completion, GenerationRequest, Policy, TokenCallback, new_request
 from .sampling_params import SamplingParams, row_seed
 from .scheduler import Scheduler
-from .model_runner import LaunchedStep
+from .model_runner import LaunchedStep, SampledTokens
 from .sequence import PENDING, Sequence
-from .stopping import completion_of, finish_reason_of
+from .stopping import completion_of, finish_reason_at
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -84,6 +84,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
+        self._stop_ids = frozenset(stop_token_ids)
         self.lock = lock
         self.config = config or EngineConfig()
         self._peft_model = peft_model
@@ -231,24 +232,24 @@ class Engine:
         if previous is not None:
             self._process(self.runner.collect(previous))
 
-    def _process(self, sampled: list) -> None:
+    def _process(self, sampled: SampledTokens) -> None:
         """Fill in a collected step's tokens; finish the samples that end with them."""
-        for out in sampled:
-            seq = out.seq
+        tops = sampled.top
+        for j, seq in enumerate(sampled.seqs):
             if seq.is_finished:  # ended at an earlier token; this one was computed for nothing
                 continue
-            seq.token_ids[out.index] = out.token_id
+            index, token_id, logprob = sampled.indices[j], sampled.token_ids[j], sampled.logprobs[j]
+            top = tops[j] if tops is not None else []
+            seq.token_ids[index] = token_id
             seq.num_pending -= 1
-            seq.logprobs.append(out.logprob)
-            seq.top_logprobs.append(out.top)
-            completion = seq.token_ids[seq.num_prompt_tokens: out.index + 1]
-            seq.finish_reason = finish_reason_of(
-                completion, seq.request.params, seq.max_tokens, self.stop_token_ids, self.tokenizer
-            )
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top)
+            seq.finish_reason = finish_reason_at(seq.token_ids, index, index + 1 - seq.num_prompt_tokens,
+                                                 seq.request.params, seq.max_tokens, self._stop_ids, self.tokenizer)
             if seq.request.on_token is not None:
-                seq.request.on_token(seq.sample_index, out.token_id, out.logprob, out.top)
+                seq.request.on_token(seq.sample_index, token_id, logprob, top)
             if seq.finish_reason is not None:
-                del seq.token_ids[out.index + 1:]  # a token launched after this one
+                del seq.token_ids[index + 1:]  # a token launched after this one
                 seq.num_pending = 0
                 self.scheduler.finish(seq)
                 self.runner.release(seq)

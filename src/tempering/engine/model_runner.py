@@ -30,7 +30,7 @@ from .sampler import SamplingTensors, sample, sampling_flags
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
-__all__ = ["LaunchedStep", "ModelRunner", "SampledToken"]
+__all__ = ["LaunchedStep", "ModelRunner", "SampledTokens"]
 
 HAS_TRITON = paged_decode_attention is not None
 try:
@@ -40,12 +40,14 @@ except ImportError:  # no Triton (CPU builds of torch)
 
 
 @dataclass(slots=True)
-class SampledToken:
-    seq: Sequence
-    index: int  # position in seq.token_ids that this token fills
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+class SampledTokens:
+    """A collected step: row j's token `token_ids[j]` fills `seqs[j].token_ids[indices[j]]`."""
+
+    seqs: list[Sequence]
+    indices: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None  # per row, when some row asked for top logprobs
 
 
 @dataclass(slots=True)
@@ -148,9 +150,6 @@ class ModelRunner:
             self.free_rows.append(seq.table_row)
             seq.table_row = -1
 
-    def _slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
-
     # ---- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -164,14 +163,15 @@ class ModelRunner:
         input_ids, positions, slots, sources = [], [], [], []
         samplers: list[tuple[Sequence, int]] = []  # (sequence, flat row of its last token)
         pending_rows = previous.rows if previous is not None else {}
-        for seq in batch.decode:
-            pos = len(seq) - 1
+        bs = self.block_size
+        for row, seq in enumerate(batch.decode):
+            pos = len(seq.token_ids) - 1
             source = pending_rows.get(seq.seq_id, -1) if seq.num_pending else -1
             input_ids.append(seq.token_ids[pos] if source < 0 else 0)
             sources.append(source)
             positions.append(pos)
-            slots.append(self._slot(seq, pos))
-            samplers.append((seq, len(input_ids) - 1))
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            samplers.append((seq, row))
         has_sources = any(s >= 0 for s in sources)
         spans, key_slots, cu_q, cu_k, tables = [], [], [0], [0], []
         for seq, n in batch.prefill:
@@ -250,26 +250,16 @@ class ModelRunner:
             done.record()
         return LaunchedStep(seqs, [], out.token_ids, {s.seq_id: j for j, s in enumerate(seqs)}, *host, done)
 
-    def collect(self, step: LaunchedStep) -> list[SampledToken]:
+    def collect(self, step: LaunchedStep) -> SampledTokens:
         """Wait for a launched step and return its sampled tokens, in row order."""
         if step.done is not None:
             step.done.synchronize()  # the step's one device→host synchronization
-        ids, lps = step.host_ids.tolist(), step.host_logprobs.tolist()
-        tops = [[] for _ in step.seqs]
+        tops = None
         if step.host_top_ids is not None:
             top_ids, top_lps = step.host_top_ids.tolist(), step.host_top_logprobs.tolist()
-            for j, s in enumerate(step.seqs):
-                k = s.request.params.num_top_logprobs
-                tops[j] = list(zip(top_ids[j][:k], top_lps[j][:k]))
-        return [SampledToken(s, step.indices[j], ids[j], lps[j], tops[j]) for j, s in enumerate(step.seqs)]
-
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """Launch and collect one step (no lookahead; tests and simple callers)."""
-        step = self.launch(batch, None)
-        if step is None:
-            return []
-        step.indices = [len(s) for s in step.seqs]
-        return self.collect(step)
+            tops = [list(zip(top_ids[j][: s.request.params.num_top_logprobs], top_lps[j]))
+                    for j, s in enumerate(step.seqs)]
+        return SampledTokens(step.seqs, step.indices, step.host_ids.tolist(), step.host_logprobs.tolist(), tops)
 
     def _graphable(self, batch: ScheduledBatch, lora: list[LoRASegment]) -> bool:
         """A decode-only batch that fits a graph bucket, with one adapter (or none) for all rows."""

@@ -66,20 +66,20 @@ class Scheduler:
 
         # 1. decoding sequences, oldest first; preempt from the newest when blocks run out
         # (a sequence whose last token is still being sampled and reaches max_tokens is done)
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1 and s.num_completion_tokens < s.max_tokens]
+        decoding = [s for s in self.running
+                    if len(s.token_ids) - s.num_computed_tokens == 1 and len(s.token_ids) - s.num_prompt_tokens < s.max_tokens]
         for seq in decoding:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below by an older sequence
             if budget < 1 or num_seqs >= self.config.max_num_seqs:
                 break
-            while not self.blocks.can_allocate(seq, 1):
+            while not self.blocks.allocate_decode(seq):
                 victim = self._newest_running(exclude=batch.decode)
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self.blocks.allocate(seq, 1)
             batch.decode.append(seq)
             budget -= 1
             num_seqs += 1

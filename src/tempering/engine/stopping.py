@@ -7,7 +7,7 @@ from typing import Any
 from .request import Completion
 from .sampling_params import SamplingParams
 
-__all__ = ["completion_of", "finish_reason_of"]
+__all__ = ["completion_of", "finish_reason_at", "finish_reason_of"]
 
 
 def finish_reason_of(
@@ -18,15 +18,26 @@ def finish_reason_of(
     Stop strings are looked for in the decoded tail only (long enough to hold the longest one),
     so the check costs the same at token 10 and at token 10,000.
     """
-    last = completion_ids[-1]
+    return finish_reason_at(completion_ids, len(completion_ids) - 1, len(completion_ids), params, max_tokens,
+                            stop_token_ids, tokenizer)
+
+
+def finish_reason_at(
+    token_ids: list[int], index: int, num_completion_tokens: int, params: SamplingParams, max_tokens: int,
+    stop_token_ids, tokenizer: Any,
+) -> str | None:
+    """`finish_reason_of` for the token at `index` of `token_ids`, the `num_completion_tokens`-th
+    of its completion, without copying the completion (the engine checks every token)."""
+    last = token_ids[index]
     if not params.ignore_eos and (last in stop_token_ids or last in params.stop_token_ids):
         return "stop"
     if params.stop:
         window = max(len(s) for s in params.stop) + 4
-        tail = tokenizer.decode(completion_ids[-window:], skip_special_tokens=True)
+        start = index + 1 - min(window, num_completion_tokens)
+        tail = tokenizer.decode(token_ids[start:index + 1], skip_special_tokens=True)
         if any(s in tail for s in params.stop):
             return "stop"
-    if len(completion_ids) >= max_tokens:
+    if num_completion_tokens >= max_tokens:
         return "length"
     return None
 

@@ -5,7 +5,8 @@ Hu et al. 2021 (arXiv 2106.09685). Shrink then expand, as Punica's SGMV/BGMV (ar
 and vLLM's LoRA ops do, but for one adapter and with the slices of a fused projection in one
 launch each:
 
-- `lora_shrink`: t[N, S·r] = x @ [A_0; A_1; A_2]^T, reading x once for all slices.
+- `lora_shrink`: t[N, S·r] = x @ [A_0; A_1; A_2]^T, reading x once for all slices, as
+  deterministic partial sums over splits of the input dim (enough programs for a decode batch).
 - `lora_expand_`: y[:, cols_s] += s_s · t[:, s·r:(s+1)·r] @ B_s^T for every slice, in place.
 - `silu_and_mul_lora`: the gate/up expand fused into the SwiGLU kernel, so the [N, 2I] gate/up
   output is never read and written an extra time.
@@ -35,18 +36,21 @@ def _precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _shrink_kernel(
-    X, A0, A1, A2, T, N, K, stride_x, stride_t,
+    X, A0, A1, A2, T, N, K, stride_x, stride_ts, stride_t, k_per_split,
     RANK: tl.constexpr, NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Partial sums over one split of K: T[split, rows, s·r:(s+1)·r] = x[rows, ks] @ A_s[:, ks]^T."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
     row_mask = rows < N
     r = tl.arange(0, R_PAD)
     r_mask = r < RANK
     acc0 = tl.zeros([BLOCK_N, R_PAD], tl.float32)
     acc1 = tl.zeros([BLOCK_N, R_PAD], tl.float32)
     acc2 = tl.zeros([BLOCK_N, R_PAD], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         x = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -61,7 +65,7 @@ def _shrink_kernel(
             a = tl.load(A2 + a_off, mask=a_mask, other=0.0).to(x.dtype)
             acc2 = tl.dot(x, tl.trans(a), acc2, input_precision=PRECISION)
     out_mask = row_mask[:, None] & r_mask[None, :]
-    base = T + rows[:, None] * stride_t + r[None, :]
+    base = T + split * stride_ts + rows[:, None] * stride_t + r[None, :]
     tl.store(base, acc0, mask=out_mask)
     if NUM_SLICES > 1:
         tl.store(base + RANK, acc1, mask=out_mask)
@@ -69,46 +73,56 @@ def _shrink_kernel(
         tl.store(base + 2 * RANK, acc2, mask=out_mask)
 
 
-def lora_shrink(x: torch.Tensor, A: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """t = x @ [A_0; ...; A_{S-1}]^T.
+K_PER_SPLIT = 256
+
+
+def lora_shrink(x: torch.Tensor, A: list[torch.Tensor]) -> torch.Tensor:
+    """t = x @ [A_0; ...; A_{S-1}]^T, as partial sums over splits of the input dim (summed by the expand).
+
+    Splitting K keeps enough programs busy for a decode batch (a few rows, K up to the MLP
+    width) and keeps the sum deterministic (no atomics).
 
     Args:
         x: [N, K] activations (rows may be strided; the last dim contiguous).
         A: 1-3 LoRA A matrices [r, K], contiguous, of one rank (any float dtype; rounded to x's).
-        out: optional [N, S·r] float32 buffer to write into.
 
     Returns:
-        t: [N, S·r] float32.
+        t: [splits, N, S·r] float32; t.sum(0) is the product.
     """
     N, K = x.shape
     rank, S = A[0].shape[0], len(A)
-    t = out if out is not None else torch.empty(N, S * rank, dtype=torch.float32, device=x.device)
+    splits = triton.cdiv(K, K_PER_SPLIT)
+    t = torch.empty(splits, N, S * rank, dtype=torch.float32, device=x.device)
     a = A + [A[0]] * (MAX_SLICES - S)
-    BLOCK_N = 16 if N <= 256 else 32
-    _shrink_kernel[(triton.cdiv(N, BLOCK_N),)](
-        x, a[0], a[1], a[2], t, N, K, x.stride(0), t.stride(0),
+    BLOCK_N = 16 if N <= 64 else 32
+    _shrink_kernel[(triton.cdiv(N, BLOCK_N), splits)](
+        x, a[0], a[1], a[2], t, N, K, x.stride(0), t.stride(0), t.stride(1), K_PER_SPLIT,
         RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)),
-        BLOCK_N=BLOCK_N, BLOCK_K=128 if K >= 2048 else 64, PRECISION=_precision(x.dtype),
+        BLOCK_N=BLOCK_N, BLOCK_K=64, PRECISION=_precision(x.dtype),
     )
     return t
 
 
 @triton.jit
-def _slice_delta(acc, T, B, rows, row_mask, cols, stride_t, t_col, start, end, scale,
+def _slice_delta(acc, T, B, rows, row_mask, cols, stride_ts, stride_t, num_splits, t_col, start, end, scale,
                  RANK: tl.constexpr, R_PAD: tl.constexpr, PRECISION: tl.constexpr, like):
-    """acc += scale · t[rows, t_col:t_col+RANK] @ B[cols - start]^T for the columns in [start, end)."""
+    """acc += scale · t[rows, t_col:t_col+RANK] @ B[cols - start]^T for the columns in [start, end) (t summed over splits)."""
     r = tl.arange(0, R_PAD)
     r_mask = r < RANK
     in_slice = (cols >= start) & (cols < end)
     b = tl.load(B + (cols - start)[:, None] * RANK + r[None, :], mask=in_slice[:, None] & r_mask[None, :], other=0.0)
-    t = tl.load(T + rows[:, None] * stride_t + t_col + r[None, :], mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+    t_ptr = T + rows[:, None] * stride_t + t_col + r[None, :]
+    t_mask = row_mask[:, None] & r_mask[None, :]
+    t = tl.load(t_ptr, mask=t_mask, other=0.0)
+    for split in range(1, num_splits):  # the shrink's partial sums over K
+        t += tl.load(t_ptr + split * stride_ts, mask=t_mask, other=0.0)
     t = (t * scale).to(like.dtype)  # the trainer rounds s · x A^T to the model dtype
     return tl.dot(t, tl.trans(b.to(like.dtype)), acc, input_precision=PRECISION)
 
 
 @triton.jit
 def _expand_kernel(
-    Y, T, B0, B1, B2, N, M, stride_y, stride_t,
+    Y, T, B0, B1, B2, N, M, stride_y, stride_ts, stride_t, num_splits,
     start0, end0, start1, end1, start2, end2, scale0, scale1, scale2,
     RANK: tl.constexpr, NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
@@ -130,13 +144,13 @@ def _expand_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         y = tl.load(ptr, mask=mask, other=0.0)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc = _slice_delta(acc, T, B0, rows, row_mask, cols, stride_t, 0, start0, end0, scale0,
+        acc = _slice_delta(acc, T, B0, rows, row_mask, cols, stride_ts, stride_t, num_splits, 0, start0, end0, scale0,
                            RANK, R_PAD, PRECISION, y)
         if NUM_SLICES > 1:
-            acc = _slice_delta(acc, T, B1, rows, row_mask, cols, stride_t, RANK, start1, end1, scale1,
+            acc = _slice_delta(acc, T, B1, rows, row_mask, cols, stride_ts, stride_t, num_splits, RANK, start1, end1, scale1,
                                RANK, R_PAD, PRECISION, y)
         if NUM_SLICES > 2:
-            acc = _slice_delta(acc, T, B2, rows, row_mask, cols, stride_t, 2 * RANK, start2, end2, scale2,
+            acc = _slice_delta(acc, T, B2, rows, row_mask, cols, stride_ts, stride_t, num_splits, 2 * RANK, start2, end2, scale2,
                                RANK, R_PAD, PRECISION, y)
         tl.store(ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
@@ -147,7 +161,7 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
 
     Args:
         y: [N, M] output of the base projection (model dtype; rows may be strided).
-        t: [N, S·r] float32 from `lora_shrink`.
+        t: [splits, N, S·r] float32 partial sums from `lora_shrink`.
         B: 1-3 LoRA B matrices [cols_s, r], contiguous.
         columns: each slice's output columns in y (start and stop set).
         scales: alpha / r of each slice.
@@ -163,7 +177,7 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
     BLOCK_N = 16 if N <= 64 else 64
     BLOCK_M = 128
     _expand_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
-        y, t, b[0], b[1], b[2], N, M, y.stride(0), t.stride(0),
+        y, t, b[0], b[1], b[2], N, M, y.stride(0), t.stride(0), t.stride(1), t.shape[0],
         bounds[0][0], bounds[0][1], bounds[1][0], bounds[1][1], bounds[2][0], bounds[2][1],
         float(sc[0]), float(sc[1]), float(sc[2]),
         RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)),
@@ -174,7 +188,7 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
 
 @triton.jit
 def _silu_mul_lora_kernel(
-    X, Yout, T, BG, BU, N, I, stride_x, stride_y, stride_t, t_col_g, t_col_u, scale_g, scale_u,
+    X, Yout, T, BG, BU, N, I, stride_x, stride_y, stride_ts, stride_t, num_splits, t_col_g, t_col_u, scale_g, scale_u,
     HAS_G: tl.constexpr, HAS_U: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -186,12 +200,12 @@ def _silu_mul_lora_kernel(
     gate = tl.load(base, mask=mask, other=0.0)
     up = tl.load(base + I, mask=mask, other=0.0)
     if HAS_G:  # round like the unfused path: the base output plus the delta, stored in the model dtype
-        acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BG, rows, row_mask, cols, stride_t,
-                           t_col_g, 0, I, scale_g, RANK, R_PAD, PRECISION, gate)
+        acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BG, rows, row_mask, cols,
+                           stride_ts, stride_t, num_splits, t_col_g, 0, I, scale_g, RANK, R_PAD, PRECISION, gate)
         gate = (gate.to(tl.float32) + acc).to(up.dtype)
     if HAS_U:
-        acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BU, rows, row_mask, cols, stride_t,
-                           t_col_u, 0, I, scale_u, RANK, R_PAD, PRECISION, up)
+        acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BU, rows, row_mask, cols,
+                           stride_ts, stride_t, num_splits, t_col_u, 0, I, scale_u, RANK, R_PAD, PRECISION, up)
         up = (up.to(tl.float32) + acc).to(gate.dtype)
     g32 = gate.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)  # silu, rounded like F.silu
@@ -200,7 +214,7 @@ def _silu_mul_lora_kernel(
 
 def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tensor | None, B_up: torch.Tensor | None,
                       scale_gate: float, scale_up: float) -> torch.Tensor:
-    """silu(gate + Δgate) * (up + Δup) for gate_up [N, 2I] → [N, I], Δ from t [N, S·r] (gate's slice first).
+    """silu(gate + Δgate) * (up + Δup) for gate_up [N, 2I] → [N, I], Δ from t [splits, N, S·r] (gate's slice first).
 
     B_gate, B_up: [I, r] or None for a projection without LoRA (at least one is given).
     """
@@ -213,7 +227,7 @@ def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tens
     BLOCK_I = 128
     _silu_mul_lora_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(I, BLOCK_I))](
         gate_up, y, t, B_gate if B_gate is not None else some, B_up if B_up is not None else some,
-        N, I, gate_up.stride(0), y.stride(0), t.stride(0),
+        N, I, gate_up.stride(0), y.stride(0), t.stride(0), t.stride(1), t.shape[0],
         0, rank if B_gate is not None else 0, float(scale_gate), float(scale_up),
         HAS_G=B_gate is not None, HAS_U=B_up is not None, RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
         BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, PRECISION=_precision(gate_up.dtype),
