@@ -73,7 +73,7 @@ def _shrink_kernel(
         tl.store(base + 2 * RANK, acc2, mask=out_mask)
 
 
-K_PER_SPLIT = 256
+MAX_SPLITS = 16  # the expand sums the partials with unrolled loads
 
 
 def lora_shrink(x: torch.Tensor, A: list[torch.Tensor]) -> torch.Tensor:
@@ -91,20 +91,23 @@ def lora_shrink(x: torch.Tensor, A: list[torch.Tensor]) -> torch.Tensor:
     """
     N, K = x.shape
     rank, S = A[0].shape[0], len(A)
-    splits = triton.cdiv(K, K_PER_SPLIT)
+    BLOCK_K = 64
+    splits = min(triton.cdiv(K, 4 * BLOCK_K), MAX_SPLITS)  # ~4 loop iterations each, at most MAX_SPLITS
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(K, k_per_split)
     t = torch.empty(splits, N, S * rank, dtype=torch.float32, device=x.device)
     a = A + [A[0]] * (MAX_SLICES - S)
     BLOCK_N = 16 if N <= 64 else 32
     _shrink_kernel[(triton.cdiv(N, BLOCK_N), splits)](
-        x, a[0], a[1], a[2], t, N, K, x.stride(0), t.stride(0), t.stride(1), K_PER_SPLIT,
+        x, a[0], a[1], a[2], t, N, K, x.stride(0), t.stride(0), t.stride(1), k_per_split,
         RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)),
-        BLOCK_N=BLOCK_N, BLOCK_K=64, PRECISION=_precision(x.dtype),
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=_precision(x.dtype),
     )
     return t
 
 
 @triton.jit
-def _slice_delta(acc, T, B, rows, row_mask, cols, stride_ts, stride_t, num_splits, t_col, start, end, scale,
+def _slice_delta(acc, T, B, rows, row_mask, cols, stride_ts, stride_t, NUM_SPLITS: tl.constexpr, t_col, start, end, scale,
                  RANK: tl.constexpr, R_PAD: tl.constexpr, PRECISION: tl.constexpr, like):
     """acc += scale · t[rows, t_col:t_col+RANK] @ B[cols - start]^T for the columns in [start, end) (t summed over splits)."""
     r = tl.arange(0, R_PAD)
@@ -114,7 +117,7 @@ def _slice_delta(acc, T, B, rows, row_mask, cols, stride_ts, stride_t, num_split
     t_ptr = T + rows[:, None] * stride_t + t_col + r[None, :]
     t_mask = row_mask[:, None] & r_mask[None, :]
     t = tl.load(t_ptr, mask=t_mask, other=0.0)
-    for split in range(1, num_splits):  # the shrink's partial sums over K
+    for split in tl.static_range(1, NUM_SPLITS):  # the shrink's partial sums over K, loads issued together
         t += tl.load(t_ptr + split * stride_ts, mask=t_mask, other=0.0)
     t = (t * scale).to(like.dtype)  # the trainer rounds s · x A^T to the model dtype
     return tl.dot(t, tl.trans(b.to(like.dtype)), acc, input_precision=PRECISION)
@@ -122,9 +125,9 @@ def _slice_delta(acc, T, B, rows, row_mask, cols, stride_ts, stride_t, num_split
 
 @triton.jit
 def _expand_kernel(
-    Y, T, B0, B1, B2, N, M, stride_y, stride_ts, stride_t, num_splits,
+    Y, T, B0, B1, B2, N, M, stride_y, stride_ts, stride_t,
     start0, end0, start1, end1, start2, end2, scale0, scale1, scale2,
-    RANK: tl.constexpr, NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr,
+    RANK: tl.constexpr, NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,13 +147,13 @@ def _expand_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         y = tl.load(ptr, mask=mask, other=0.0)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc = _slice_delta(acc, T, B0, rows, row_mask, cols, stride_ts, stride_t, num_splits, 0, start0, end0, scale0,
+        acc = _slice_delta(acc, T, B0, rows, row_mask, cols, stride_ts, stride_t, NUM_SPLITS, 0, start0, end0, scale0,
                            RANK, R_PAD, PRECISION, y)
         if NUM_SLICES > 1:
-            acc = _slice_delta(acc, T, B1, rows, row_mask, cols, stride_ts, stride_t, num_splits, RANK, start1, end1, scale1,
+            acc = _slice_delta(acc, T, B1, rows, row_mask, cols, stride_ts, stride_t, NUM_SPLITS, RANK, start1, end1, scale1,
                                RANK, R_PAD, PRECISION, y)
         if NUM_SLICES > 2:
-            acc = _slice_delta(acc, T, B2, rows, row_mask, cols, stride_ts, stride_t, num_splits, 2 * RANK, start2, end2, scale2,
+            acc = _slice_delta(acc, T, B2, rows, row_mask, cols, stride_ts, stride_t, NUM_SPLITS, 2 * RANK, start2, end2, scale2,
                                RANK, R_PAD, PRECISION, y)
         tl.store(ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
@@ -177,10 +180,10 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
     BLOCK_N = 16 if N <= 64 else 64
     BLOCK_M = 128
     _expand_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
-        y, t, b[0], b[1], b[2], N, M, y.stride(0), t.stride(0), t.stride(1), t.shape[0],
+        y, t, b[0], b[1], b[2], N, M, y.stride(0), t.stride(0), t.stride(1),
         bounds[0][0], bounds[0][1], bounds[1][0], bounds[1][1], bounds[2][0], bounds[2][1],
         float(sc[0]), float(sc[1]), float(sc[2]),
-        RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)),
+        RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)), NUM_SPLITS=t.shape[0],
         BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, PRECISION=_precision(y.dtype),
     )
     return y
@@ -188,8 +191,8 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
 
 @triton.jit
 def _silu_mul_lora_kernel(
-    X, Yout, T, BG, BU, N, I, stride_x, stride_y, stride_ts, stride_t, num_splits, t_col_g, t_col_u, scale_g, scale_u,
-    HAS_G: tl.constexpr, HAS_U: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
+    X, Yout, T, BG, BU, N, I, stride_x, stride_y, stride_ts, stride_t, t_col_g, t_col_u, scale_g, scale_u,
+    HAS_G: tl.constexpr, HAS_U: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -201,11 +204,11 @@ def _silu_mul_lora_kernel(
     up = tl.load(base + I, mask=mask, other=0.0)
     if HAS_G:  # round like the unfused path: the base output plus the delta, stored in the model dtype
         acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BG, rows, row_mask, cols,
-                           stride_ts, stride_t, num_splits, t_col_g, 0, I, scale_g, RANK, R_PAD, PRECISION, gate)
+                           stride_ts, stride_t, NUM_SPLITS, t_col_g, 0, I, scale_g, RANK, R_PAD, PRECISION, gate)
         gate = (gate.to(tl.float32) + acc).to(up.dtype)
     if HAS_U:
         acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BU, rows, row_mask, cols,
-                           stride_ts, stride_t, num_splits, t_col_u, 0, I, scale_u, RANK, R_PAD, PRECISION, up)
+                           stride_ts, stride_t, NUM_SPLITS, t_col_u, 0, I, scale_u, RANK, R_PAD, PRECISION, up)
         up = (up.to(tl.float32) + acc).to(gate.dtype)
     g32 = gate.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)  # silu, rounded like F.silu
@@ -227,9 +230,10 @@ def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tens
     BLOCK_I = 128
     _silu_mul_lora_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(I, BLOCK_I))](
         gate_up, y, t, B_gate if B_gate is not None else some, B_up if B_up is not None else some,
-        N, I, gate_up.stride(0), y.stride(0), t.stride(0), t.stride(1), t.shape[0],
+        N, I, gate_up.stride(0), y.stride(0), t.stride(0), t.stride(1),
         0, rank if B_gate is not None else 0, float(scale_gate), float(scale_up),
         HAS_G=B_gate is not None, HAS_U=B_up is not None, RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
+        NUM_SPLITS=t.shape[0],
         BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, PRECISION=_precision(gate_up.dtype),
     )
     return y

@@ -26,11 +26,11 @@ CHUNK = 4096
 
 @triton.jit
 def _mix32(h):
-    """murmur3's 32-bit finalizer on int64 values in [0, 2^32) (products wrap; the low 32 bits are exact)."""
+    """murmur3's 32-bit finalizer on uint32 values (native 32-bit products, which wrap)."""
     h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h * 0x85EBCA6B
     h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h = h * 0xC2B2AE35
     return h ^ (h >> 16)
 
 
@@ -47,11 +47,11 @@ def _chunk_kernel(Logits, Temperature, Seeds, Counters, PartMax, PartSum, PartSc
     x = tl.load(Logits + row * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
     m = tl.max(x, 0)
     s = tl.sum(tl.where(valid, tl.exp(x - m), 0.0), 0)
-    seed = tl.load(Seeds + row).to(tl.int64) & 0xFFFFFFFF
-    counter = tl.load(Counters + row).to(tl.int64) & 0xFFFFFFFF
+    seed = tl.load(Seeds + row).to(tl.uint32)  # the low 32 bits, as the PyTorch twin's `& 0xFFFFFFFF`
+    counter = tl.load(Counters + row).to(tl.uint32)
     h = _mix32(seed ^ 0x9E3779B9)
     h = _mix32(h ^ counter)
-    h = _mix32(h ^ cols.to(tl.int64))
+    h = _mix32(h ^ cols.to(tl.uint32))
     u = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (h + 0.5) / 2^32, in (0, 1)
     gumbel = -tl.log(-tl.log(u))
     score = tl.where(greedy, x, x + gumbel)
