@@ -11,8 +11,8 @@ logprob of every sampled token returned):
 
 Each workload runs with the base weights and with a live LoRA adapter (rank 8, alpha 16, on
 q/k/v/o/gate/up/down, A and B non-zero: the trainer's tensors, as every rollout after step 0
-uses). Both are warmed up with the same prompts and shapes (CUDA graphs captured) and the
-prefix cache is emptied before timing. `model.generate` is timed on R after a full-length
+uses). Both are warmed up with the same prompts and shapes, the CUDA graphs of every decode
+batch size are captured first, and the prefix cache is emptied before timing. `model.generate` is timed on R after a full-length
 warm-up call. Also reported: logprob error against a transformers(+PEFT) forward, the adapter
 switch time after a training step, and with `--profile` the fraction of a decode step the GPU is
 busy. `--vllm` runs the same workloads through vLLM (with and without a rank-8 LoRA) in a
@@ -109,8 +109,16 @@ def add_live_adapter(model) -> object:
     return trainer
 
 
+def capture_all_graphs(engine: Engine, prompt: list[int], policy) -> None:
+    """Decode batches of every CUDA-graph bucket for `policy`, so that no graph is captured while timing."""
+    graphs = engine.runner.graphs
+    for size in graphs.buckets if graphs is not None else []:
+        engine.submit(prompt, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True), n=size, policy=policy).result()
+
+
 def time_engine(engine: Engine, prompts, work: dict, policy) -> tuple[float, list]:
     """Seconds to sample the workload (after a warm-up with the same prompts), and the results."""
+    capture_all_graphs(engine, prompts[0][:16], policy)
     warm = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
     for f in [engine.submit(p, warm, n=work["n"], policy=policy) for p in prompts]:
         f.result()

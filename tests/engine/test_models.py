@@ -80,8 +80,8 @@ def test_engine_logprobs_and_greedy_tokens_match_transformers(arch, device, dtyp
 class AdapterPolicy:
     """A named adapter of the PEFT model, as the service's policies present it to the engine."""
 
-    def __init__(self, name):
-        self.adapter_name, self.key, self.cache_version = name, ("adapter", name), 0
+    def __init__(self, name, version=0):  # the version keys the prefix cache: it changes with the weights
+        self.adapter_name, self.key, self.cache_version = name, ("adapter", name), version
 
     def activate(self):
         import contextlib
@@ -145,6 +145,40 @@ def test_engine_with_a_live_lora_matches_the_peft_forward(arch, targets, device,
                 assert a.token_ids == expected.argmax(-1).tolist()
         base = engine.submit(prompts[0], params, policy=BasePolicy()).result(timeout=300)[0]
         assert base.logprobs != futures[0].result()[0].logprobs  # the adapter changes the policy
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])
+@pytest.mark.parametrize("targets", [ALL, ("q_proj", "v_proj", "up_proj", "down_proj")], ids=["all", "some"])
+def test_spare_rows_lora_matches_peft_and_follows_in_place_updates(targets, device, dtype):
+    """The fast path (the adapter's A in spare rows of the base weights; the PyTorch twin on CPU) is
+    exact, and an in-place change of A or B (what the optimizer does) is served at the next request."""
+    from tempering.engine.models import LlamaFamilyModel
+
+    model = tiny("qwen2", device, dtype)
+    decoder = LlamaFamilyModel(model, 512, max_lora_rank=8, spare_rows=True)
+    engine = Engine(decoder, NullTokenizer(), stop_token_ids=[0], lock=threading.RLock(),
+                    config=EngineConfig(num_kv_blocks=64, block_size=16), max_seq_len=512, peft_model=lambda: peft_model)
+    peft_model = with_lora(model, targets)
+    try:
+        prompt = torch.randint(1, 128, (37,), generator=torch.Generator().manual_seed(4)).tolist()
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        for update in range(3):
+            c = engine.submit(prompt, params, n=2, policy=AdapterPolicy("default", update)).result(timeout=300)[0]
+            assert decoder.spare_rows.bound is engine._adapter_weights("default")
+            expected = reference_logprobs(peft_model, "default", prompt, c.token_ids, device)
+            chosen = expected.gather(1, torch.tensor(c.token_ids, device=device)[:, None])[:, 0].cpu()
+            assert (chosen - torch.tensor(c.logprobs)).abs().max() < tol, update
+            with torch.no_grad():  # the optimizer's in-place step: A first, then B
+                for name, p in peft_model.named_parameters():
+                    if ("lora_A" if update == 0 else "lora_B") in name:
+                        p.mul_(1.5)
+        spare = decoder.spare_rows.full[0]["qkv"][decoder.spare_rows.num_out["qkv"]:].float()
+        assert spare.abs().sum() > 0  # the spare rows hold A's copy ...
+        assert torch.equal(model.model.layers[0].self_attn.q_proj.base_layer.weight,
+                           decoder.layers[0].qkv[:model.config.hidden_size])  # ... and the base weights are untouched
     finally:
         engine.close()
 

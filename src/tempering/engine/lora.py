@@ -2,12 +2,20 @@
 
 `y = x W^T + s (x A^T) B^T` with s = alpha / r (Hu et al. 2021, arXiv 2106.09685). A and B are
 the very tensors PEFT trains (found on the Hugging Face model's LoRA layers), so when the
-optimizer updates them in place, the next engine step samples from the new policy: no copy, no
-reload. Base weights are never merged.
+optimizer updates them in place, the next engine step samples from the new policy: no reload,
+and base weights are never merged.
 
-On CUDA each fused projection (q/k/v, o, gate/up, down) costs two small Triton kernels, a shrink
-and an expand over all its slices (`layers/triton_lora.py`); gate/up's expand is fused into the
-SwiGLU kernel. Elsewhere (CPU) the same math runs as PyTorch matmuls in the adapter's dtype.
+Three ways, fastest first:
+
+- Spare rows (CUDA, a batch whose rows all use one adapter): the base weights are allocated with
+  a few spare rows (`EngineConfig.max_lora_rank` per slice), and `SpareRows.bind` writes the
+  adapter's A matrices there in the model dtype, so the base GEMM also computes x A^T: the
+  shrink costs nothing. The expand is one Triton kernel per projection (q/k/v, o, down) and is
+  fused into the SwiGLU kernel for gate/up. A and B are read from the trainer's tensors; the
+  copy of A (r·in values per module) is refreshed whenever any A changed in place (the
+  optimizer step; PyTorch's version counters tell), before the next engine step.
+- Two Triton kernels per projection, a shrink and an expand over all its slices (mixed batches).
+- PyTorch matmuls in the adapter's dtype (CPU).
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+import torch.nn.functional as F
+
 from ..modeling.lora import AdapterWeights, collect_adapter
 
-__all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "add_lora", "collect_adapter",
-           "lora_silu_and_mul"]
+__all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_lora", "collect_adapter",
+           "linear_with_lora", "lora_silu_and_mul"]
 
 try:  # the CUDA kernels need Triton, which CPU builds of torch do not bring
     from .layers import triton_lora
@@ -46,6 +56,11 @@ class LoRAGroup:
     columns: list[slice]
     scales: list[float]
     use_kernels: bool
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of x A^T for all slices (S · r)."""
+        return sum(a.shape[0] for a in self.A)
 
 
 class EngineAdapter:
@@ -77,6 +92,98 @@ class EngineAdapter:
                 groups[group] = LoRAGroup([e.A for e in entries], [e.B for e in entries], columns,
                                           [e.scale for e in entries], use_kernels)
             self.layers.append(groups)
+
+
+class SpareRows:
+    """The spare rows of the engine's base weights, and the adapter whose A matrices fill them.
+
+    Args:
+        full: per layer, {"qkv"|"o"|"gate_up"|"down": the weight's whole allocation [out + spare, in]}.
+        num_out: {group: out}, the projection's own rows.
+        max_rank: spare rows per slice.
+    """
+
+    def __init__(self, full: list[dict[str, torch.Tensor]], num_out: dict[str, int], max_rank: int) -> None:
+        self.full = full
+        self.num_out = num_out
+        self.max_rank = max_rank
+        self.bound: EngineAdapter | None = None
+        self._version = -1
+        self._copies: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def fits(self, adapter: EngineAdapter) -> bool:
+        return all(g is None or (g.use_kernels and g.A[0].shape[0] <= self.max_rank)
+                   for layer in adapter.layers for g in layer.values())
+
+    def bind(self, adapter: EngineAdapter) -> bool:
+        """Make the spare rows hold `adapter`'s current A (a copy only when it changed); False if it does not fit."""
+        if adapter is not self.bound:
+            if not self.fits(adapter):
+                return False
+            dsts, srcs = [], []
+            for full, layer in zip(self.full, adapter.layers):
+                for group, g in layer.items():
+                    if g is None:
+                        continue
+                    row = self.num_out[group]
+                    for a in g.A:
+                        dsts.append(full[group][row:row + a.shape[0]])
+                        srcs.append(a)
+                        row += a.shape[0]
+            self.bound, self._copies, self._version = adapter, (dsts, srcs), -1
+        dsts, srcs = self._copies
+        version = sum(a._version for a in srcs)  # bumped by every in-place change (optimizer, load, undo)
+        if version != self._version:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
+            self._version = version
+        return True
+
+
+def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor | None, num_out: int,
+                     g: LoRAGroup | None) -> torch.Tensor:
+    """x W^T (+ b) plus the bound adapter's delta of group `g`: x A^T comes from the spare rows.
+
+    Args:
+        x: [N, in]; full_w: [num_out + spare, in]; full_b: [num_out + spare] or None.
+
+    Returns:
+        [N, num_out], a view with row stride num_out + S·r.
+    """
+    rows = num_out + (g.num_rows if g is not None else 0)
+    y = F.linear(x, full_w[:rows], full_b[:rows] if full_b is not None else None)  # [N, num_out + S·r]
+    out = y[:, :num_out]
+    if g is not None:
+        (triton_lora.lora_expand_ if _kernels_for(y) else _expand_reference_)(out, y[:, num_out:rows], g.B,
+                                                                              g.columns, g.scales)
+    return out
+
+
+def _expand_reference_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
+                       scales: list[float]) -> torch.Tensor:
+    """The PyTorch twin of `triton_lora.lora_expand_` for x A^T given as [N, S·r]."""
+    rank = B[0].shape[1]
+    for s, (b, cols, scale) in enumerate(zip(B, columns, scales)):
+        delta = ((t[:, s * rank:(s + 1) * rank].float() * scale).to(y.dtype).float() @ b.to(y.dtype).float().T)
+        y[:, cols] = (y[:, cols].float() + delta).to(y.dtype)
+    return y
+
+
+def silu_and_mul_with_lora(x: torch.Tensor, full_w: torch.Tensor, num_out: int, g: LoRAGroup | None,
+                           silu_and_mul) -> torch.Tensor:
+    """silu(gate) * up of x [N, in] through the fused gate/up weight, with the bound adapter's delta fused in."""
+    if g is None:
+        return silu_and_mul(F.linear(x, full_w[:num_out]))
+    y = F.linear(x, full_w[:num_out + g.num_rows])  # [N, 2I + S·r]
+    if not _kernels_for(y):
+        return silu_and_mul(_expand_reference_(y[:, :num_out], y[:, num_out:], g.B, g.columns, g.scales))
+    gate, up = _gate_and_up(g, num_out // 2)
+    return triton_lora.silu_and_mul_lora(y[:, :num_out], y[:, num_out:], gate[0], up[0], gate[1], up[1])
+
+
+def _gate_and_up(g: LoRAGroup, half: int) -> tuple[tuple, tuple]:
+    by_start = {c.start: (B, s) for B, c, s in zip(g.B, g.columns, g.scales)}
+    return by_start.get(0, (None, 0.0)), by_start.get(half, (None, 0.0))
 
 
 @dataclass(slots=True)
@@ -122,9 +229,7 @@ def lora_silu_and_mul(gate_up: torch.Tensor, h: torch.Tensor, segments: list[LoR
         seg = segments[0]
         g = seg.adapter.layers[layer]["gate_up"] if seg.adapter is not None else None
         if seg.start == 0 and seg.end == gate_up.shape[0] and g is not None and g.use_kernels:
-            half = gate_up.shape[1] // 2
-            by_start = {c.start: (B, s) for B, c, s in zip(g.B, g.columns, g.scales)}
-            gate, up = by_start.get(0, (None, 0.0)), by_start.get(half, (None, 0.0))
+            gate, up = _gate_and_up(g, gate_up.shape[1] // 2)
             t = triton_lora.lora_shrink(h, g.A)
             return triton_lora.silu_and_mul_lora(gate_up, t, gate[0], up[0], gate[1], up[1])
     if segments:

@@ -228,6 +228,8 @@ class ModelRunner:
             ctx.max_q, ctx.max_k = max(s.num_new for s in spans), max(s.context_len for s in spans)
 
         lora = self._lora_segments(batch)
+        if lora:  # the spare-rows LoRA path: refresh the copy of A if the trainer changed it
+            self.model.bind_lora(lora, len(input_ids))
         if self._graphable(batch, lora):
             hidden = self.graphs.run(
                 ids, i(f_pos), ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_context_lens,
@@ -272,6 +274,9 @@ class ModelRunner:
     def forget_adapter(self, adapter: EngineAdapter) -> None:
         if self.graphs is not None:
             self.graphs.forget(adapter)
+        spare = self.model.spare_rows
+        if spare is not None and spare.bound is adapter:
+            spare.bound = None
 
     def _lora_segments(self, batch: ScheduledBatch) -> list[LoRASegment]:
         """Contiguous row ranges of the flat batch that share an adapter."""

@@ -3,6 +3,11 @@
 q/k/v (and gate/up) are fused into one weight so the engine runs one matmul instead of three.
 The fused tensor is built once, and the HF modules' weights become views into it: the trainer's
 modules and the engine read the same memory, and nothing is stored twice.
+
+A fused (or single) weight may be allocated with `extra_rows` spare rows after the projection's
+own rows. The engine writes the live LoRA adapter's A matrices there, so one GEMM computes both
+`x W^T` and the adapter's `x A^T` (see engine/lora.py); everyone else sees only the
+projection's rows.
 """
 
 from __future__ import annotations
@@ -12,42 +17,81 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["fuse_linears"]
+__all__ = ["base_layer", "extend_linear", "full_rows", "fuse_linears"]
 
 
-def fuse_linears(modules: list[nn.Linear], names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, slice]]:
+def _shared_base(tensors: list[torch.Tensor], num_rows: int) -> torch.Tensor | None:
+    """The tensor that `tensors` are consecutive leading-row views of, if they are."""
+    shared = tensors[0]._base
+    if shared is None or shared.shape[0] < num_rows or shared.dim() != tensors[0].dim():
+        return None
+    offset = 0
+    for t in tensors:
+        if t._base is not shared or t.storage_offset() != shared.storage_offset() + offset * shared.stride(0):
+            return None
+        offset += t.shape[0]
+    return shared
+
+
+def fuse_linears(modules: list[nn.Linear], names: list[str], *, extra_rows: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, slice]]:
     """Concatenate `modules`' weights (and biases) along the output dim and rebind them as views.
 
+    Args:
+        modules: the projections to fuse, in output order.
+        names: their names (keys of the returned slices).
+        extra_rows: spare zero rows to allocate after the fused rows (the engine's LoRA rows).
+
     Returns:
-        (weight [sum(out), in], bias [sum(out)] or None, {name: output slice}).
-        Calling it again on already-fused modules returns the existing fused tensors.
+        (weight [sum(out), in], bias [sum(out)] or None, {name: output slice}); the weight and
+        bias are views of the first rows of the allocation (see `full_rows`). Calling it again on
+        already-fused modules returns the existing fused tensors.
+
+    Raises:
+        ValueError: if only some of the modules have a bias.
     """
     weights = [m.weight for m in modules]
-    base = weights[0]
-    shared = base._base if base._base is not None else None
     slices, start = {}, 0
     for name, w in zip(names, weights):
         slices[name] = slice(start, start + w.shape[0])
         start += w.shape[0]
-    if shared is not None and all(w._base is shared for w in weights) and shared.shape[0] == start:
-        fused_w = shared  # fused by an earlier engine on this model
+    shared = _shared_base(weights, start)
+    if shared is not None and shared.shape[0] >= start + extra_rows:
+        fused_w = shared[:start]  # fused by an earlier engine or trainer on this model
     else:
-        fused_w = torch.cat([w.detach() for w in weights], dim=0)
+        full = torch.zeros(start + extra_rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+        torch.cat([w.detach() for w in weights], dim=0, out=full[:start])
+        fused_w = full[:start]
         for m, name in zip(modules, names):
-            m.weight = nn.Parameter(fused_w[slices[name]], requires_grad=False)
+            m.weight = nn.Parameter(full[slices[name]], requires_grad=False)
     biases = [m.bias for m in modules]
     fused_b = None
     if any(b is not None for b in biases):
         if not all(b is not None for b in biases):
             raise ValueError("cannot fuse projections of which only some have a bias")
-        bshared = biases[0]._base
-        if bshared is not None and all(b._base is bshared for b in biases):
-            fused_b = bshared
+        bshared = _shared_base(biases, start)
+        if bshared is not None and bshared.shape[0] >= start + extra_rows:
+            fused_b = bshared[:start]
         else:
-            fused_b = torch.cat([b.detach() for b in biases], dim=0)
+            full_b = torch.zeros(start + extra_rows, dtype=biases[0].dtype, device=biases[0].device)
+            torch.cat([b.detach() for b in biases], dim=0, out=full_b[:start])
+            fused_b = full_b[:start]
             for m, name in zip(modules, names):
-                m.bias = nn.Parameter(fused_b[slices[name]], requires_grad=False)
+                m.bias = nn.Parameter(full_b[slices[name]], requires_grad=False)
     return fused_w, fused_b, slices
+
+
+def extend_linear(module: nn.Linear, extra_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Give a single projection `extra_rows` spare rows (its weight becomes a view); returns (weight, bias)."""
+    fused_w, fused_b, _ = fuse_linears([module], ["weight"], extra_rows=extra_rows)
+    return fused_w, fused_b
+
+
+def full_rows(view: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole allocation behind a weight returned by `fuse_linears` (its rows plus the spare rows)."""
+    if view is None:
+        return None
+    return view._base if view._base is not None else view
 
 
 def base_layer(module: Any) -> nn.Linear:

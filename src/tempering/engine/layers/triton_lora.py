@@ -76,6 +76,15 @@ def _shrink_kernel(
 MAX_SPLITS = 16  # the expand sums the partials with unrolled loads
 
 
+def _t_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(split stride, row stride) of x A^T given as partial sums [splits, N, R] or final [N, R]."""
+    return (t.stride(0), t.stride(1)) if t.dim() == 3 else (0, t.stride(0))
+
+
+def _num_splits(t: torch.Tensor) -> int:
+    return t.shape[0] if t.dim() == 3 else 1
+
+
 def lora_shrink(x: torch.Tensor, A: list[torch.Tensor]) -> torch.Tensor:
     """t = x @ [A_0; ...; A_{S-1}]^T, as partial sums over splits of the input dim (summed by the expand).
 
@@ -164,7 +173,8 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
 
     Args:
         y: [N, M] output of the base projection (model dtype; rows may be strided).
-        t: [splits, N, S·r] float32 partial sums from `lora_shrink`.
+        t: x A^T: [splits, N, S·r] float32 partial sums from `lora_shrink`, or [N, S·r] in any
+            float dtype (the spare rows of the base GEMM; rows may be strided).
         B: 1-3 LoRA B matrices [cols_s, r], contiguous.
         columns: each slice's output columns in y (start and stop set).
         scales: alpha / r of each slice.
@@ -180,10 +190,10 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
     BLOCK_N = 16 if N <= 64 else 64
     BLOCK_M = 128
     _expand_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
-        y, t, b[0], b[1], b[2], N, M, y.stride(0), t.stride(0), t.stride(1),
+        y, t, b[0], b[1], b[2], N, M, y.stride(0), *_t_strides(t),
         bounds[0][0], bounds[0][1], bounds[1][0], bounds[1][1], bounds[2][0], bounds[2][1],
         float(sc[0]), float(sc[1]), float(sc[2]),
-        RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)), NUM_SPLITS=t.shape[0],
+        RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)), NUM_SPLITS=_num_splits(t),
         BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, PRECISION=_precision(y.dtype),
     )
     return y
@@ -217,7 +227,7 @@ def _silu_mul_lora_kernel(
 
 def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tensor | None, B_up: torch.Tensor | None,
                       scale_gate: float, scale_up: float) -> torch.Tensor:
-    """silu(gate + Δgate) * (up + Δup) for gate_up [N, 2I] → [N, I], Δ from t [splits, N, S·r] (gate's slice first).
+    """silu(gate + Δgate) * (up + Δup) for gate_up [N, 2I] → [N, I], Δ from t (as in `lora_expand_`; gate's slice first).
 
     B_gate, B_up: [I, r] or None for a projection without LoRA (at least one is given).
     """
@@ -230,10 +240,10 @@ def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tens
     BLOCK_I = 128
     _silu_mul_lora_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(I, BLOCK_I))](
         gate_up, y, t, B_gate if B_gate is not None else some, B_up if B_up is not None else some,
-        N, I, gate_up.stride(0), y.stride(0), t.stride(0), t.stride(1),
+        N, I, gate_up.stride(0), y.stride(0), *_t_strides(t),
         0, rank if B_gate is not None else 0, float(scale_gate), float(scale_up),
         HAS_G=B_gate is not None, HAS_U=B_up is not None, RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
-        NUM_SPLITS=t.shape[0],
+        NUM_SPLITS=_num_splits(t),
         BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, PRECISION=_precision(gate_up.dtype),
     )
     return y

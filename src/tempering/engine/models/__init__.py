@@ -13,8 +13,11 @@ __all__ = ["LlamaFamilyModel", "SUPPORTED_ARCHITECTURES", "engine_model_for"]
 log = logging.getLogger("tempering")
 
 
-def engine_model_for(hf_model: Any, max_positions: int) -> LlamaFamilyModel | None:
-    """The engine's model bound to `hf_model`, or None (with a log line) when the architecture is not covered."""
+def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 16) -> LlamaFamilyModel | None:
+    """The engine's model bound to `hf_model`, or None (with a log line) when the architecture is not covered.
+
+    `max_lora_rank`: spare weight rows per LoRA slice on CUDA (see LlamaFamilyModel).
+    """
     config = hf_model.config
     archs = list(getattr(config, "architectures", None) or [type(hf_model).__name__])
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -31,4 +34,4 @@ def engine_model_for(hf_model: Any, max_positions: int) -> LlamaFamilyModel | No
         if config.sliding_window < max_positions:
             log.warning("sliding-window attention is not supported; falling back to the transformers engine")
             return None
-    return LlamaFamilyModel(hf_model, max_positions)
+    return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank)

@@ -18,10 +18,19 @@ import torch
 import torch.nn.functional as F
 
 from ...modeling import SUPPORTED_ARCHITECTURES
-from ...modeling.weights import base_layer, fuse_linears
+from ...modeling.weights import base_layer, extend_linear, full_rows, fuse_linears
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention, store_kv
-from ..lora import LoRASegment, add_lora, lora_silu_and_mul
+from ..lora import (
+    EngineAdapter,
+    LoRASegment,
+    SpareRows,
+    add_lora,
+    linear_with_lora,
+    lora_silu_and_mul,
+    silu_and_mul_with_lora,
+    triton_lora,
+)
 
 __all__ = ["LlamaFamilyModel", "SUPPORTED_ARCHITECTURES"]
 
@@ -46,9 +55,14 @@ class LlamaFamilyModel:
     Args:
         hf_model: a loaded `*ForCausalLM` of a supported architecture.
         max_positions: longest position the rotary table covers.
+        max_lora_rank: spare weight rows per LoRA slice for the live adapter's A (engine/lora.py);
+            adapters of a larger rank take the slower two-kernel path.
+        spare_rows: allocate them (default: on CUDA with Triton, where they pay off; elsewhere
+            the same math runs through PyTorch, which tests use).
     """
 
-    def __init__(self, hf_model: Any, max_positions: int) -> None:
+    def __init__(self, hf_model: Any, max_positions: int, *, max_lora_rank: int = 16,
+                 spare_rows: bool | None = None) -> None:
         config = hf_model.config
         inner = hf_model.model
         self.hf_layers = list(inner.layers)
@@ -69,14 +83,20 @@ class LlamaFamilyModel:
         self.ops = ops_for(self.device)
         self.layers: list[_Layer] = []
         self.fused_slices: dict[str, dict[str, slice]] = {}
+        if spare_rows is None:
+            spare_rows = self.device.type == "cuda" and triton_lora is not None
+        spare = max_lora_rank if spare_rows else 0
         for layer in self.hf_layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, qkv_bias, qkv_slices = fuse_linears(
-                [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)], ["q_proj", "k_proj", "v_proj"]
+                [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)], ["q_proj", "k_proj", "v_proj"],
+                extra_rows=3 * spare,
             )
             gate_up, _, gate_up_slices = fuse_linears(
-                [base_layer(mlp.gate_proj), base_layer(mlp.up_proj)], ["gate_proj", "up_proj"]
+                [base_layer(mlp.gate_proj), base_layer(mlp.up_proj)], ["gate_proj", "up_proj"], extra_rows=2 * spare
             )
+            o = extend_linear(base_layer(attn.o_proj), spare)[0] if spare else base_layer(attn.o_proj).weight
+            down = extend_linear(base_layer(mlp.down_proj), spare)[0] if spare else base_layer(mlp.down_proj).weight
             self.fused_slices = {"qkv": qkv_slices, "gate_up": gate_up_slices}
             q_norm = getattr(attn, "q_norm", None)
             k_norm = getattr(attn, "k_norm", None)
@@ -86,14 +106,36 @@ class LlamaFamilyModel:
                 qkv_bias=qkv_bias,
                 q_norm=q_norm.weight if q_norm is not None else None,
                 k_norm=k_norm.weight if k_norm is not None else None,
-                o=base_layer(attn.o_proj).weight,
+                o=o,
                 post_norm=layer.post_attention_layernorm.weight,
                 gate_up=gate_up,
-                down=base_layer(mlp.down_proj).weight,
+                down=down,
             ))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate_size = self.layers[0].gate_up.shape[0] // 2
+        self.spare_rows = None
+        if spare:
+            full = [{"qkv": full_rows(lay.qkv), "o": full_rows(lay.o), "gate_up": full_rows(lay.gate_up),
+                     "down": full_rows(lay.down)} for lay in self.layers]
+            num_out = {"qkv": self.layers[0].qkv.shape[0], "o": self.hidden_size,
+                       "gate_up": 2 * self.intermediate_size, "down": self.hidden_size}
+            self.spare_rows = SpareRows(full, num_out, spare)
+
+    def bind_lora(self, lora: list[LoRASegment], num_rows: int) -> bool:
+        """Put the adapter of a batch whose `num_rows` rows all use one adapter into the spare rows.
+
+        Returns whether the forward will take the spare-rows path for this batch (call it before
+        every forward or graph replay with an adapter: it refreshes the copy of A when needed).
+        """
+        if self.spare_rows is None or len(lora) != 1 or lora[0].start != 0 or lora[0].end != num_rows:
+            return False
+        return lora[0].adapter is not None and self.spare_rows.bind(lora[0].adapter)
+
+    def _bound(self, lora: list[LoRASegment], num_rows: int) -> EngineAdapter | None:
+        if self.spare_rows is None or len(lora) != 1 or lora[0].start != 0 or lora[0].end != num_rows:
+            return None
+        return lora[0].adapter if lora[0].adapter is self.spare_rows.bound else None
 
     @property
     def num_layers(self) -> int:
@@ -124,6 +166,9 @@ class LlamaFamilyModel:
         x = F.embedding(input_ids, self.embed)  # [N, H]
         residual = None
         cos, sin = self.rotary(positions)  # [N, D] each
+        bound = self._bound(lora, N)  # the whole batch uses the adapter held by the spare rows
+        if bound is not None:
+            return self._forward_spare_rows(x, cos, sin, ctx, kv_cache, bound)
         for i, layer in enumerate(self.layers):
             if residual is None:
                 h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
@@ -155,6 +200,37 @@ class LlamaFamilyModel:
             x = F.linear(act, layer.down)
             if lora:
                 add_lora(x, act, lora, i, "down")
+        return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
+
+    def _forward_spare_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
+                            kv_cache: torch.Tensor, adapter: EngineAdapter) -> torch.Tensor:
+        """`forward` for a batch that uses the adapter bound to the spare rows (x A^T from the base GEMMs)."""
+        N = x.shape[0]
+        ops = self.ops
+        residual = None
+        for i, layer in enumerate(self.layers):
+            groups = adapter.layers[i]
+            if residual is None:
+                h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
+            else:
+                h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
+            qkv = linear_with_lora(h, full_rows(layer.qkv), full_rows(layer.qkv_bias), layer.qkv.shape[0], groups["qkv"])
+            q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q = ops.rms_norm(q, layer.q_norm, self.eps)
+                k = ops.rms_norm(k, layer.k_norm, self.eps)
+            ops.rotary_(q, cos, sin)
+            ops.rotary_(k, cos, sin)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
+            attn_out = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"])
+            h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
+            act = silu_and_mul_with_lora(h, full_rows(layer.gate_up), 2 * self.intermediate_size, groups["gate_up"],
+                                         ops.silu_and_mul)
+            x = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"])
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
