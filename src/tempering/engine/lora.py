@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..modeling.lora import AdapterWeights, collect_adapter
 
 __all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_lora", "collect_adapter",
-           "linear_with_lora", "lora_silu_and_mul"]
+           "linear_with_lora", "lora_silu_and_mul", "spare_rows_for"]
 
 try:  # the CUDA kernels need Triton, which CPU builds of torch do not bring
     from .layers import triton_lora
@@ -115,6 +115,11 @@ class SpareRows:
         return all(g is None or (g.use_kernels and g.A[0].shape[0] <= self.max_rank)
                    for layer in adapter.layers for g in layer.values())
 
+    @staticmethod
+    def allocation(num_slices: int, max_rank: int) -> int:
+        """Spare rows to allocate for a projection of `num_slices` slices."""
+        return spare_rows_for(num_slices * max_rank)
+
     def bind(self, adapter: EngineAdapter) -> bool:
         """Make the spare rows hold `adapter`'s current A (a copy only when it changed); False if it does not fit."""
         if adapter is not self.bound:
@@ -150,13 +155,19 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
     Returns:
         [N, num_out], a view with row stride num_out + S·r.
     """
-    rows = num_out + (g.num_rows if g is not None else 0)
-    y = F.linear(x, full_w[:rows], full_b[:rows] if full_b is not None else None)  # [N, num_out + S·r]
+    rows = num_out + (spare_rows_for(g.num_rows) if g is not None else 0)
+    y = F.linear(x, full_w[:rows], full_b[:rows] if full_b is not None else None)  # [N, rows]
     out = y[:, :num_out]
     if g is not None:
-        (triton_lora.lora_expand_ if _kernels_for(y) else _expand_reference_)(out, y[:, num_out:rows], g.B,
-                                                                              g.columns, g.scales)
+        t = y[:, num_out:num_out + g.num_rows]
+        (triton_lora.lora_expand_ if _kernels_for(y) else _expand_reference_)(out, t, g.B, g.columns, g.scales)
     return out
+
+
+def spare_rows_for(num_rows: int) -> int:
+    """Spare rows a GEMM computes for `num_rows` of x A^T: a multiple of 8, so that every row of the
+    output starts 16-byte aligned (FlashAttention and vector loads need it)."""
+    return -(-num_rows // 8) * 8
 
 
 def _expand_reference_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
@@ -174,11 +185,12 @@ def silu_and_mul_with_lora(x: torch.Tensor, full_w: torch.Tensor, num_out: int, 
     """silu(gate) * up of x [N, in] through the fused gate/up weight, with the bound adapter's delta fused in."""
     if g is None:
         return silu_and_mul(F.linear(x, full_w[:num_out]))
-    y = F.linear(x, full_w[:num_out + g.num_rows])  # [N, 2I + S·r]
+    y = F.linear(x, full_w[:num_out + spare_rows_for(g.num_rows)])  # [N, 2I + spare]
+    t = y[:, num_out:num_out + g.num_rows]
     if not _kernels_for(y):
-        return silu_and_mul(_expand_reference_(y[:, :num_out], y[:, num_out:], g.B, g.columns, g.scales))
+        return silu_and_mul(_expand_reference_(y[:, :num_out], t, g.B, g.columns, g.scales))
     gate, up = _gate_and_up(g, num_out // 2)
-    return triton_lora.silu_and_mul_lora(y[:, :num_out], y[:, num_out:], gate[0], up[0], gate[1], up[1])
+    return triton_lora.silu_and_mul_lora(y[:, :num_out], t, gate[0], up[0], gate[1], up[1])
 
 
 def _gate_and_up(g: LoRAGroup, half: int) -> tuple[tuple, tuple]:

@@ -34,7 +34,7 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # the row count varies step to step: one compile
 def _shrink_kernel(
     X, A0, A1, A2, T, N, K, stride_x, stride_ts, stride_t, k_per_split,
     RANK: tl.constexpr, NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr,
@@ -132,7 +132,7 @@ def _slice_delta(acc, T, B, rows, row_mask, cols, stride_ts, stride_t, NUM_SPLIT
     return tl.dot(t, tl.trans(b.to(like.dtype)), acc, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # the row count varies step to step: one compile
 def _expand_kernel(
     Y, T, B0, B1, B2, N, M, stride_y, stride_ts, stride_t,
     start0, end0, start1, end1, start2, end2, scale0, scale1, scale2,
@@ -199,7 +199,7 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # the row count varies step to step: one compile
 def _silu_mul_lora_kernel(
     X, Yout, T, BG, BU, N, I, stride_x, stride_y, stride_ts, stride_t, t_col_g, t_col_u, scale_g, scale_u,
     HAS_G: tl.constexpr, HAS_U: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,

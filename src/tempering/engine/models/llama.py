@@ -90,13 +90,16 @@ class LlamaFamilyModel:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, qkv_bias, qkv_slices = fuse_linears(
                 [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)], ["q_proj", "k_proj", "v_proj"],
-                extra_rows=3 * spare,
+                extra_rows=SpareRows.allocation(3, spare) if spare else 0,
             )
             gate_up, _, gate_up_slices = fuse_linears(
-                [base_layer(mlp.gate_proj), base_layer(mlp.up_proj)], ["gate_proj", "up_proj"], extra_rows=2 * spare
+                [base_layer(mlp.gate_proj), base_layer(mlp.up_proj)], ["gate_proj", "up_proj"],
+                extra_rows=SpareRows.allocation(2, spare) if spare else 0
             )
-            o = extend_linear(base_layer(attn.o_proj), spare)[0] if spare else base_layer(attn.o_proj).weight
-            down = extend_linear(base_layer(mlp.down_proj), spare)[0] if spare else base_layer(mlp.down_proj).weight
+            o = extend_linear(base_layer(attn.o_proj), SpareRows.allocation(1, spare))[0] if spare \
+                else base_layer(attn.o_proj).weight
+            down = extend_linear(base_layer(mlp.down_proj), SpareRows.allocation(1, spare))[0] if spare \
+                else base_layer(mlp.down_proj).weight
             self.fused_slices = {"qkv": qkv_slices, "gate_up": gate_up_slices}
             q_norm = getattr(attn, "q_norm", None)
             k_norm = getattr(attn, "k_norm", None)
