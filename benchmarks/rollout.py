@@ -144,8 +144,9 @@ def gpu_busy_fraction(engine: Engine, prompts, work: dict, policy, window_s: flo
 
     engine.blocks.forget_cached()
     params = SamplingParams(max_tokens=work["max_new"], temperature=1.0, ignore_eos=True)
+    decoded = engine.stats.num_decode_tokens
     futures = [engine.submit(p, params, n=work["n"], policy=policy) for p in prompts]
-    while engine.stats.num_decode_tokens < len(prompts) * work["n"] * 8:  # decoding
+    while engine.stats.num_decode_tokens < decoded + len(prompts) * work["n"] * 8:  # past the prefill: decoding
         time.sleep(0.001)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         sync(engine.device)
