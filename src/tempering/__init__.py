@@ -9,7 +9,7 @@
     await model.train(groups, config=art.TrainConfig(learning_rate=1e-4))
 """
 
-from . import rewards
+from . import dev, local, rewards, trajectories, utils
 from .backends import Backend, LocalBackend, RemoteBackend
 from .errors import (
     BackendError,
@@ -20,6 +20,8 @@ from .errors import (
     TemperingError,
     TrajectoryError,
     UnknownModelError,
+    UnknownOptionError,
+    UnsupportedOptionError,
 )
 from .gather import gather_trajectories, gather_trajectory_groups
 from .model import Model, TrainableModel
@@ -37,6 +39,7 @@ from .types import (
     Trajectory,
     TrajectoryGroup,
 )
+from .utils import retry
 
 __version__ = "0.1.0"
 
@@ -65,10 +68,14 @@ __all__ = [
     "TrajectoryError",
     "TrajectoryGroup",
     "UnknownModelError",
+    "UnknownOptionError",
+    "UnsupportedOptionError",
     "__version__",
+    "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
     "read_sft_jsonl",
+    "retry",
     "rewards",
     "train_sft_from_file",
 ]
