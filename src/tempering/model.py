@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 
 from .backends.art_options import lora_config_from_art, resolve_internal_config, train_config_from_options
+from .backends.base import report_nothing_learned
 from .errors import BackendError, TrajectoryError
 from .progress import TrainProgress
 from .tracking import WandbReporter, wandb_wanted
@@ -232,6 +233,7 @@ class TrainableModel(Model):
         step = await self.get_step()
         with TrainProgress(f"train step {step + 1}") as progress:
             result = await backend._train_model(self, groups, config, on_event=progress.on_event)
+        report_nothing_learned(result)
         self._report(result.metrics, step)
         return result
 

@@ -356,7 +356,7 @@ def _apply_section(section: str, values: Mapping[str, Any], out: ModelOptions, i
         raise ConfigError(f"{section} must be a dict of options, got {type(values).__name__}")
     for name, value in values.items():
         option = _BY_KEY.get((section, name))
-        where = f"{section}.{name}" if section != "train" else name
+        where = f"{section}.{name}" if section in ("engine_args", "init_args", "peft_args", "trainer_args") else name
         if option is None:
             if SECTIONS[section].unknown == "error":
                 raise UnknownOptionError(f"unknown option {where!r}; see the compatibility table in tempering's README")

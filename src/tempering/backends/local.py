@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import EngineConfig
 from ..errors import BackendError, ConfigError
+from ..service import create_app
+from ..service.auth import generate_api_key
+from ..service.hub import ModelHub
+from ..service.server import ServerThread
+from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
 from .art_options import (
     ModelOptions,
     apply_train_defaults,
@@ -23,11 +28,7 @@ from .art_options import (
     resolve_internal_config,
     train_config_from_options,
 )
-from ..service import create_app
-from ..service.auth import generate_api_key
-from ..service.hub import ModelHub
-from ..service.server import ServerThread
-from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
+from .base import report_nothing_learned
 
 if TYPE_CHECKING:
     from ..model import Model, TrainableModel
@@ -178,7 +179,9 @@ class LocalBackend:
             UnknownOptionError: an option neither TrainConfig nor ART's backend.train has.
             UnsupportedOptionError: an ART option at a value tempering cannot honour.
         """
-        return await self._train_model(model, trajectory_groups, train_config_from_options(options))
+        result = await self._train_model(model, trajectory_groups, train_config_from_options(options))
+        report_nothing_learned(result)
+        return result
 
     async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
                            on_event=None) -> TrainResult:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import random
 import uuid
 import warnings
@@ -38,13 +37,12 @@ from .art_options import (
     resolve_internal_config,
     train_config_from_options,
 )
+from .base import report_nothing_learned
 
 if TYPE_CHECKING:
     from ..model import Model, TrainableModel
 
 __all__ = ["RemoteBackend"]
-
-log = logging.getLogger("tempering")
 
 _RETRY_STATUS = {502, 503, 504}
 _ERRORS = {
@@ -155,7 +153,9 @@ class RemoteBackend:
 
     async def train(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
         """One RL step on the server, ART >= 0.5.18 style (options as LocalBackend.train)."""
-        return await self._train_model(model, trajectory_groups, train_config_from_options(options))
+        result = await self._train_model(model, trajectory_groups, train_config_from_options(options))
+        report_nothing_learned(result)
+        return result
 
     async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
                            on_event=None) -> TrainResult:
@@ -168,12 +168,7 @@ class RemoteBackend:
             "groups": [g.model_dump(mode="json") for g in groups],
             "config": config.model_dump(mode="json", exclude_none=True),
         })
-        result = await self._follow(job["job_id"], on_event)
-        if result.is_adapter_unchanged:  # the server logs this too, but on its own console
-            log.warning("step %d: none of the %d groups has reward spread (every reward in a group is equal), "
-                        "so there is nothing to learn from; the adapter is unchanged", result.step - 1,
-                        result.num_groups)
-        return result
+        return await self._follow(job["job_id"], on_event)
 
     async def _train_sft(self, model: TrainableModel, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
         job = await self._request("POST", f"/v1/models/{model.name}/train_sft", json={

@@ -210,8 +210,10 @@ class ModelService:
                     sequences, config, commit=commit, on_update=lambda info: emit({"type": "update", **info})
                 ).values
             else:
-                log.warning("step %d: none of the %d groups has reward spread (every reward in a group is equal), "
-                            "so there is nothing to learn from; the adapter is unchanged", data_step, num_groups)
+                # the client reports it to the user (backends.base.report_nothing_learned); the
+                # server's own log keeps a line at INFO
+                log.info("step %d: none of the %d groups has reward spread; the adapter is unchanged",
+                         data_step, num_groups)
                 metrics = {}
                 commit()
             self.step = new_step
