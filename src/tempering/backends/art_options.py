@@ -36,11 +36,14 @@ __all__ = [
     "ArtOptionWarning",
     "ModelOptions",
     "apply_train_defaults",
+    "check_backend_options",
     "compatibility_markdown",
+    "engine_config_with",
     "lora_config_from_art",
     "merge_lora",
     "resolve_internal_config",
     "train_config_from_options",
+    "update_readme",
 ]
 
 Status = Literal["mapped", "differs", "ignored", "accepted", "refused"]
@@ -362,10 +365,13 @@ def _apply_section(section: str, values: Mapping[str, Any], out: ModelOptions, i
                 raise UnknownOptionError(f"unknown option {where!r}; see the compatibility table in tempering's README")
             ignored.append(where)
         elif option.status in ("mapped", "differs") and option.to is not None:
+            if value is None:  # ART's TypedDicts allow None for "not set"
+                continue
             bucket, convert = option.to
             updates = convert(value)
-            if bucket == "model":
-                out.max_seq_len = updates["max_seq_len"]
+            if bucket == "model":  # init_args.max_seq_length and engine_args.max_model_len: the smaller wins
+                given = int(updates["max_seq_len"])
+                out.max_seq_len = given if out.max_seq_len is None else min(out.max_seq_len, given)
             else:
                 getattr(out, bucket).update(updates)
         elif option.status == "ignored":
@@ -505,3 +511,27 @@ def compatibility_markdown() -> str:
             target = f"{status}: {o.tempering}" if o.tempering else status
             lines.append(f"| `{o.name}` | {target} | {o.note} |")
     return "\n".join(lines).strip() + "\n"
+
+
+_BEGIN, _END = "<!-- art-options:begin -->\n", "<!-- art-options:end -->"
+
+
+def update_readme(path: str) -> bool:
+    """Rewrite the generated table between the markers in `path`; True if the file changed.
+
+    Raises:
+        ConfigError: if the file lacks the `<!-- art-options:begin -->` / `end` markers.
+    """
+    from pathlib import Path
+
+    readme = Path(path)
+    text = readme.read_text()
+    if _BEGIN not in text or _END not in text:
+        raise ConfigError(f"{path} lacks the {_BEGIN.strip()} ... {_END} markers")
+    head, rest = text.split(_BEGIN, 1)
+    _, tail = rest.split(_END, 1)
+    new = head + _BEGIN + compatibility_markdown() + _END + tail
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
