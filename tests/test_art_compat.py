@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import re
 import warnings
 from pathlib import Path
@@ -13,7 +14,7 @@ from openai.types.chat.chat_completion import Choice
 
 import tempering as art
 from tempering.backends import art_options
-from tempering.backends.art_options import ArtOptionWarning, resolve_internal_config, train_config_from_options
+from tempering.backends.art_mapping import ArtOptionWarning, resolve_internal_config, train_config_from_options
 from tempering.errors import ConfigError, TemperingError, UnknownOptionError, UnsupportedOptionError
 
 README = Path(__file__).parents[1] / "README.md"
@@ -56,7 +57,7 @@ def test_retry_calls_an_async_function_again_until_it_succeeds_with_growing_dela
 
     assert asyncio.run(flaky(21)) == 42
     assert seen == [("KeyError", 1), ("KeyError", 2)]
-    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
     assert gaps[0] >= 0.01 and gaps[1] >= 0.03  # delay, then delay * backoff_factor
 
 
@@ -230,7 +231,7 @@ def test_local_backend_accepts_arts_constructor_options():
 
 def test_readme_compatibility_section_is_generated_from_the_table():
     text = README.read_text()
-    match = re.search(r"<!-- art-options:begin -->\n(.*?)<!-- art-options:end -->", text, re.S)
+    match = re.search(r"<!-- art-options:begin -->\n(.*?)<!-- art-options:end -->", text, re.DOTALL)
     assert match, "README.md lacks the <!-- art-options:begin/end --> markers"
     assert match.group(1) == art_options.compatibility_markdown(), (
         "README's ART options table is out of date: run `python -c \"from tempering.backends.art_options import update_readme; update_readme('README.md')\"`")

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 import tempering as art
-from tempering.backends.art_options import ArtOptionWarning
+from tempering.backends.art_mapping import ArtOptionWarning
 
 PROBE = [{"role": "user", "content": "What is 5+6? Answer with just the number."}]
 
@@ -58,7 +58,7 @@ async def probe(model):
 
 
 def test_engine_init_and_peft_args_reach_the_served_model(registered):
-    model, backend, messages = registered
+    _, backend, messages = registered
     service = backend.hub.service("compat")
     assert (service.engine.config.max_num_seqs, service.engine.config.enable_prefix_caching) == (4, False)
     assert service.max_seq_len == 256
@@ -75,7 +75,7 @@ def test_max_seq_length_is_enforced_by_the_server(registered, loop):
 
 
 def test_a_step_without_reward_spread_says_so_once_and_leaves_the_policy_unchanged(registered, loop, caplog):
-    model, backend, _ = registered
+    model, _, _ = registered
 
     async def step():
         before = await probe(model)

@@ -11,6 +11,7 @@
 
 from . import dev, local, rewards, trajectories, utils
 from .backends import Backend, LocalBackend, RemoteBackend
+from .backends.art_mapping import ArtOptionWarning
 from .errors import (
     BackendError,
     CheckpointError,
@@ -44,6 +45,7 @@ from .utils import retry
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArtOptionWarning",
     "Backend",
     "BackendError",
     "CheckpointError",
@@ -74,8 +76,11 @@ __all__ = [
     "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "local",
     "read_sft_jsonl",
     "retry",
     "rewards",
     "train_sft_from_file",
+    "trajectories",
+    "utils",
 ]

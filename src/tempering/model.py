@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 
-from .backends.art_options import lora_config_from_art, resolve_internal_config, train_config_from_options
+from .backends.art_mapping import lora_config_from_art, resolve_internal_config, train_config_from_options
 from .backends.base import report_nothing_learned
 from .errors import BackendError, TrajectoryError
 from .progress import TrainProgress

@@ -19,7 +19,7 @@ from ..service.auth import generate_api_key
 from ..service.hub import ModelHub
 from ..service.server import ServerThread
 from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
-from .art_options import (
+from .art_mapping import (
     ModelOptions,
     apply_train_defaults,
     check_backend_options,

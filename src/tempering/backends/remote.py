@@ -29,7 +29,7 @@ from ..errors import (
     UnsupportedOptionError,
 )
 from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
-from .art_options import (
+from .art_mapping import (
     ArtOptionWarning,
     ModelOptions,
     apply_train_defaults,
