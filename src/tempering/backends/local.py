@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalBackend", "train_config_from_options"]
 
+
 class LocalBackend:
     """Inference and training in this process (CPU or one GPU).
 
