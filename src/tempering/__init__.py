@@ -9,8 +9,9 @@
     await model.train(groups, config=art.TrainConfig(learning_rate=1e-4))
 """
 
-from . import rewards
+from . import dev, local, rewards, trajectories, utils
 from .backends import Backend, LocalBackend, RemoteBackend
+from .backends.art_mapping import ArtOptionWarning
 from .errors import (
     BackendError,
     CheckpointError,
@@ -20,6 +21,8 @@ from .errors import (
     TemperingError,
     TrajectoryError,
     UnknownModelError,
+    UnknownOptionError,
+    UnsupportedOptionError,
 )
 from .gather import gather_trajectories, gather_trajectory_groups
 from .model import Model, TrainableModel
@@ -37,10 +40,12 @@ from .types import (
     Trajectory,
     TrajectoryGroup,
 )
+from .utils import retry
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArtOptionWarning",
     "Backend",
     "BackendError",
     "CheckpointError",
@@ -65,10 +70,17 @@ __all__ = [
     "TrajectoryError",
     "TrajectoryGroup",
     "UnknownModelError",
+    "UnknownOptionError",
+    "UnsupportedOptionError",
     "__version__",
+    "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "local",
     "read_sft_jsonl",
+    "retry",
     "rewards",
     "train_sft_from_file",
+    "trajectories",
+    "utils",
 ]

@@ -5,7 +5,9 @@ Every error subclasses `TemperingError` and the standard-library error it stands
 
     TemperingError
     ├── ConfigError(ValueError)            bad option or combination of options
-    │   └── UnknownModelError(LookupError) a base model or served model name that does not exist
+    │   ├── UnknownModelError(LookupError) a base model or served model name that does not exist
+    │   ├── UnknownOptionError(TypeError)  an option name that neither tempering nor ART has
+    │   └── UnsupportedOptionError         an ART option whose value tempering cannot honour
     ├── TrajectoryError(ValueError)        trajectories that cannot be trained on
     ├── CheckpointError(OSError)           a checkpoint that cannot be written or read
     ├── EngineError(RuntimeError)          the rollout engine failed or was closed
@@ -26,6 +28,8 @@ __all__ = [
     "TemperingError",
     "TrajectoryError",
     "UnknownModelError",
+    "UnknownOptionError",
+    "UnsupportedOptionError",
 ]
 
 
@@ -39,6 +43,14 @@ class ConfigError(TemperingError, ValueError):
 
 class UnknownModelError(ConfigError, LookupError):
     """A base model, or a served model name, that does not exist."""
+
+
+class UnknownOptionError(ConfigError, TypeError):
+    """An option name that neither tempering nor ART knows (a misspelling, or an option of another tool)."""
+
+
+class UnsupportedOptionError(ConfigError):
+    """An ART option that tempering cannot honour with the given value; ignoring it would change results."""
 
 
 class TrajectoryError(TemperingError, ValueError):

@@ -6,9 +6,11 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 
-from .errors import BackendError, ConfigError, TrajectoryError
+from .backends.art_mapping import lora_config_from_art, resolve_internal_config, train_config_from_options
+from .backends.base import report_nothing_learned
+from .errors import BackendError, TrajectoryError
 from .progress import TrainProgress
 from .tracking import WandbReporter, wandb_wanted
 from .types import (
@@ -162,12 +164,36 @@ class TrainableModel(Model):
         project: groups the models of one task on disk.
         base_model: "SmolLM2-135M-Instruct" (built in), a local HF model directory, a PEFT adapter
             directory to continue from, or a hub id when a hub is reachable.
-        lora_config: the adapter's LoRA hyperparameters (default rank 8, alpha 16, all linear layers).
+        lora_config: the adapter's LoRA hyperparameters (default rank 8, alpha 16, all linear layers);
+            ART's `art.dev.LoRAConfig` dict is accepted too.
+        _internal_config: ART's `art.dev.InternalModelConfig` (engine_args, init_args, peft_args,
+            trainer_args, ...), mapped to tempering's settings when the model is registered (the
+            README's compatibility table lists each option). It may also be assigned after
+            construction (`model._internal_config = ...`), as ART's notebooks do.
+
+    Raises:
+        UnsupportedOptionError: an ART option tempering cannot honour with the given value.
     """
 
     trainable: bool = True
     base_model: str
     lora_config: LoRAConfig | None = None
+
+    _internal_config: dict[str, Any] | None = PrivateAttr(default=None)
+
+    def __init__(self, **data: Any) -> None:
+        internal_config = data.pop("_internal_config", None)
+        super().__init__(**data)
+        if internal_config is not None:
+            resolve_internal_config(internal_config, warn=False)  # fail at construction, warn at register
+        self._internal_config = internal_config
+
+    @field_validator("lora_config", mode="before")
+    @classmethod
+    def _lora_from_art(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return LoRAConfig(**lora_config_from_art(value))
+        return value
 
     async def register(self, backend: Backend) -> None:
         await super().register(backend)
@@ -188,23 +214,26 @@ class TrainableModel(Model):
     ) -> TrainResult:
         """One RL step on `trajectory_groups`; when it returns, `model.name` serves the new policy.
 
-        `_config` (ART's experimental dict) may carry TrainConfig fields by name.
+        `_config` (ART's `art.dev.TrainConfig` dict) may carry ART's backend.train options or
+        TrainConfig fields by name; they override `config`.
+
+        Returns:
+            the new step, its metrics, and `num_groups_trainable` / `is_adapter_unchanged`:
+            when no group has reward spread nothing is learned, which a loop can check.
 
         Raises:
             TrajectoryError: no groups, a non-finite reward, or a trajectory with no sampled choice.
-            ConfigError: an invalid option.
+            ConfigError: an invalid option (UnknownOptionError, UnsupportedOptionError for ART's).
         """
         config = config or TrainConfig()
         if _config:
-            unknown = set(_config) - set(TrainConfig.model_fields)
-            if unknown:
-                raise ConfigError(f"_config has options tempering does not know: {sorted(unknown)}")
-            config = config.model_copy(update=_config)
+            config = train_config_from_options(_config, base=config)
         groups = list(trajectory_groups)
         backend = self._require_backend()
         step = await self.get_step()
         with TrainProgress(f"train step {step + 1}") as progress:
             result = await backend._train_model(self, groups, config, on_event=progress.on_event)
+        report_nothing_learned(result)
         self._report(result.metrics, step)
         return result
 

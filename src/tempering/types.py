@@ -418,11 +418,25 @@ class TrainSFTConfig(BaseModel):
 
 
 class TrainResult(BaseModel):
-    """What a train step returns: the new step number and the step's metrics."""
+    """What a train step returns: the new step number and the step's metrics.
+
+    `num_groups` and `num_groups_trainable` count the step's groups and those with reward
+    spread (None for SFT). A group whose rewards are all equal has no advantage and teaches
+    nothing; when no group has spread, `is_adapter_unchanged` is True: the step still counts
+    (and saves a checkpoint) but the policy is the same, so a loop can react (e.g. change the
+    reward or sample more).
+    """
 
     step: int
     metrics: dict[str, float] = Field(default_factory=dict)
     checkpoint_path: str | None = None
+    num_groups: int | None = None
+    num_groups_trainable: int | None = None
+
+    @property
+    def is_adapter_unchanged(self) -> bool:
+        """True for an RL step in which no group had reward spread (nothing was learned)."""
+        return self.num_groups_trainable == 0
 
 
 def summarize_groups(groups: Iterable[TrajectoryGroup], *, split: str) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..types import TrainConfig, TrainResult, TrajectoryGroup
@@ -9,7 +10,21 @@ from ..types import TrainConfig, TrainResult, TrajectoryGroup
 if TYPE_CHECKING:
     from ..model import Model, TrainableModel
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "report_nothing_learned"]
+
+log = logging.getLogger("tempering")
+
+
+def report_nothing_learned(result: TrainResult) -> None:
+    """Log (once, as a warning) that an RL step had no group with reward spread.
+
+    Called by the public train entry points (`model.train`, `backend.train`) after their
+    progress bar is closed, so the line stands on its own.
+    """
+    if result.is_adapter_unchanged:
+        log.warning("step %d: none of the %d groups has reward spread (every reward in a group is equal), so "
+                    "there is nothing to learn from; the adapter is unchanged (TrainResult.is_adapter_unchanged)",
+                    result.step - 1, result.num_groups)
 
 
 @runtime_checkable

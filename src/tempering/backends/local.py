@@ -19,31 +19,21 @@ from ..service.auth import generate_api_key
 from ..service.hub import ModelHub
 from ..service.server import ServerThread
 from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
+from .art_mapping import (
+    ModelOptions,
+    apply_train_defaults,
+    check_backend_options,
+    engine_config_with,
+    merge_lora,
+    resolve_internal_config,
+    train_config_from_options,
+)
+from .base import report_nothing_learned
 
 if TYPE_CHECKING:
     from ..model import Model, TrainableModel
 
-__all__ = ["LocalBackend"]
-
-# ART's backend.train options that tempering accepts only at ART's default (no effect yet).
-_ART_NOOP_OPTIONS: dict[str, Any] = {
-    "allow_training_without_logprobs": False,
-    "plot_tensors": False,
-    "scale_learning_rate_by_reward_std_dev": False,
-    "packed_sequence_length": None,
-    "advantage_balance": 0.0,
-    "kimi_k2_tau": None,
-    "precalculate_logprobs": False,
-    "max_negative_advantage_importance_sampling_weight": None,
-    "num_trajectories_learning_rate_multiplier_power": 0.0,
-    "kl_penalty_reference_step": None,
-    "kl_ref_adapter_path": None,
-    "kl_penalty_source": "current_learner",
-    "loss_fn_config": None,
-    "adam_params": None,
-    "megatron_topology": None,
-}
-_ART_IGNORED_OPTIONS = {"verbose"}
+__all__ = ["LocalBackend", "train_config_from_options"]
 
 
 class LocalBackend:
@@ -55,8 +45,13 @@ class LocalBackend:
         host, port: where the OpenAI-compatible server listens (default 127.0.0.1 and a free port).
         api_key: the server's key (default: a random one per backend).
         max_batch_size: most sequences the engine decodes together.
-        engine_config: the engine's batching and KV-cache settings (overrides max_batch_size).
-        in_process: accepted for ART compatibility; tempering always runs in process.
+        engine_config: the engine's batching and KV-cache settings (overrides max_batch_size);
+            a model's `_internal_config` engine_args override it for that model.
+        in_process, gpu_cost_per_hour_usd, enable_expert_replay: ART's options, accepted for
+            compatibility (see the compatibility table in the README).
+
+    Raises:
+        UnknownOptionError: an option ART's LocalBackend does not have either.
     """
 
     def __init__(
@@ -70,7 +65,14 @@ class LocalBackend:
         max_batch_size: int = 256,
         engine_config: EngineConfig | None = None,
         in_process: bool = True,
+        gpu_cost_per_hour_usd: float | None = None,
+        enable_expert_replay: bool = True,
     ) -> None:
+        art_options = {"gpu_cost_per_hour_usd": gpu_cost_per_hour_usd} if gpu_cost_per_hour_usd is not None else {}
+        if not enable_expert_replay:
+            art_options["enable_expert_replay"] = enable_expert_replay
+        check_backend_options(art_options)
+        self._model_options: dict[str, ModelOptions] = {}
         self.path = Path(path) if path is not None else Path(".tempering")
         self.hub = ModelHub(self.path, device=device, engine_config=engine_config or EngineConfig(max_num_seqs=max_batch_size))
         self._host, self._port = host, port
@@ -123,13 +125,18 @@ class LocalBackend:
         """
         self._check_open()
         trainable = getattr(model, "trainable", False)
+        options = resolve_internal_config(getattr(model, "_internal_config", None))
+        lora = merge_lora(getattr(model, "lora_config", None), options)
+        self._model_options[model.name] = options
         await asyncio.to_thread(
             self.hub.register,
             name=model.name,
             project=model.project,
             model_json=model.model_dump(mode="json"),
             base_model=model.base_model if trainable else None,
-            lora=getattr(model, "lora_config", None),
+            lora=lora,
+            engine_config=engine_config_with(self.hub.engine_config, options.engine),
+            max_seq_len=options.max_seq_len,
         )
         if trainable:
             await asyncio.to_thread(self._ensure_server)
@@ -166,14 +173,21 @@ class LocalBackend:
         `loss_fn` ("ppo", "cispo", "gspo"), `epsilon`, `epsilon_high`, `kl_penalty_coef`,
         `truncated_importance_sampling`, `importance_sampling_level` ("sequence" is GSPO),
         `mask_prob_ratio`, `logprob_calculation_chunk_size`, `save_checkpoint`. ART options
-        tempering does not implement are accepted at their default value and raise ConfigError
-        otherwise.
+        tempering does not implement are accepted at their default value (README, "API
+        compatibility with ART").
+
+        Raises:
+            UnknownOptionError: an option neither TrainConfig nor ART's backend.train has.
+            UnsupportedOptionError: an ART option at a value tempering cannot honour.
         """
-        return await self._train_model(model, trajectory_groups, train_config_from_options(options))
+        result = await self._train_model(model, trajectory_groups, train_config_from_options(options))
+        report_nothing_learned(result)
+        return result
 
     async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
                            on_event=None) -> TrainResult:
         self._check_open()
+        config = apply_train_defaults(config, self._model_options.get(model.name, ModelOptions()).train)
         groups = list(trajectory_groups)
         if any(getattr(g, "is_pending", False) for g in groups):
             raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
@@ -218,38 +232,3 @@ class LocalBackend:
         if not steps:
             raise ConfigError(f"{project}/{from_model} has no checkpoint to fork (not after step {not_after_step})")
         return await self.fork_checkpoint(model, from_project=project, from_model=from_model, step=max(steps))
-
-
-def train_config_from_options(options: dict[str, Any]) -> TrainConfig:
-    """A TrainConfig from ART >= 0.5.18 `backend.train` keyword options (see LocalBackend.train)."""
-    fields: dict[str, Any] = {}
-    mask_ratio = False
-    for key, value in options.items():
-        if key in _ART_IGNORED_OPTIONS:
-            continue
-        if key in _ART_NOOP_OPTIONS:
-            if value != _ART_NOOP_OPTIONS[key]:
-                raise ConfigError(f"backend.train({key}={value!r}) is not supported by tempering yet; leave it out")
-            continue
-        if key == "scale_rewards":
-            fields["normalize_advantages"] = fields.get("normalize_advantages", True) and bool(value)
-            continue
-        if key == "importance_sampling_level":  # ART: "token" or "sequence" (GSPO)
-            if value == "sequence":
-                fields["loss_fn"] = "gspo"
-            elif value != "token":
-                raise ConfigError(f"importance_sampling_level={value!r} is not supported; use 'token' or 'sequence'")
-            continue
-        if key == "logprob_calculation_chunk_size":
-            fields["logprob_chunk_size"] = value
-            continue
-        if key == "mask_prob_ratio":  # ART: drop tokens whose ratio leaves the clip range
-            mask_ratio = bool(value)
-            continue
-        if key not in TrainConfig.model_fields:
-            raise TypeError(f"backend.train() got an unexpected option {key!r}")
-        fields[key] = value
-    config = TrainConfig(**fields)
-    if mask_ratio:
-        config = config.model_copy(update={"importance_ratio_mask": (1 - config.clip_low, 1 + config.clip_high)})
-    return config

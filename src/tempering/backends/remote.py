@@ -13,12 +13,31 @@ import asyncio
 import json
 import random
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ..errors import BackendError, CheckpointError, ConfigError, TemperingError, TrajectoryError, UnknownModelError
+from ..errors import (
+    BackendError,
+    CheckpointError,
+    ConfigError,
+    TemperingError,
+    TrajectoryError,
+    UnknownModelError,
+    UnknownOptionError,
+    UnsupportedOptionError,
+)
 from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
+from .art_mapping import (
+    ArtOptionWarning,
+    ModelOptions,
+    apply_train_defaults,
+    merge_lora,
+    resolve_internal_config,
+    train_config_from_options,
+)
+from .base import report_nothing_learned
 
 if TYPE_CHECKING:
     from ..model import Model, TrainableModel
@@ -30,6 +49,8 @@ _ERRORS = {
     "TrajectoryError": TrajectoryError,
     "ConfigError": ConfigError,
     "UnknownModelError": UnknownModelError,
+    "UnknownOptionError": UnknownOptionError,
+    "UnsupportedOptionError": UnsupportedOptionError,
     "CheckpointError": CheckpointError,
     "ValidationError": ConfigError,
 }
@@ -65,6 +86,7 @@ class RemoteBackend:
             transport=transport,
         )
         self._closed = False
+        self._model_options: dict[str, ModelOptions] = {}
 
     async def __aenter__(self) -> RemoteBackend:
         return self
@@ -98,8 +120,20 @@ class RemoteBackend:
     # ---- the Backend interface ----------------------------------------------------------------
 
     async def register(self, model: Model) -> None:
+        """Register `model` on the server (which loads it, or resumes it from its checkpoints).
+
+        Of a model's ART `_internal_config`, the LoRA settings (`peft_args`) and the step
+        defaults (`trainer_args`) apply; engine settings are the server's (`tempering serve`), so
+        `engine_args`/`init_args` options are ignored here with a warning.
+        """
         trainable = getattr(model, "trainable", False)
-        lora = getattr(model, "lora_config", None)
+        options = resolve_internal_config(getattr(model, "_internal_config", None))
+        if options.engine or options.max_seq_len is not None:
+            warnings.warn("RemoteBackend: the server's engine settings apply; the engine_args/init_args of "
+                          f"{model.name!r} (engine {sorted(options.engine)}, max_seq_len {options.max_seq_len}) "
+                          "are ignored", ArtOptionWarning, stacklevel=2)
+        self._model_options[model.name] = options
+        lora = merge_lora(getattr(model, "lora_config", None), options)
         await self._request("POST", "/v1/register", json={
             "name": model.name,
             "project": model.project,
@@ -119,12 +153,13 @@ class RemoteBackend:
 
     async def train(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
         """One RL step on the server, ART >= 0.5.18 style (options as LocalBackend.train)."""
-        from .local import train_config_from_options
-
-        return await self._train_model(model, trajectory_groups, train_config_from_options(options))
+        result = await self._train_model(model, trajectory_groups, train_config_from_options(options))
+        report_nothing_learned(result)
+        return result
 
     async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
                            on_event=None) -> TrainResult:
+        config = apply_train_defaults(config, self._model_options.get(model.name, ModelOptions()).train)
         groups = list(trajectory_groups)
         if any(getattr(g, "is_pending", False) for g in groups):
             raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")

@@ -58,8 +58,12 @@ class ModelHub:
         return ModelPaths(self.root, project, name)
 
     def register(self, *, name: str, project: str, model_json: dict[str, Any], base_model: str | None = None,
-                 lora: LoRAConfig | None = None) -> int:
+                 lora: LoRAConfig | None = None, engine_config: EngineConfig | None = None,
+                 max_seq_len: int | None = None) -> int:
         """Record the model and, when `base_model` is given (a trainable model), load its service.
+
+        `engine_config` (default: the hub's) and `max_seq_len` (default: the model's context
+        length) apply to this model only, when its service is created.
 
         Returns:
             the model's latest step.
@@ -80,7 +84,8 @@ class ModelHub:
             return 0
         service = self.registry.get(name)
         if service is None:
-            service = ModelService(paths, base_model, lora=lora, device=self.device, engine_config=self.engine_config)
+            service = ModelService(paths, base_model, lora=lora, device=self.device,
+                                   engine_config=engine_config or self.engine_config, max_seq_len=max_seq_len)
             self.registry.add(name, service)
         return service.step
 

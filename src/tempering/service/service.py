@@ -57,6 +57,8 @@ class ModelService:
         dtype: defaults to bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs).
         max_batch_size: most samples the engine decodes together.
         engine_config: batching and KV-cache settings of the engine.
+        max_seq_len: longest sequence (prompt + completion) served and trained, in tokens;
+            default and upper bound: the model's context length.
 
     Raises:
         UnknownModelError: if `base_model` cannot be resolved.
@@ -73,9 +75,12 @@ class ModelService:
         max_batch_size: int = 256,
         engine_config: EngineConfig | None = None,
         cache_dir: Path | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if max_seq_len is not None and max_seq_len < 2:
+            raise ConfigError(f"max_seq_len must be at least 2 tokens, got {max_seq_len}")
         self.paths = paths
         self.base_model = base_model
         self.lora = lora or LoRAConfig()
@@ -86,6 +91,8 @@ class ModelService:
         self.model = AutoModelForCausalLM.from_pretrained(resolved.model_ref, dtype=self.dtype).to(self.device)
         self.model.requires_grad_(False)
         self.max_seq_len = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
+        if max_seq_len is not None:
+            self.max_seq_len = min(self.max_seq_len, int(max_seq_len))
         stop_ids = self.model.generation_config.eos_token_id
         stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or [])
         self.renderer = ChatRenderer(self.tokenizer, stop_token_ids=stop_ids)
@@ -203,7 +210,10 @@ class ModelService:
                     sequences, config, commit=commit, on_update=lambda info: emit({"type": "update", **info})
                 ).values
             else:
-                log.warning("step %d: no group has reward spread; the adapter is unchanged", data_step)
+                # the client reports it to the user (backends.base.report_nothing_learned); the
+                # server's own log keeps a line at INFO
+                log.info("step %d: none of the %d groups has reward spread; the adapter is unchanged",
+                         data_step, num_groups)
                 metrics = {}
                 commit()
             self.step = new_step
@@ -222,6 +232,8 @@ class ModelService:
             step=new_step,
             metrics={k: float(v) for k, v in row.items() if isinstance(v, int | float) and k != "step"},
             checkpoint_path=str(checkpoint) if config.save_checkpoint else None,
+            num_groups=num_groups,
+            num_groups_trainable=num_trainable,
         )
 
     def train_sft(self, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:

@@ -1,0 +1,36 @@
+"""ART's `art.dev` option dicts, accepted by tempering and mapped to its own settings.
+
+`TrainableModel(_internal_config=art.dev.InternalModelConfig(engine_args=art.dev.EngineArgs(...),
+init_args=art.dev.InitArgs(...), peft_args=art.dev.PeftArgs(...), trainer_args=...))` and
+`model.train(..., _config=art.dev.TrainConfig(...))` run unchanged. These are TypedDicts: plain
+dicts at run time, whose keys ART documents for its vLLM/Unsloth/TRL internals. What tempering
+does with each key (mapped, ignored with a warning, or refused with an error naming the fix) is
+the table `tempering.backends.art_options.ART_OPTIONS`, rendered in the README.
+"""
+
+from .engine import EngineArgs
+from .model import (
+    InitArgs,
+    InternalModelConfig,
+    LoRAConfig,
+    PeftArgs,
+    TinkerArgs,
+    TinkerNativeArgs,
+    TinkerTrainingClientArgs,
+    TrainerArgs,
+)
+from .train import TrainConfig, TrainSFTConfig
+
+__all__ = [
+    "EngineArgs",
+    "InitArgs",
+    "InternalModelConfig",
+    "LoRAConfig",
+    "PeftArgs",
+    "TinkerArgs",
+    "TinkerNativeArgs",
+    "TinkerTrainingClientArgs",
+    "TrainConfig",
+    "TrainSFTConfig",
+    "TrainerArgs",
+]
