@@ -264,3 +264,24 @@ def test_forced_token_flags_reach_the_trainer_and_can_be_left_out_of_the_loss(se
     dropped = run(served, backend.train(model, [group], learning_rate=1e-6, save_checkpoint=False, exclude_forced_tokens=True))
     num_forced = sum(sum(t.messages_and_choices[1].grammar_forced) for t in trajectories)
     assert kept.metrics["data/step_completion_tokens"] - dropped.metrics["data/step_completion_tokens"] == num_forced
+
+
+def test_guided_completion_params_make_the_student_repeat_the_teachers_text_and_tool_call(served):
+    from tempering.guided_completion import get_guided_completion_params
+
+    messages = [{"role": "user", "content": "What's the weather like in Paris?"}]
+    teacher_call = chat(served, messages=messages, tools=[WEATHER, TIME], max_tokens=40, temperature=1.0, seed=14,
+                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice, tool_choice, tools = get_guided_completion_params(teacher_call, base_tools=[WEATHER, TIME])
+    assert choice is None and tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    student = chat(served, messages=messages, tools=tools, tool_choice=tool_choice, max_tokens=40, temperature=1.0, seed=15)
+    [call] = student.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == json.loads(teacher_call.choices[0].message.tool_calls[0].function.arguments)
+
+    teacher_text = chat(served, messages=messages, max_tokens=24, temperature=1.0, seed=16)
+    choice, tool_choice, tools = get_guided_completion_params(teacher_text)
+    assert tool_choice is None and tools is None
+    student = chat(served, messages=messages, extra_body={"guided_choice": choice}, max_tokens=64, temperature=1.0, seed=17)
+    assert student.choices[0].message.content == teacher_text.choices[0].message.content
+    with pytest.raises(ValueError, match="base_tools"):
+        get_guided_completion_params(teacher_call)
