@@ -107,7 +107,8 @@ class GrammarCompiler:
     150k vocabulary), so servers that never constrain pay nothing.
 
     Args:
-        tokenizer: a Hugging Face *fast* tokenizer.
+        tokenizer: a Hugging Face *fast* tokenizer, or an `llguidance.LLTokenizer` built some
+            other way (e.g. from a tiktoken vocabulary, for benchmarks of models without one).
         stop_token_ids: ids that end a sample; once the grammar is complete these are the only
             allowed tokens.
         vocab_size: V, the width of the model's logits (it may exceed `len(tokenizer)`; ids
@@ -171,6 +172,9 @@ class GrammarCompiler:
     def _ensure_tokenizer(self) -> Any:
         llg = import_llguidance()
         with self._lock:
+            if self._lltokenizer is None and isinstance(self.hf_tokenizer, llg.LLTokenizer):
+                self._lltokenizer = self.hf_tokenizer
+                self._executor = llg.LLExecutor()
             if self._lltokenizer is None:
                 try:
                     self._lltokenizer = llg.hf.from_tokenizer(
