@@ -84,9 +84,10 @@ def test_forced_is_true_exactly_where_one_token_is_allowed_and_the_sampler_draws
         mask = GrammarMask.fill([matcher], torch.device("cpu"))
         out = sample(logits, sampling_tensors([params], [7], [step]), mask)
         token = out.token_ids.item()
+        allowed = torch.isfinite(mask.apply(torch.log_softmax(logits, -1)))[0]
+        assert allowed[token]
         forced.append(mask.forced()[0])
-        if forced[-1]:
-            assert mask.num_allowed.item() == 1
+        assert forced[-1] == (allowed.sum().item() == 1)
         assert out.logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, token].item(), abs=1e-5)  # unmasked
         if token in compiler.stop_token_ids:
             break
