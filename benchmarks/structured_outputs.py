@@ -71,7 +71,7 @@ def vocabularies(args):
     import llguidance
     import llguidance.hf
 
-    from benchmarks_rollout import load_cpu_model
+    from rollout import load_cpu_model
 
     _, hf = load_cpu_model()
     out = []
@@ -206,7 +206,7 @@ def run_libs(args) -> dict:
 
 
 def run_engine(args) -> dict:
-    from benchmarks_rollout import build_gpu_model, load_cpu_model, machine, prompts_for, sync
+    from rollout import build_gpu_model, load_cpu_model, machine, prompts_for, sync
 
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -285,10 +285,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("benchmarks_rollout", Path(__file__).with_name("rollout.py"))
-    sys.modules["benchmarks_rollout"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules["benchmarks_rollout"])
-    main()
+    main()  # run as a script, this folder is on sys.path: rollout.py's helpers import as `rollout`

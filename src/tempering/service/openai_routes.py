@@ -19,13 +19,13 @@ Structured outputs (service/structured.py): `response_format`, vLLM's `guided_*`
 `structured_outputs`, and "required"/named tool calls constrain sampling with a grammar. Such a
 choice also carries `grammar_forced`: per sampled token, whether the grammar allowed only that
 token (training can leave those out of the loss). `/v1/models` lists `structured_outputs: true`
-when the server can constrain (llguidance is installed).
+when the server can constrain (llguidance is installed); without it, constrained requests get a
+400 naming the extra, and "required"/named tool calls are started but not held to the schema.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 import uuid
 from typing import Any
@@ -35,7 +35,7 @@ from fastapi.responses import StreamingResponse
 
 from ..chat.tools import TOOL_CALL_END, forced_prefix, parse_tool_calls
 from ..engine import Completion, SamplingParams
-from ..engine.grammar import CompiledGrammar, GrammarSpec
+from ..engine.grammar import CompiledGrammar, GrammarSpec, llguidance_installed
 from ..errors import ConfigError
 from .chat_stream import StreamState, sse_chat_stream
 from .registry import ServiceRegistry
@@ -51,7 +51,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         created = int(time.time())
-        structured = importlib.util.find_spec("llguidance") is not None
+        structured = llguidance_installed()
         return {
             "object": "list",
             "data": [{"id": n, "object": "model", "created": created, "owned_by": "tempering", "structured_outputs": structured}
@@ -67,7 +67,8 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         prefix = forced_prefix(body.tool_choice) if tools else None
         allowed = {t["function"]["name"] for t in tools} if tools else None
         spec = request_spec(body)
-        call_spec = tool_call_spec(tools, body.tool_choice) if tools else None
+        # without the grammar library a forced call is only started (the prefix), not held to the schema
+        call_spec = tool_call_spec(tools, body.tool_choice) if tools and llguidance_installed() else None
         if spec is not None and call_spec is not None:
             raise ConfigError("tool_choice forces a tool call, whose arguments follow the tool's schema; "
                               "drop response_format/guided_*/structured_outputs, or use tool_choice 'auto'")

@@ -5,7 +5,7 @@
 and `advance` (mask.py describes the order).
 """
 
-from .compiler import CompiledGrammar, GrammarCompiler, GrammarMatcher, import_llguidance
+from .compiler import CompiledGrammar, GrammarCompiler, GrammarMatcher, import_llguidance, llguidance_installed
 from .mask import GrammarMask, advance
 from .spec import GrammarSpec
 
@@ -17,4 +17,5 @@ __all__ = [
     "GrammarSpec",
     "advance",
     "import_llguidance",
+    "llguidance_installed",
 ]

@@ -13,6 +13,7 @@ override that. Object properties come in the schema's order.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import logging
 import threading
@@ -21,7 +22,7 @@ from typing import Any
 from ...errors import ConfigError, MissingDependencyError
 from .spec import GrammarSpec
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher"]
+__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "import_llguidance", "llguidance_installed"]
 
 log = logging.getLogger("tempering")
 
@@ -34,6 +35,11 @@ _HINTS = {
     "choice": "send plain strings",
     "grammar": "fix the grammar (Lark syntax, or GBNF as llama.cpp writes it)",
 }
+
+
+def llguidance_installed() -> bool:
+    """Whether the grammar library is installed (the `structured` extra), without importing it."""
+    return importlib.util.find_spec("llguidance") is not None
 
 
 def import_llguidance() -> Any:
