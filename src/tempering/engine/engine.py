@@ -30,6 +30,7 @@ from typing import Any
 from ..errors import EngineError
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .grammar import advance as advance_grammars
 from .lora import EngineAdapter, collect_adapter
 from .memory import release_free_memory
 from .model_runner import ModelRunner
@@ -231,10 +232,14 @@ class Engine:
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._process(self.runner.collect(previous))
+        if launched is not None and launched.deferred is not None:  # grammar rows: their matchers now hold previous's tokens
+            self.runner.sample_deferred(launched)
 
     def _process(self, sampled: SampledTokens) -> None:
         """Fill in a collected step's tokens; finish the samples that end with them."""
         tops = sampled.top
+        advance_grammars([(seq.grammar, token_id) for seq, token_id in zip(sampled.seqs, sampled.token_ids)
+                          if seq.grammar is not None and not seq.is_finished])
         for j, seq in enumerate(sampled.seqs):
             if seq.is_finished:  # ended at an earlier token; this one was computed for nothing
                 continue
@@ -244,6 +249,8 @@ class Engine:
             seq.num_pending -= 1
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
+            if seq.grammar is not None:
+                seq.forced.append(sampled.forced[j])
             seq.finish_reason = finish_reason_at(seq.token_ids, index, index + 1 - seq.num_prompt_tokens,
                                                  seq.request.params, seq.max_tokens, self._stop_ids, self.tokenizer)
             if seq.request.on_token is not None:
@@ -261,7 +268,8 @@ class Engine:
             return
         del self._pending[id(request)]
         completions = [
-            completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params, self.tokenizer)
+            completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params, self.tokenizer,
+                          forced=s.forced if s.grammar is not None else None)
             for s in seqs
         ]
         request.future.set_result(completions)
