@@ -16,8 +16,8 @@ Vocabularies: SmolLM2's (49,152, the default model's tokenizer) and Qwen's (151,
 padded to the model's 151,936 logits), read from the `qwen.tiktoken` file that the PyPI package
 `dashscope` ships (`pip download --no-deps dashscope` and unzip `dashscope/resources/qwen.tiktoken`).
 
-`engine` runs the rollout engine on the default model (CPU, fp32; rollout.py's prompts, 8 × n=4,
-64 new tokens) twice in one process: free sampling (EOS ignored) and every sample under
+`engine` runs the rollout engine on the default model (CPU, fp32; rollout.py's workload R: 8 chat
+prompts × n=4, 64 new tokens, base weights) in one process: free sampling (EOS ignored) and every sample under
 `judge_schema(32)`, which cannot complete within 64 tokens, so both runs generate exactly the
 same number of tokens. The ratio is the cost of structured outputs (mask fill, apply, advance).
 With `--device cuda` it uses rollout.py's random Qwen2.5-1.5B-shaped model (32 × n=8, 256 new
@@ -206,12 +206,11 @@ def run_libs(args) -> dict:
 
 
 def run_engine(args) -> dict:
-    from rollout import build_gpu_model, load_cpu_model, machine, prompts_for, sync
+    from rollout import CPU_WORKLOADS, GPU_WORKLOADS, build_gpu_model, load_cpu_model, machine, make_prompts, sync
 
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    args.num_prompts, args.n = (32, 8) if gpu else (8, 4)
-    args.max_new_tokens = 256 if gpu else 64
+    work = (GPU_WORKLOADS if gpu else CPU_WORKLOADS)["R"]  # base weights (rollout.py also runs it with a live LoRA)
     if gpu:
         import llguidance
 
@@ -224,7 +223,7 @@ def run_engine(args) -> dict:
     else:
         model, tokenizer = load_cpu_model()
         stop, decode_tok = [tokenizer.eos_token_id], tokenizer
-    prompts = prompts_for(args, None if gpu else tokenizer, model.config.vocab_size, device.type)
+    prompts = make_prompts(work["num_prompts"], None if gpu else tokenizer, model.config.vocab_size, seed=0)
     engine = Engine(engine_model_for(model, 4096), decode_tok, stop_token_ids=stop, lock=threading.RLock(),
                     config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, cpu_kv_cache_bytes=1 << 30),
                     max_seq_len=4096)
@@ -232,20 +231,20 @@ def run_engine(args) -> dict:
     start = time.perf_counter()
     grammar = compiler.compile(GrammarSpec.json_schema(judge_schema(32)))
     first_compile_s = time.perf_counter() - start
-    free = SamplingParams(max_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=args.max_new_tokens, temperature=1.0, grammar=grammar)
+    free = SamplingParams(max_tokens=work["max_new"], temperature=1.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=work["max_new"], temperature=1.0, grammar=grammar)
 
     def timed(params) -> float:
         warm = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, grammar=params.grammar)
-        for f in [engine.submit(p, warm, n=args.n, policy=BasePolicy()) for p in prompts]:
+        for f in [engine.submit(p, warm, n=work["n"], policy=BasePolicy()) for p in prompts]:
             f.result()
         engine.blocks.forget_cached()
         sync(device)
         start = time.perf_counter()
-        results = [f.result() for f in [engine.submit(p, params, n=args.n, policy=BasePolicy()) for p in prompts]]
+        results = [f.result() for f in [engine.submit(p, params, n=work["n"], policy=BasePolicy()) for p in prompts]]
         sync(device)
         elapsed = time.perf_counter() - start
-        assert all(len(c.token_ids) == args.max_new_tokens for r in results for c in r)
+        assert all(len(c.token_ids) == work["max_new"] for r in results for c in r)
         return elapsed
 
     free_s, constrained_s = [], []
@@ -253,10 +252,10 @@ def run_engine(args) -> dict:
         free_s.append(timed(free))
         constrained_s.append(timed(constrained))
     engine.close()
-    num_tokens = args.num_prompts * args.n * args.max_new_tokens
+    num_tokens = work["num_prompts"] * work["n"] * work["max_new"]
     return {
         "benchmark": "structured_outputs_engine", "device": args.device, "machine": machine(device),
-        "workload": f"{args.num_prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens, schema ruler.judge_schema(32)",
+        "workload": f"R: {work['num_prompts']} prompts x n={work['n']}, {work['max_new']} new tokens, schema ruler.judge_schema(32)",
         "first_compile_s": round(first_compile_s, 2),
         "free_tok_per_s": round(num_tokens / min(free_s), 1),
         "json_schema_tok_per_s": round(num_tokens / min(constrained_s), 1),
@@ -279,7 +278,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3, help="engine: interleaved timed runs of each")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--prompt-len", type=int, default=128, help="GPU: random prompt length")
     args = parser.parse_args()
     print(json.dumps(run_libs(args) if args.what == "libs" else run_engine(args)))
 
