@@ -60,7 +60,7 @@ def qwen_ranks(path: Path) -> dict[bytes, int]:
 def answer(num: int, seed: int) -> str:
     """A valid answer to judge_schema(num), compact JSON."""
     r = random.Random(seed)
-    words = "the agent reached its goal quickly but wasted two steps on a wrong tool call then recovered".split()
+    words = ["the", "agent", "reached", "its", "goal", "quickly", "but", "wasted", "two", "steps", "on", "a", "wrong", "tool", "call", "then", "recovered"]
     return json.dumps({"scores": [
         {"trajectory_id": str(i + 1), "explanation": " ".join(r.choice(words) for _ in range(r.randint(5, 25))).capitalize() + ".",
          "score": round(r.random(), 2)} for i in range(num)]})
@@ -70,7 +70,6 @@ def vocabularies(args):
     """(name, vocab size, stop ids, llguidance tokenizer, xgrammar TokenizerInfo or None, encode)."""
     import llguidance
     import llguidance.hf
-
     from rollout import load_cpu_model
 
     _, hf = load_cpu_model()

@@ -174,8 +174,8 @@ def test_a_constrained_and_a_free_request_share_the_engine_steps(served):
     model, backend, _ = served
     client = model.openai_client()
     engine = backend._registry.get(model.name).engine
-    free = dict(model=model.name, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=40,
-                temperature=1.0, seed=9, extra_body={"ignore_eos": True})
+    free = {"model": model.name, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40,
+            "temperature": 1.0, "seed": 9, "extra_body": {"ignore_eos": True}}
 
     async def together():
         return await asyncio.gather(

@@ -8,7 +8,9 @@ Steps are pipelined one deep: the worker schedules and launches step t+1 before 
 tokens of step t, so on a GPU the host work of a step (scheduling, building inputs, reading
 tokens back, stop checks) runs while the device computes. A sequence whose token is still being
 sampled holds a `PENDING` placeholder, which the next step reads on the device; a sample that
-turns out to have ended (a stop token) drops the one extra token computed for it.
+turns out to have ended (a stop token) drops the one extra token computed for it. A step with
+rows under a grammar (structured outputs) is launched up to its logits and sampled after step t
+was collected and its tokens advanced the grammars' matchers (their bitmasks need them).
 
 Launching a step holds `lock`, which the trainer takes while it changes weights; a launch sees
 either the old weights or the new ones, and the device runs the work in launch order. A sequence

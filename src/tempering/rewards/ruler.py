@@ -114,9 +114,11 @@ async def serves_structured_outputs(client: Any) -> bool:
     models = getattr(client, "models", None)
     if models is None:
         return False
+    from openai import OpenAIError
+
     try:
         page = await models.list()
-    except Exception:  # not an OpenAI-compatible models route: treat as an external judge
+    except (OpenAIError, AttributeError, TypeError):  # no OpenAI-compatible models route: an external judge
         return False
     return any(getattr(m, "owned_by", None) == "tempering" and getattr(m, "structured_outputs", False) is True
                for m in getattr(page, "data", []))

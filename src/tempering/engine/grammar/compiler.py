@@ -50,7 +50,7 @@ def import_llguidance() -> Any:
     """
     try:
         import llguidance
-        import llguidance.hf  # noqa: F401  (the Hugging Face tokenizer bridge)
+        import llguidance.hf  # the Hugging Face tokenizer bridge
     except ImportError:
         raise MissingDependencyError(
             "structured outputs (response_format, guided_json/regex/choice/grammar, forced tool calls) need "
