@@ -322,6 +322,11 @@ class TrainConfig(BaseModel):
     multiplies each token's loss by min(ratio, C) (detached; TIS, Yao et al. 2025);
     `importance_ratio_mask=(low, high)` drops tokens whose ratio falls outside the band (as
     IcePop/TRL's masking). The ratio statistics are logged every step.
+
+    Structured outputs: `exclude_forced_tokens=True` leaves out of the loss the tokens a grammar
+    forced (it allowed only that token; `choice.grammar_forced`). The model made no decision
+    there. Keep the default (False) to train on them too, e.g. when a guided choice forces a
+    teacher's answer on the student (ART's `guided_completion`), where they are the whole signal.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -345,6 +350,8 @@ class TrainConfig(BaseModel):
     beta: float | None = Field(default=None, ge=0, description="ART <= 0.4 name of kl_penalty_coef")
     truncated_importance_sampling: float | None = Field(default=None, gt=0)
     importance_ratio_mask: tuple[float, float] | None = None
+    exclude_forced_tokens: bool = Field(
+        default=False, description="leave tokens a grammar forced (structured outputs: the only allowed token) out of the loss")
     gradient_checkpointing: bool = True
     cuda_graphs: bool = Field(default=True, description="on a GPU, replay each row's forward/backward from a CUDA graph")
     logprob_chunk_size: int = Field(default=1024, ge=16)

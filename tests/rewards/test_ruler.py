@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import pytest
 
 import tempering as art
 from tempering.rewards import RulerError, ruler, ruler_score_group
-from tempering.rewards.ruler import judge_prompt, parse_scores
+from tempering.rewards.ruler import judge_prompt, parse_scores, serves_structured_outputs
 
 
 def traj(answer, reward):
@@ -71,6 +72,7 @@ def test_a_bad_answer_is_retried_once_with_the_problem_named_then_fails_clearly(
     result = asyncio.run(ruler([traj("4", 0).messages(), traj("5", 0).messages()], judge_model="j", client=judge))
     assert [s.score for s in result] == [0.2, 0.8]
     assert "could not be used" in judge.requests[1]["messages"][-1]["content"]
+    assert "response_format" not in judge.requests[0]  # not a tempering server: the prompt alone
     judge = ScriptedJudge(scores(0.5), scores(2.0, 0.1))
     with pytest.raises(RulerError, match="outside"):
         asyncio.run(ruler([traj("4", 0).messages(), traj("5", 0).messages()], judge_model="j", client=judge))
@@ -102,14 +104,24 @@ def test_ruler_score_group_keeps_the_independent_reward_and_works_as_after_each(
     assert asyncio.run(ruler_score_group(group, "judge", client=ScriptedJudge("?", "??"), swallow_exceptions=True)) is None
 
 
-def test_a_judge_served_by_tempering_gets_the_prompt_and_its_answer_is_checked(tmp_path, default_model_dir):
+def test_a_judge_served_by_tempering_gets_the_prompt_its_answer_is_checked_and_the_schema_makes_it_score(
+        tmp_path, default_model_dir):
+    has_grammar = importlib.util.find_spec("llguidance") is not None
+
     async def main():
         async with art.LocalBackend(path=tmp_path) as backend:
             judge = art.TrainableModel(name="judge", project="tests", base_model="SmolLM2-135M-Instruct")
             await judge.register(backend)
             group = art.TrajectoryGroup([traj("4", 1.0), traj("22", 0.0), traj("four", 1.0)])
+            assert await serves_structured_outputs(judge.openai_client()) == has_grammar
+            assert not await serves_structured_outputs(ScriptedJudge())
+            if has_grammar:  # held to the answer's schema (detected), even a 135M judge scores at once
+                scored = await ruler_score_group(group, judge.name, client=judge.openai_client())
+                assert len(scored) == 3 and all(0.0 <= t.reward <= 1.0 and t.metrics["ruler_score"] == t.reward for t in scored)
+                assert [t.metrics["independent_reward"] for t in scored] == [1.0, 0.0, 1.0]
             try:
-                scored = await ruler_score_group(group, judge.name, client=judge.openai_client(), max_tokens=200)
+                scored = await ruler_score_group(group, judge.name, client=judge.openai_client(), max_tokens=200,
+                                                 structured=False)
             except RulerError as error:  # a 135M judge rarely writes valid scores: then it was asked twice
                 assert len(error.completions) == 2
                 completions = error.completions

@@ -8,7 +8,9 @@ Steps are pipelined one deep: the worker schedules and launches step t+1 before 
 tokens of step t, so on a GPU the host work of a step (scheduling, building inputs, reading
 tokens back, stop checks) runs while the device computes. A sequence whose token is still being
 sampled holds a `PENDING` placeholder, which the next step reads on the device; a sample that
-turns out to have ended (a stop token) drops the one extra token computed for it.
+turns out to have ended (a stop token) drops the one extra token computed for it. A step with
+rows under a grammar (structured outputs) is launched up to its logits and sampled after step t
+was collected and its tokens advanced the grammars' matchers (their bitmasks need them).
 
 Launching a step holds `lock`, which the trainer takes while it changes weights; a launch sees
 either the old weights or the new ones, and the device runs the work in launch order. A sequence
@@ -30,6 +32,7 @@ from typing import Any
 from ..errors import EngineError
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .grammar import advance as advance_grammars
 from .lora import EngineAdapter, collect_adapter
 from .memory import release_free_memory
 from .model_runner import ModelRunner
@@ -231,10 +234,14 @@ class Engine:
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._process(self.runner.collect(previous))
+        if launched is not None and launched.deferred is not None:  # grammar rows: their matchers now hold previous's tokens
+            self.runner.sample_deferred(launched)
 
     def _process(self, sampled: SampledTokens) -> None:
         """Fill in a collected step's tokens; finish the samples that end with them."""
         tops = sampled.top
+        advance_grammars([(seq.grammar, token_id) for seq, token_id in zip(sampled.seqs, sampled.token_ids)
+                          if seq.grammar is not None and not seq.is_finished])
         for j, seq in enumerate(sampled.seqs):
             if seq.is_finished:  # ended at an earlier token; this one was computed for nothing
                 continue
@@ -244,6 +251,8 @@ class Engine:
             seq.num_pending -= 1
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
+            if seq.grammar is not None:
+                seq.forced.append(sampled.forced[j])
             seq.finish_reason = finish_reason_at(seq.token_ids, index, index + 1 - seq.num_prompt_tokens,
                                                  seq.request.params, seq.max_tokens, self._stop_ids, self.tokenizer)
             if seq.request.on_token is not None:
@@ -261,7 +270,8 @@ class Engine:
             return
         del self._pending[id(request)]
         completions = [
-            completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params, self.tokenizer)
+            completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params, self.tokenizer,
+                          forced=s.forced if s.grammar is not None else None)
             for s in seqs
         ]
         request.future.set_result(completions)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import EngineError
+from .grammar import GrammarMask, GrammarMatcher, advance
 from .request import Completion, GenerationRequest, Policy, TokenCallback, new_request
 from .sampler import sample, sampling_tensors
 from .sampling_params import SamplingParams, row_seed
@@ -42,6 +43,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    grammar: GrammarMatcher | None = None  # structured outputs: this sample's matcher
+    forced: list[bool] = field(default_factory=list)
 
 
 class HFEngine:
@@ -180,7 +183,8 @@ class HFEngine:
             room = self.max_seq_len - len(request.prompt_ids)
             for i in range(request.n):
                 seed = row_seed(request.params.seed, i, self._rng)
-                rows.append(_Row(request, i, min(request.params.max_tokens, room), seed))
+                grammar = request.params.grammar.matcher() if request.params.grammar is not None else None
+                rows.append(_Row(request, i, min(request.params.max_tokens, room), seed, grammar=grammar))
         with self.lock, batch[0].policy.activate(), torch.inference_mode():
             was_training = self.model.training
             self.model.eval()
@@ -220,9 +224,15 @@ class HFEngine:
             options = sampling_tensors(
                 [r.request.params for r in live], [r.seed for r in live], [len(r.token_ids) for r in live], device
             )
-            result = sample(logits, options)
+            grammar_mask = GrammarMask.fill([r.grammar for r in live], device)
+            result = sample(logits, options, grammar_mask)
             ids = result.token_ids.tolist()  # the one device→host sync per step
             lps = result.logprobs.tolist()
+            if grammar_mask is not None:
+                for r, is_forced in zip(live, grammar_mask.forced()):
+                    if r.grammar is not None:
+                        r.forced.append(is_forced)
+                advance([(r.grammar, ids[j]) for j, r in enumerate(live) if r.grammar is not None])
             tops = None
             if result.top_ids is not None:
                 tops = list(zip(result.top_ids.tolist(), result.top_logprobs.tolist()))
@@ -257,5 +267,6 @@ class HFEngine:
 
     def _completion(self, row: _Row) -> Completion:
         return completion_of(
-            row.token_ids, row.logprobs, row.top_logprobs, row.finish_reason, row.request.params, self.tokenizer
+            row.token_ids, row.logprobs, row.top_logprobs, row.finish_reason, row.request.params, self.tokenizer,
+            forced=row.forced if row.grammar is not None else None,
         )

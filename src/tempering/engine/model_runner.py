@@ -9,6 +9,10 @@ scheduler and SGLang's overlap scheduler do). A decode row whose previous token 
 way reads it straight from the previous step's sampled ids on the device. `collect()` waits for
 a launched step and returns its tokens: the step's one device→host synchronization.
 
+Structured outputs: when a sampling row follows a grammar, `launch()` stops after the logits
+and `sample_deferred()` samples later, once the engine has advanced the matchers with the
+previous step's tokens; the host fills the grammar bitmasks while the device runs the forward.
+
 Each running sequence owns a row of a host block table that grows as the block manager hands
 it blocks, so a step copies its rows with one numpy gather instead of rebuilding Python lists.
 """
@@ -23,6 +27,7 @@ import torch
 
 from .config import EngineConfig
 from .context import PrefillSpan, StepContext
+from .grammar import GrammarMask
 from .layers.attention import paged_decode_attention
 from .lora import EngineAdapter, LoRASegment
 from .models import LlamaFamilyModel
@@ -48,6 +53,7 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[float]
     top: list[list[tuple[int, float]]] | None  # per row, when some row asked for top logprobs
+    forced: list[bool] | None = None  # per row, when some row follows a grammar: it allowed only this token
 
 
 @dataclass(slots=True)
@@ -62,17 +68,21 @@ class LaunchedStep:
         host_ids, host_logprobs: [S] pinned host copies being filled.
         host_top_ids, host_top_logprobs: [S, K] when some row asked for top logprobs.
         done: recorded after the copies (None on CPU, where they are already done).
+        deferred: (logits [S, V], options) while a step with grammar rows waits to be sampled.
+        grammar_mask: the step's grammar bitmasks, when some row follows a grammar.
     """
 
     seqs: list[Sequence]
     indices: list[int]
-    token_ids: torch.Tensor
+    token_ids: torch.Tensor | None
     rows: dict[int, int]
-    host_ids: torch.Tensor
-    host_logprobs: torch.Tensor
-    host_top_ids: torch.Tensor | None
-    host_top_logprobs: torch.Tensor | None
-    done: torch.cuda.Event | None
+    host_ids: torch.Tensor | None = None
+    host_logprobs: torch.Tensor | None = None
+    host_top_ids: torch.Tensor | None = None
+    host_top_logprobs: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+    deferred: tuple[torch.Tensor, SamplingTensors] | None = None
+    grammar_mask: GrammarMask | None = None
 
 
 class ModelRunner:
@@ -244,13 +254,33 @@ class ModelRunner:
             temperature=f(f_temp), top_k=i(f_top_k), top_p=f(f_top_p), seeds=i(f_seeds), counters=i(f_counters),
             **sampling_flags(params),
         )
-        out = sample(logits, options)
-        host = [_to_host(t, self.is_cuda) for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]
-        done = None
+        step = LaunchedStep(seqs, [], None, {s.seq_id: j for j, s in enumerate(seqs)})
+        if any(s.grammar is not None for s in seqs):  # structured outputs: sampled by sample_deferred()
+            step.deferred = (logits, options)
+            return step
+        self._sample(step, logits, options)
+        return step
+
+    def sample_deferred(self, step: LaunchedStep) -> None:
+        """Sample a step that has grammar rows, once their matchers hold the previous step's tokens.
+
+        The bitmasks are filled on the host while the device still runs the step's forward;
+        rows whose sample ended meanwhile are sampled free (their token is dropped anyway).
+        """
+        logits, options = step.deferred
+        step.deferred = None
+        step.grammar_mask = GrammarMask.fill([None if s.is_finished else s.grammar for s in step.seqs], self.device)
+        self._sample(step, logits, options)
+
+    def _sample(self, step: LaunchedStep, logits: torch.Tensor, options: SamplingTensors) -> None:
+        """Sample `step` and start copying its tokens to the host."""
+        out = sample(logits, options, step.grammar_mask)
+        step.token_ids = out.token_ids
+        step.host_ids, step.host_logprobs, step.host_top_ids, step.host_top_logprobs = (
+            _to_host(t, self.is_cuda) for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs))
         if self.is_cuda:
-            done = torch.cuda.Event()
-            done.record()
-        return LaunchedStep(seqs, [], out.token_ids, {s.seq_id: j for j, s in enumerate(seqs)}, *host, done)
+            step.done = torch.cuda.Event()
+            step.done.record()
 
     def collect(self, step: LaunchedStep) -> SampledTokens:
         """Wait for a launched step and return its sampled tokens, in row order."""
@@ -261,7 +291,8 @@ class ModelRunner:
             top_ids, top_lps = step.host_top_ids.tolist(), step.host_top_logprobs.tolist()
             tops = [list(zip(top_ids[j][: s.request.params.num_top_logprobs], top_lps[j]))
                     for j, s in enumerate(step.seqs)]
-        return SampledTokens(step.seqs, step.indices, step.host_ids.tolist(), step.host_logprobs.tolist(), tops)
+        forced = step.grammar_mask.forced() if step.grammar_mask is not None else None
+        return SampledTokens(step.seqs, step.indices, step.host_ids.tolist(), step.host_logprobs.tolist(), tops, forced)
 
     def _graphable(self, batch: ScheduledBatch, lora: list[LoRASegment]) -> bool:
         """A decode-only batch that fits a graph bucket, with one adapter (or none) for all rows."""

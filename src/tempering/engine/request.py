@@ -55,6 +55,8 @@ class Completion:
         text: the decoded completion without special tokens, cut before any stop string.
         finish_reason: "stop" (a stop token or string) or "length" (max_tokens reached).
         logprob_temperature: the temperature the logprobs were computed at.
+        forced: for a grammar-constrained sample, per sampled token whether the grammar allowed
+            only that token; None for a free sample.
     """
 
     token_ids: list[int]
@@ -63,6 +65,7 @@ class Completion:
     text: str
     finish_reason: str
     logprob_temperature: float
+    forced: list[bool] | None = None
 
 
 TokenCallback = Callable[[int, int, float, list[tuple[int, float]]], None]

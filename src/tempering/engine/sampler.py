@@ -12,13 +12,19 @@ Everything is batched tensor work with no host sync, so it can run on the GPU in
 - The returned logprob of a token is `log_softmax(logits / T)[token]` at the row's temperature
   (T = 1 for greedy rows), before top-k/top-p truncation: the distribution the trainer recomputes,
   so the on-policy importance ratio is exactly 1.
+- Structured outputs: with a `GrammarMask`, constrained rows draw only among their grammar's
+  allowed tokens (renormalized when top-p needs it); the returned logprobs stay the unmasked ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .grammar import GrammarMask
 
 __all__ = ["SampleOutput", "SamplingTensors", "gumbel_sample_reference", "hash_uniform", "sample"]
 
@@ -83,18 +89,21 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return (h.double() + 0.5) / 4294967296.0
 
 
-def sample(logits: torch.Tensor, options: SamplingTensors) -> SampleOutput:
+def sample(logits: torch.Tensor, options: SamplingTensors, grammar_mask: GrammarMask | None = None) -> SampleOutput:
     """Draw one token per row.
 
     Args:
         logits: [B, V] logits of the next token (any float dtype).
         options: per-row options (see SamplingTensors).
+        grammar_mask: the allowed tokens of the rows that follow a grammar (structured outputs),
+            or None; it restricts what is drawn, not the logprobs returned.
 
     Returns:
         SampleOutput: ids [B], their logprobs [B] (natural log, float32) and, when a row asks
         for them, the K most likely ids and logprobs [B, K] under the same distribution.
     """
-    if logits.is_cuda and gumbel_sample is not None and not options.needs_truncation and not options.num_top_logprobs:
+    fused = grammar_mask is None  # the fused kernel does not read grammar bitmasks yet
+    if fused and logits.is_cuda and gumbel_sample is not None and not options.needs_truncation and not options.num_top_logprobs:
         token_ids, logprobs = gumbel_sample(logits, options.temperature, options.seeds, options.counters)
         return SampleOutput(token_ids, logprobs, None, None)
     if options.unit_temperature:  # one pass: read the logits, write float32 logprobs
@@ -103,22 +112,24 @@ def sample(logits: torch.Tensor, options: SamplingTensors) -> SampleOutput:
         greedy = options.temperature <= 0
         temperature = torch.where(greedy, torch.ones_like(options.temperature), options.temperature)
         logprobs_all = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+    # structured outputs: draw among the grammar's tokens; the logprobs returned stay the model's own
+    drawable = logprobs_all if grammar_mask is None else grammar_mask.apply(logprobs_all, renormalize=options.needs_truncation)
 
     token_ids = None
     if options.has_sampled:
         u = hash_uniform(options.seeds, options.counters)
         if options.needs_truncation:
-            sorted_lp, order = logprobs_all.sort(dim=-1, descending=True)  # [B, V]
+            sorted_lp, order = drawable.sort(dim=-1, descending=True)  # [B, V]
             probs = sorted_lp.exp()
             ranks = torch.arange(probs.shape[-1], device=probs.device)
             remove = (options.top_k[:, None] > 0) & (ranks[None, :] >= options.top_k[:, None])
             remove |= (probs.cumsum(-1) - probs) >= options.top_p[:, None]  # keep the token crossing top_p
             drawn = order.gather(1, _invert_cdf(sorted_lp.masked_fill(remove, float("-inf")), u)[:, None])[:, 0]
         else:
-            drawn = _invert_cdf(logprobs_all, u)
+            drawn = _invert_cdf(drawable, u)
         token_ids = drawn
     if options.has_greedy:
-        best = logprobs_all.argmax(dim=-1)
+        best = drawable.argmax(dim=-1)
         token_ids = best if token_ids is None else torch.where(options.temperature <= 0, best, token_ids)
 
     logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)

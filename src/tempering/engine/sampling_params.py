@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .grammar import CompiledGrammar
 
 from ..errors import ConfigError
 
@@ -24,6 +28,7 @@ class SamplingParams:
         stop_token_ids: ids that end a sample besides the model's end-of-turn ids.
         ignore_eos: keep sampling past end-of-turn ids (benchmarks).
         num_top_logprobs: how many most likely alternatives to return per token (0-20).
+        grammar: a compiled grammar (engine/grammar) every sample must follow, or None.
 
     Raises:
         ConfigError: for out-of-range values.
@@ -38,6 +43,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     num_top_logprobs: int = 0
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -6,6 +6,7 @@ import enum
 import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .request import GenerationRequest
 
@@ -29,7 +30,9 @@ class Sequence:
     `token_ids` holds the prompt followed by the sampled tokens. The KV cache holds the first
     `num_computed_tokens` of them, in the blocks of `block_table`; the first `num_cached_tokens`
     of those came from the prefix cache. The last `num_pending` entries are `PENDING`: tokens
-    being sampled by a launched step, filled in when the step is collected.
+    being sampled by a launched step, filled in when the step is collected. `grammar` is its
+    matcher when the request is constrained (structured outputs), and `forced[i]` tells whether
+    completion token i was the only one that grammar allowed.
     """
 
     request: GenerationRequest
@@ -53,6 +56,8 @@ class Sequence:
     num_pending: int = 0
     table_row: int = -1  # the model runner's block-table row (-1: none)
     num_table_synced: int = 0  # entries of block_table already in that row
+    grammar: Any = None  # engine.grammar.GrammarMatcher | None
+    forced: list[bool] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: GenerationRequest, sample_index: int, seed: int, max_tokens: int) -> Sequence:
@@ -64,6 +69,7 @@ class Sequence:
             token_ids=list(request.prompt_ids),
             num_prompt_tokens=len(request.prompt_ids),
             adapter_key=(request.policy.adapter_name, request.policy.cache_version),
+            grammar=request.params.grammar.matcher() if request.params.grammar is not None else None,
         )
 
     def __len__(self) -> int:

@@ -49,6 +49,7 @@ def completion_of(
     finish_reason: str | None,
     params: SamplingParams,
     tokenizer: Any,
+    forced: list[bool] | None = None,
 ) -> Completion:
     """The Completion of a finished sample: text without special tokens, cut before the first stop string."""
     text = tokenizer.decode(completion_ids, skip_special_tokens=True)
@@ -63,4 +64,5 @@ def completion_of(
         text=text,
         finish_reason=finish_reason or "length",
         logprob_temperature=params.logprob_temperature,
+        forced=forced,
     )

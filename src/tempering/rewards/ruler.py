@@ -8,6 +8,11 @@ API (`base_url` / `api_key`). The prompt sends the messages all trajectories sha
 to the judge once with the problem named; a second bad answer raises RulerError. Nothing is
 silently dropped. (After ART's RULER, described in reference/ART.md section 4; wording and code
 ours.)
+
+A judge served by tempering (its `/v1/models` says `owned_by: "tempering"` and
+`structured_outputs: true`) is also sent `response_format` with the answer's JSON schema
+(`judge_schema`: one entry per trajectory id, in order, scores in [0, 1]), so even a small local
+judge answers in a form that parses; other endpoints get only the prompt.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Any
 from ..errors import TemperingError
 from ..types import TrajectoryGroup
 
-__all__ = ["DEFAULT_RUBRIC", "RulerError", "TrajectoryScore", "parse_scores", "ruler", "ruler_score_group"]
+__all__ = ["DEFAULT_RUBRIC", "RulerError", "TrajectoryScore", "judge_schema", "parse_scores", "ruler", "ruler_score_group",
+           "serves_structured_outputs"]
 
 log = logging.getLogger("tempering")
 
@@ -80,6 +86,44 @@ def judge_prompt(message_lists: list[list[dict[str, Any]]], rubric: str, tools: 
     return [{"role": "system", "content": _SYSTEM.format(rubric=rubric)}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
+def judge_schema(num_trajectories: int) -> dict[str, Any]:
+    """The JSON schema of the judge's answer: `{"scores": [...]}` with one entry per trajectory id
+    ("1", "2", ... in order), a short explanation (at most 200 characters) and a score in [0, 1]."""
+    def entry(i: int) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {
+                "trajectory_id": {"const": str(i)},
+                "explanation": {"type": "string", "maxLength": 200},
+                "score": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+            "required": ["trajectory_id", "explanation", "score"],
+            "additionalProperties": False,
+        }
+
+    n = num_trajectories
+    scores = {"type": "array", "prefixItems": [entry(i) for i in range(1, n + 1)], "items": False, "minItems": n, "maxItems": n}
+    return {"type": "object", "properties": {"scores": scores}, "required": ["scores"], "additionalProperties": False}
+
+
+async def serves_structured_outputs(client: Any) -> bool:
+    """Whether `client`'s endpoint is a tempering server that can constrain answers to a schema.
+
+    Asks `/v1/models` once; any failure (another API, no such route) means no.
+    """
+    models = getattr(client, "models", None)
+    if models is None:
+        return False
+    from openai import OpenAIError
+
+    try:
+        page = await models.list()
+    except (OpenAIError, AttributeError, TypeError):  # no OpenAI-compatible models route: an external judge
+        return False
+    return any(getattr(m, "owned_by", None) == "tempering" and getattr(m, "structured_outputs", False) is True
+               for m in getattr(page, "data", []))
+
+
 def parse_scores(text: str, num_trajectories: int) -> list[TrajectoryScore]:
     """Scores from the judge's answer (the outermost JSON object in it).
 
@@ -126,6 +170,7 @@ async def ruler(
     tools: list[dict[str, Any]] | None = None,
     max_tokens: int = 1024,
     temperature: float = 0.0,
+    structured: bool | None = None,
 ) -> list[TrajectoryScore]:
     """Score conversations relative to each other.
 
@@ -134,6 +179,8 @@ async def ruler(
         judge_model: the judge's model name at the endpoint.
         client: an `openai.AsyncOpenAI` (e.g. `model.openai_client()` to judge with a tempering
             model); otherwise one is made from `base_url` and `api_key`.
+        structured: send the answer's JSON schema as `response_format` (True), not (False), or
+            when the judge is served by tempering (None, the default).
 
     Returns:
         one TrajectoryScore per conversation, in order.
@@ -148,10 +195,16 @@ async def ruler(
 
         client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none")
     messages = judge_prompt(message_lists, rubric, tools)
+    if structured is None:
+        structured = await serves_structured_outputs(client)
+    extra: dict[str, Any] = {}
+    if structured:
+        extra["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "ruler_scores", "schema": judge_schema(len(message_lists)), "strict": True}}
     completions = []
     for attempt in range(2):
         completion = await client.chat.completions.create(
-            model=judge_model, messages=messages, max_tokens=max_tokens, temperature=temperature
+            model=judge_model, messages=messages, max_tokens=max_tokens, temperature=temperature, **extra
         )
         completions.append(completion)
         text = completion.choices[0].message.content or ""

@@ -100,7 +100,8 @@ async def sse_chat_stream(
         states: one StreamState per choice.
         token_entry: (token id, logprob, top logprobs) → a logprobs `content` entry.
         finish: (choice index, Completion) → the choice's final message dict (content and tool
-            calls, as without streaming) and finish reason: {"message": ..., "finish_reason": ...}.
+            calls, as without streaming) and finish reason: {"message": ..., "finish_reason": ...},
+            with "grammar_forced" for a constrained choice (sent in its last chunk).
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -143,8 +144,9 @@ async def sse_chat_stream(
         rest = states[i].rest(message.get("content"))
         if rest:
             delta["content"] = rest
+        extra = {"grammar_forced": final["grammar_forced"]} if "grammar_forced" in final else {}
         yield event([{"index": i, "delta": delta, "logprobs": None, "finish_reason": final["finish_reason"],
-                      "logprob_temperature": completion.logprob_temperature}])
+                      "logprob_temperature": completion.logprob_temperature, **extra}])
     if include_usage:
         num_completion = sum(len(c.token_ids) for c in completions)
         yield event([], usage={"prompt_tokens": len(prompt_ids), "completion_tokens": num_completion,

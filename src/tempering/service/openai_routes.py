@@ -14,6 +14,13 @@ With `tools`, the model's `<tool_call>{...}</tool_call>` text becomes OpenAI `to
 (default), "none", "required" or a named function; the last two start the assistant turn with a
 call (that forced text is part of `prompt_token_ids`, not of the sampled `token_ids`).
 `stream=true` sends server-sent events (chat_stream.py).
+
+Structured outputs (service/structured.py): `response_format`, vLLM's `guided_*` and
+`structured_outputs`, and "required"/named tool calls constrain sampling with a grammar. Such a
+choice also carries `grammar_forced`: per sampled token, whether the grammar allowed only that
+token (training can leave those out of the loss). `/v1/models` lists `structured_outputs: true`
+when the server can constrain (llguidance is installed); without it, constrained requests get a
+400 naming the extra, and "required"/named tool calls are started but not held to the schema.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ from fastapi.responses import StreamingResponse
 
 from ..chat.tools import TOOL_CALL_END, forced_prefix, parse_tool_calls
 from ..engine import Completion, SamplingParams
+from ..engine.grammar import CompiledGrammar, GrammarSpec, llguidance_installed
+from ..errors import ConfigError
 from .chat_stream import StreamState, sse_chat_stream
 from .registry import ServiceRegistry
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .structured import request_spec, tool_call_spec
 
 __all__ = ["build_openai_router"]
 
@@ -41,9 +51,11 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         created = int(time.time())
+        structured = llguidance_installed()
         return {
             "object": "list",
-            "data": [{"id": n, "object": "model", "created": created, "owned_by": "tempering"} for n in registry.served_names()],
+            "data": [{"id": n, "object": "model", "created": created, "owned_by": "tempering", "structured_outputs": structured}
+                     for n in registry.served_names()],
         }
 
     @router.post("/v1/chat/completions")
@@ -54,10 +66,17 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         tools = prompt_tools if body.tool_choice != "none" else None  # tools the model may call now
         prefix = forced_prefix(body.tool_choice) if tools else None
         allowed = {t["function"]["name"] for t in tools} if tools else None
+        spec = request_spec(body)
+        # without the grammar library a forced call is only started (the prefix), not held to the schema
+        call_spec = tool_call_spec(tools, body.tool_choice) if tools and llguidance_installed() else None
+        if spec is not None and call_spec is not None:
+            raise ConfigError("tool_choice forces a tool call, whose arguments follow the tool's schema; "
+                              "drop response_format/guided_*/structured_outputs, or use tool_choice 'auto'")
+        grammar = await _compiled(service, spec or call_spec)
         prompt_ids = service.renderer.render_prompt(body.messages, prompt_tools, tool_choice=body.tool_choice, turns=service.turns)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
-        params = _params(body, max_tokens, service.max_seq_len - len(prompt_ids), num_top)
+        params = _params(body, max_tokens, service.max_seq_len - len(prompt_ids), num_top, grammar)
         if tools and TOOL_CALL_END not in params.stop:
             params.stop = [*params.stop, TOOL_CALL_END]  # a call ends the turn; the engine hands back control
         decode = _token_decoder(service.tokenizer)
@@ -71,7 +90,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             # the model's own text of the turn (stop string included): how a later request renders it back
             raw = (prefix or "") + service.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             service.turns.remember(prompt_ids, c.token_ids, raw, content, [call.id for call in calls])
-            return {"message": message, "finish_reason": "tool_calls" if calls else c.finish_reason}
+            return {"message": message, "finish_reason": "tool_calls" if calls else c.finish_reason, **_forced(c)}
 
         if body.stream:
             states = [StreamState(lambda ids: service.tokenizer.decode(ids, skip_special_tokens=True), prefix=prefix,
@@ -109,7 +128,8 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             if any(not 0 <= t < vocab for t in prompt_ids):
                 raise HTTPException(400, f"prompt token ids must be in [0, {vocab})")
         num_top = body.logprobs or 0
-        params = _params(body, body.max_tokens or 16, service.max_seq_len - len(prompt_ids), num_top)
+        grammar = await _compiled(service, request_spec(body))
+        params = _params(body, body.max_tokens or 16, service.max_seq_len - len(prompt_ids), num_top, grammar)
         results = await asyncio.wrap_future(service.submit(prompt_ids, params, n=body.n, step=step))
         decode = _token_decoder(service.tokenizer)
         choices = []
@@ -132,6 +152,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
                 "token_ids": c.token_ids,
                 "prompt_token_ids": prompt_ids,
                 "logprob_temperature": c.logprob_temperature,
+                **_forced(c),
             })
         return _response("text_completion", body.model, choices, len(prompt_ids), results)
 
@@ -167,7 +188,23 @@ def _reject_unsupported(body: Any) -> None:
         raise HTTPException(400, "presence_penalty and frequency_penalty are not supported; leave them at 0")
 
 
-def _params(body: Any, max_tokens: int | None, room: int, num_top: int) -> SamplingParams:
+async def _compiled(service: Any, spec: GrammarSpec | None) -> CompiledGrammar | None:
+    """The compiled grammar of `spec` (off the event loop: the first one builds the tokenizer's trie).
+
+    Raises:
+        ConfigError: if the spec does not compile (HTTP 400); MissingDependencyError without llguidance.
+    """
+    if spec is None:
+        return None
+    return await asyncio.to_thread(service.grammars.compile, spec)
+
+
+def _forced(c: Completion) -> dict[str, Any]:
+    """`grammar_forced` of a constrained choice (per sampled token: the grammar allowed only it)."""
+    return {"grammar_forced": c.forced} if c.forced is not None else {}
+
+
+def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar: CompiledGrammar | None = None) -> SamplingParams:
     if room < 1:
         raise HTTPException(400, "the prompt fills the model's whole context; shorten it")
     return SamplingParams(
@@ -180,6 +217,7 @@ def _params(body: Any, max_tokens: int | None, room: int, num_top: int) -> Sampl
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         num_top_logprobs=num_top,
+        grammar=grammar,
     )
 
 

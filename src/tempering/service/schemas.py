@@ -40,6 +40,13 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # structured outputs (OpenAI and vLLM names), checked in service/structured.py so that a bad one is a 400
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod

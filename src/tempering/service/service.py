@@ -19,6 +19,7 @@ import torch
 
 from ..chat import ChatRenderer, TurnCache
 from ..engine import Engine, EngineConfig, HFEngine, Policy, SamplingParams, engine_model_for
+from ..engine.grammar import GrammarCompiler
 from ..engine.memory import release_free_memory
 from ..errors import ConfigError, TrajectoryError, UnknownModelError
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
@@ -98,6 +99,8 @@ class ModelService:
         self.renderer = ChatRenderer(self.tokenizer, stop_token_ids=stop_ids)
         self.turns = TurnCache(self.tokenizer)
         self.lock = threading.RLock()
+        vocab_size = self.model.get_output_embeddings().weight.shape[0]  # the logits' width
+        self.grammars = GrammarCompiler(self.tokenizer, stop_token_ids=self.renderer.stop_token_ids, vocab_size=vocab_size)
 
         self.trainer: Trainer | None = None
         self.step = latest_step(paths.checkpoints_dir)
@@ -294,7 +297,8 @@ class ModelService:
             per_trajectory = []
             for i, trajectory in enumerate(group):
                 try:
-                    per_trajectory.append(tokenize_trajectory(trajectory, self.renderer, max_seq_len=self.max_seq_len))
+                    per_trajectory.append(tokenize_trajectory(trajectory, self.renderer, max_seq_len=self.max_seq_len,
+                                                              exclude_forced_tokens=config.exclude_forced_tokens))
                 except TrajectoryError as exc:
                     raise TrajectoryError(f"group {g}, trajectory {i}: {exc}") from None
             advantages = group_advantages(rewards_G[g], normalize=mode == "group")

@@ -10,6 +10,12 @@ whole earlier sequence (multi-turn with a prefix-preserving template). When it d
 template rewrote history, or the client edited messages), the later turn starts a new sequence
 with its own exact prompt, so every trained token is still scored in the context it was
 sampled in.
+
+A choice sampled under a grammar (structured outputs) carries `grammar_forced`: per sampled
+token, whether the grammar allowed only that token. Those flags are kept per token
+(`TokenizedSequence.forced`), and with `exclude_forced_tokens` such tokens leave the loss: the
+model made no choice there (under the constrained policy their probability is 1 whatever the
+weights), so they carry no signal about the decision the reward judged.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class TokenizedSequence:
         temperatures: [T] the temperature each sampled token's logprob was computed at (the trainer
             divides the logits by it); 1 on other tokens. None means 1 everywhere.
         advantage: the trajectory's advantage, the same for all of its tokens.
+        forced: [T] True where a sampled token was the only one its grammar allowed (structured
+            outputs); None when no choice of the sequence was constrained.
     """
 
     token_ids: list[int]
@@ -44,12 +52,24 @@ class TokenizedSequence:
     advantage: float = 0.0
     group_index: int = 0
     trajectory_index: int = 0
+    forced: list[bool] | None = None
     num_completion_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.temperatures is None:
             self.temperatures = [1.0] * len(self.token_ids)
         assert len(self.token_ids) == len(self.loss_mask) == len(self.sampled_logprobs) == len(self.temperatures)
+        assert self.forced is None or len(self.forced) == len(self.token_ids)
+        self.num_completion_tokens = sum(self.loss_mask)
+
+    def exclude_forced(self) -> None:
+        """Take the grammar-forced tokens out of the loss (they stay in the sequence as context)."""
+        if self.forced is None:
+            return
+        for t, is_forced in enumerate(self.forced):
+            if is_forced and self.loss_mask[t]:
+                self.loss_mask[t] = False
+                self.sampled_logprobs[t] = math.nan
         self.num_completion_tokens = sum(self.loss_mask)
 
     def __len__(self) -> int:
@@ -85,8 +105,22 @@ def completion_ids_and_logprobs(choice: Choice) -> tuple[list[int], list[float]]
     return [int(i) for i in token_ids], logprobs
 
 
-def _segments(history: History, renderer: ChatRenderer) -> list[tuple[list[int], list[int], list[float], float]]:
-    """(prompt ids, completion ids, completion logprobs, temperature) of each trainable choice."""
+def grammar_forced(choice: Choice, num_tokens: int) -> list[bool] | None:
+    """The choice's per-token `grammar_forced` flags (None for a free choice).
+
+    Raises:
+        TrajectoryError: if there is not one flag per sampled token.
+    """
+    forced = getattr(choice, "grammar_forced", None)
+    if forced is None:
+        return None
+    if len(forced) != num_tokens:
+        raise TrajectoryError(f"a Choice has {num_tokens} token ids but {len(forced)} grammar_forced flags")
+    return [bool(f) for f in forced]
+
+
+def _segments(history: History, renderer: ChatRenderer) -> list[tuple[list[int], list[int], list[float], float, list[bool] | None]]:
+    """(prompt ids, completion ids, completion logprobs, temperature, forced flags) of each trainable choice."""
     segments = []
     items = history.messages_and_choices
     for i, item in enumerate(items):
@@ -98,12 +132,15 @@ def _segments(history: History, renderer: ChatRenderer) -> list[tuple[list[int],
             earlier = [choice_to_message(m) if isinstance(m, Choice) else m for m in items[:i]]
             prompt = renderer.render_prompt(earlier, history.tools)
         temperature = float(getattr(item, "logprob_temperature", None) or 1.0)
-        segments.append(([int(t) for t in prompt], completion, logprobs, temperature))
+        segments.append(([int(t) for t in prompt], completion, logprobs, temperature, grammar_forced(item, len(completion))))
     return segments
 
 
-def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_seq_len: int) -> list[TokenizedSequence]:
+def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_seq_len: int,
+                        exclude_forced_tokens: bool = False) -> list[TokenizedSequence]:
     """The training sequences of one trajectory (its main history and `additional_histories`).
+
+    With `exclude_forced_tokens`, tokens that a grammar forced get loss mask 0 (see the module doc).
 
     Raises:
         TrajectoryError: if the trajectory holds no Choice with logprobs, if a choice lacks
@@ -112,9 +149,13 @@ def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_s
     sequences: list[TokenizedSequence] = []
     for history in trajectory.histories():
         current: TokenizedSequence | None = None
-        for prompt, completion, logprobs, temperature in _segments(history, renderer):
+        for prompt, completion, logprobs, temperature, forced in _segments(history, renderer):
             if current is not None and prompt[: len(current.token_ids)] == current.token_ids:
                 extra = prompt[len(current.token_ids):]
+                if forced is not None and current.forced is None:
+                    current.forced = [False] * len(current.token_ids)
+                if current.forced is not None:
+                    current.forced += [False] * len(extra) + (forced or [False] * len(completion))
                 current.token_ids += extra + completion
                 current.loss_mask += [False] * len(extra) + [True] * len(completion)
                 current.sampled_logprobs += [math.nan] * len(extra) + logprobs
@@ -126,6 +167,7 @@ def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_s
                 loss_mask=[False] * len(prompt) + [True] * len(completion),
                 sampled_logprobs=[math.nan] * len(prompt) + logprobs,
                 temperatures=[1.0] * len(prompt) + [temperature] * len(completion),
+                forced=[False] * len(prompt) + forced if forced is not None else None,
             )
             sequences.append(current)
     if not sequences:
@@ -135,6 +177,8 @@ def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_s
             "not choice.message or a dict"
         )
     for seq in sequences:
+        if exclude_forced_tokens:
+            seq.exclude_forced()
         if len(seq) > max_seq_len:
             raise TrajectoryError(f"a trajectory has a sequence of {len(seq)} tokens; the model's context is {max_seq_len}")
     return sequences

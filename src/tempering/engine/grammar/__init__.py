@@ -1,0 +1,21 @@
+"""Structured outputs: constrain sampling to a JSON schema, a regex, a choice or a grammar.
+
+`GrammarSpec` (what to match) → `GrammarCompiler.compile` (llguidance, cached by spec) →
+`CompiledGrammar.matcher()` per sequence → each step `GrammarMask.fill` / `apply` / `forced`
+and `advance` (mask.py describes the order).
+"""
+
+from .compiler import CompiledGrammar, GrammarCompiler, GrammarMatcher, import_llguidance, llguidance_installed
+from .mask import GrammarMask, advance
+from .spec import GrammarSpec
+
+__all__ = [
+    "CompiledGrammar",
+    "GrammarCompiler",
+    "GrammarMask",
+    "GrammarMatcher",
+    "GrammarSpec",
+    "advance",
+    "import_llguidance",
+    "llguidance_installed",
+]

@@ -1,0 +1,156 @@
+"""One step's allowed tokens for the rows of a batch that follow a grammar, and the step after.
+
+Per step, in this order:
+1. `GrammarMask.fill(matchers, device)` (host): llguidance's thread pool writes each constrained
+   row's allowed-token bitmask (bit t % 32 of int32 word t // 32 set = token t allowed) into a
+   pinned buffer, which is copied to the device without blocking. Call it after the forward pass
+   was launched, so that on a GPU the host work overlaps the device's.
+2. `mask.apply(logprobs)` (device, inside `sampler.sample`): the constrained rows' disallowed
+   tokens become -inf (and the rows are renormalized when top-p needs it); the sampler draws (and
+   takes the argmax) from the result. The caller keeps the unmasked logprobs: the logprob
+   returned for a sampled token is the model's own, before the mask, which is what the trainer
+   recomputes. Cost: the unpacking and the select are two passes over the [C, V] rows; a fused
+   GPU sampler would read the packed words directly (`unpack_bitmask` is the reference).
+3. `mask.forced()` (host, after the step's device→host sync): per batch row, whether the grammar
+   allowed exactly one token (the token was forced, not chosen).
+4. `advance(pairs)` (host): each matcher consumes its row's sampled token.
+
+A row whose matcher is in an error state (it cannot be, unless a token was appended outside the
+mask) is allowed only the stop tokens, so its sample ends instead of failing the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from .compiler import GrammarMatcher
+
+__all__ = ["GrammarMask", "advance", "unpack_bitmask"]
+
+log = logging.getLogger("tempering")
+
+_bit_values_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_values(device: torch.device) -> torch.Tensor:
+    """[32] int32 on `device`: 1 << k (k = 31 wraps to INT32_MIN, which is the right bit pattern)."""
+    hit = _bit_values_cache.get(device)
+    if hit is None:
+        hit = _bit_values_cache[device] = torch.ones(32, dtype=torch.int32, device=device) << torch.arange(32, dtype=torch.int32, device=device)
+    return hit
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[C, W] int32 packed bitmask → [C, V] bool, True where the token is allowed (V <= 32 W)."""
+    C, W = bits.shape
+    return ((bits.unsqueeze(-1) & _bit_values(bits.device)) != 0).view(C, W * 32)[:, :vocab_size]  # [C, W, 32] → [C, V]
+
+
+class GrammarMask:
+    """The allowed tokens of a batch's constrained rows for one step.
+
+    Attributes:
+        rows: [C] int64 on the device: the batch rows that follow a grammar.
+        bits: [C, W] int32 on the device, W = ceil(V / 32): row i's allowed-token bitmask.
+        num_rows: B, the batch size.
+
+    The number of allowed tokens per constrained row (for `forced`) is counted on the host from
+    the packed words when the device is the CPU (32x fewer values than the unpacked mask), and on
+    the device by `apply` otherwise (a reduction the GPU does nearly for free).
+    """
+
+    __slots__ = ("_host_rows", "_num_allowed", "bits", "num_rows", "rows")
+
+    def __init__(self, rows: list[int], bits: torch.Tensor, num_rows: int, num_allowed: list[int] | None = None) -> None:
+        self._host_rows = rows
+        self.rows = torch.tensor(rows, dtype=torch.long).to(bits.device, non_blocking=True)
+        self.bits = bits
+        self.num_rows = num_rows
+        self._num_allowed: torch.Tensor | list[int] | None = num_allowed
+
+    @classmethod
+    def fill(cls, matchers: list[GrammarMatcher | None], device: torch.device) -> GrammarMask | None:
+        """The masks of one step's rows (`matchers[i]` is row i's matcher, None for a free row).
+
+        Returns:
+            None when no row follows a grammar (free batches pay nothing), else the mask, with
+            its bitmask on its way to `device`.
+        """
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        active = [matchers[i] for i in rows]
+        compiler = active[0].compiler
+        pinned = device.type == "cuda"
+        host = torch.empty((len(rows), compiler.num_mask_words), dtype=torch.int32, pin_memory=pinned)  # [C, W]
+        import llguidance.torch as llt
+
+        llt.fill_next_token_bitmask_par(compiler.executor, [(m.inner, i) for i, m in enumerate(active)], host)
+        for i, m in enumerate(active):
+            if m.is_error:
+                log.warning("a grammar-constrained sample hit a parser error and is ended: %s", m.error[:500])
+                host[i] = 0
+                for t in compiler.stop_token_ids:
+                    host[i, t // 32] |= _bit(t)
+        if device.type == "cpu":
+            num_allowed = _popcount_rows(host.numpy())
+            return cls(rows, host, len(matchers), num_allowed)
+        return cls(rows, host.to(device, non_blocking=pinned), len(matchers))
+
+    def apply(self, logprobs: torch.Tensor, *, renormalize: bool = True) -> torch.Tensor:
+        """`logprobs` [B, V] (float32, log-softmaxed) with each constrained row restricted to its
+        allowed tokens (others -inf); free rows unchanged. A new tensor.
+
+        Args:
+            renormalize: make the constrained rows sum to 1 again (top-p needs it; drawing by
+                inverse CDF and argmax do not).
+        """
+        B, V = logprobs.shape
+        assert B == self.num_rows and self.bits.shape[1] * 32 >= V, (logprobs.shape, self.bits.shape)
+        allowed = unpack_bitmask(self.bits, V)  # [C, V] bool
+        if self._num_allowed is None:
+            self._num_allowed = allowed.sum(-1)
+        everyone = len(self._host_rows) == B
+        sub = logprobs if everyone else logprobs.index_select(0, self.rows)  # [C, V]
+        sub = torch.where(allowed, sub, float("-inf"))
+        if renormalize:
+            sub = torch.log_softmax(sub, dim=-1)  # top-p compares against the constrained mass
+        return sub if everyone else logprobs.index_copy(0, self.rows, sub)
+
+    def forced(self) -> list[bool]:
+        """Per batch row [B]: whether its grammar allowed exactly one token (call after `apply`;
+        reads a [C] tensor from the device, so call it after the step's sync)."""
+        assert self._num_allowed is not None, "apply() first"
+        counts = self._num_allowed if isinstance(self._num_allowed, list) else self._num_allowed.tolist()
+        out = [False] * self.num_rows
+        for row, n in zip(self._host_rows, counts):
+            out[row] = n == 1
+        return out
+
+
+def advance(pairs: list[tuple[GrammarMatcher, int]]) -> None:
+    """Each matcher consumes its sampled token (in llguidance's thread pool).
+
+    A token the grammar does not allow leaves its matcher in an error state (logged at the next
+    `fill`, which then ends that sample); it never raises.
+    """
+    if not pairs:
+        return
+    executor = pairs[0][0].compiler.executor
+    executor.consume_token_par([(m.inner, t) for m, t in pairs])
+
+
+def _popcount_rows(bits: np.ndarray) -> list[int]:
+    """Set bits per row of a [C, W] int32 array."""
+    if hasattr(np, "bitwise_count"):  # numpy >= 2.0
+        return np.bitwise_count(bits.view(np.uint32)).sum(axis=1).tolist()
+    return np.unpackbits(bits.view(np.uint8), axis=1).sum(axis=1).tolist()
+
+
+def _bit(token_id: int) -> int:
+    """The int32 value of token_id's bit in its word (two's complement for bit 31)."""
+    b = 1 << (token_id % 32)
+    return b - (1 << 32) if b >= 1 << 31 else b

@@ -1,0 +1,130 @@
+"""engine/grammar: specs, the compile cache, the per-step mask, and both engines under a grammar."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from tempering.chat import ChatRenderer
+from tempering.engine import BasePolicy, Engine, EngineConfig, HFEngine, SamplingParams, engine_model_for
+from tempering.engine.grammar import GrammarCompiler, GrammarMask, GrammarSpec, advance
+from tempering.engine.sampler import sample, sampling_tensors
+from tempering.errors import ConfigError
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def parts(default_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    renderer = ChatRenderer(tokenizer)
+    compiler = GrammarCompiler(tokenizer, stop_token_ids=renderer.stop_token_ids, vocab_size=model.config.vocab_size)
+    return model, tokenizer, renderer, compiler
+
+
+def ids_of(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_specs_reject_values_of_the_wrong_shape():
+    for make, value in [(GrammarSpec.choice, []), (GrammarSpec.choice, ["a", ""]), (GrammarSpec.choice, "ab"),
+                        (GrammarSpec.regex, ""), (GrammarSpec.regex, 3), (GrammarSpec.json_schema, "[1, 2]"),
+                        (GrammarSpec.json_schema, "{bad"), (GrammarSpec.json_schema, False), (GrammarSpec.grammar, " ")]:
+        with pytest.raises(ConfigError):
+            make(value)
+    assert GrammarSpec.json_schema(True) == GrammarSpec.json_schema({})  # `true` accepts any JSON value
+
+
+def test_a_spec_compiles_once_and_the_cache_ignores_where_it_came_from(parts):
+    compiler = parts[3]
+    first = compiler.compile(GrammarSpec.json_schema(SCHEMA, where="response_format"))
+    assert compiler.compile(GrammarSpec.json_schema(json.dumps(SCHEMA), where="guided_json")) is first
+
+
+def test_compile_errors_name_the_field_and_the_problem(parts):
+    compiler = parts[3]
+    with pytest.raises(ConfigError, match=r"guided_json cannot be used: .*dependentRequired"):
+        compiler.compile(GrammarSpec.json_schema({"dependentRequired": {"a": ["b"]}}, where="guided_json"))
+    with pytest.raises(ConfigError, match="(?s)guided_regex cannot be used: .*unclosed group"):
+        compiler.compile(GrammarSpec.regex("(a", where="guided_regex"))
+
+
+def test_the_mask_restricts_constrained_rows_renormalizes_them_and_leaves_free_rows_alone(parts):
+    _, tokenizer, _, compiler = parts
+    grammar = compiler.compile(GrammarSpec.choice(["yes", "no"]))
+    mask = GrammarMask.fill([grammar.matcher(), None, grammar.matcher()], torch.device("cpu"))
+    logprobs = torch.log_softmax(torch.randn(3, compiler.vocab_size, generator=torch.Generator().manual_seed(0)), -1)
+    out = mask.apply(logprobs)
+    assert torch.equal(out[1], logprobs[1])
+    allowed = sorted(tokenizer.decode([t]) for t in torch.isfinite(out[0]).nonzero()[:, 0].tolist())
+    assert {"yes", "no"} <= set(allowed) and all("yes".startswith(a) or "no".startswith(a) for a in allowed)
+    assert out[0].exp().sum().item() == pytest.approx(1.0, abs=1e-5)
+    shift = (out[0] - logprobs[0])[torch.isfinite(out[0])]
+    assert torch.allclose(shift, shift[0].expand_as(shift))  # renormalized: the allowed tokens keep their ratios
+    assert mask.forced() == [False, False, False]
+
+
+def test_forced_is_true_exactly_where_one_token_is_allowed_and_the_sampler_draws_inside_the_mask(parts):
+    _, tokenizer, _, compiler = parts
+    grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    matcher = grammar.matcher()
+    logits = torch.randn(1, compiler.vocab_size, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+    text, forced = [], []
+    for step in range(40):
+        mask = GrammarMask.fill([matcher], torch.device("cpu"))
+        out = sample(logits, sampling_tensors([params], [7], [step]), mask)
+        token = out.token_ids.item()
+        allowed = torch.isfinite(mask.apply(torch.log_softmax(logits, -1)))[0]
+        assert allowed[token]
+        forced.append(mask.forced()[0])
+        assert forced[-1] == (allowed.sum().item() == 1)
+        assert out.logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, token].item(), abs=1e-5)  # unmasked
+        if token in compiler.stop_token_ids:
+            break
+        advance([(matcher, token)])
+        text.append(token)
+    assert token in compiler.stop_token_ids and forced[-1]  # the complete object leaves only the stop token
+    value = json.loads(tokenizer.decode(text))
+    assert set(value) == {"name", "ok"} and forced[0]  # `{"` is the only way to start
+
+
+def test_a_matcher_in_an_error_state_ends_its_sample_instead_of_failing_the_batch(parts):
+    _, tokenizer, _, compiler = parts
+    matcher = compiler.compile(GrammarSpec.choice(["yes", "no"])).matcher()
+    assert not matcher.accept(ids_of(tokenizer, "maybe")[0]) and matcher.is_error
+    mask = GrammarMask.fill([matcher], torch.device("cpu"))
+    out = mask.apply(torch.log_softmax(torch.randn(1, compiler.vocab_size), -1))
+    assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == compiler.stop_token_ids
+
+
+@pytest.mark.parametrize("engine_kind", ["engine", "hf"])
+def test_both_engines_sample_valid_json_under_a_schema_beside_a_free_request(parts, engine_kind):
+    model, tokenizer, renderer, compiler = parts
+    lock = threading.RLock()
+    if engine_kind == "engine":
+        engine = Engine(engine_model_for(model, 8192), tokenizer, stop_token_ids=renderer.stop_token_ids, lock=lock,
+                        config=EngineConfig(cpu_kv_cache_bytes=128 << 20))
+    else:
+        engine = HFEngine(model, tokenizer, stop_token_ids=renderer.stop_token_ids, lock=lock)
+    try:
+        prompt = renderer.render_prompt([{"role": "user", "content": "Describe someone as JSON."}])
+        grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+        constrained = engine.submit(prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=1, grammar=grammar), n=4,
+                                    policy=BasePolicy())
+        free = engine.submit(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=1), n=2, policy=BasePolicy())
+        for c in constrained.result(timeout=300):
+            assert c.finish_reason == "stop" and set(json.loads(c.text)) == {"name", "ok"}
+            assert len(c.forced) == len(c.token_ids) and c.forced[-1]  # ends on the forced stop token
+        assert all(c.forced is None for c in free.result(timeout=300))
+    finally:
+        engine.close()
