@@ -173,3 +173,32 @@ def test_add_rms_norm_with_a_fused_lora_delta_matches_the_two_step_path():
     y_ref, res_ref = triton_ops.add_rms_norm(expanded, residual, w, 1e-6)
     assert (res.float() - res_ref.float()).abs().max() <= 2e-2 * res_ref.float().abs().max()
     assert (y.float() - y_ref.float()).abs().max() <= 3e-2 * y_ref.float().abs().max()
+
+
+def test_fused_sampler_with_grammar_bitmasks_draws_only_allowed_tokens():
+    from tempering.engine.grammar.mask import unpack_bitmask
+    from tempering.engine.layers.triton_sampler import gumbel_sample
+    from tempering.engine.sampler import gumbel_sample_reference
+
+    torch.manual_seed(0)
+    B, V = 16, 151936
+    logits = (torch.randn(B, V, device="cuda") * 3).to(torch.bfloat16)
+    temperature = torch.ones(B, device="cuda")
+    seeds, counters = torch.arange(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")
+    bits = torch.randint(-2**31, 2**31 - 1, (2, (V + 31) // 32), dtype=torch.int32, device="cuda")
+    bits[1] = 0
+    bits[1, 7] = 1 << 3  # row 1 of the masks allows only token 7 * 32 + 3
+    index = torch.tensor([0, -1, 1] * 5 + [0], dtype=torch.int32, device="cuda")
+    ids, lps, num_allowed = gumbel_sample(logits, temperature, seeds, counters, bits, index)
+    allowed = torch.ones(B, V, dtype=torch.bool, device="cuda")
+    unpacked = unpack_bitmask(bits, V)
+    for b in range(B):
+        if index[b] >= 0:
+            allowed[b] = unpacked[index[b]]
+    ref_ids, ref_lps = gumbel_sample_reference(logits, temperature, seeds, counters, allowed)
+    assert allowed.gather(1, ids[:, None]).all()
+    assert (ids == ref_ids).float().mean() > 0.9
+    assert (ids[index == 1] == 7 * 32 + 3).all()
+    assert (num_allowed[index >= 0] == allowed.sum(-1)[index >= 0]).all()
+    full = torch.log_softmax(logits.float(), -1).gather(1, ids[:, None])[:, 0]
+    assert (lps - full).abs().max() < 1e-3  # the logprob of the unmasked distribution

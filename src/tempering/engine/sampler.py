@@ -102,9 +102,13 @@ def sample(logits: torch.Tensor, options: SamplingTensors, grammar_mask: Grammar
         SampleOutput: ids [B], their logprobs [B] (natural log, float32) and, when a row asks
         for them, the K most likely ids and logprobs [B, K] under the same distribution.
     """
-    fused = grammar_mask is None  # the fused kernel does not read grammar bitmasks yet
-    if fused and logits.is_cuda and gumbel_sample is not None and not options.needs_truncation and not options.num_top_logprobs:
-        token_ids, logprobs = gumbel_sample(logits, options.temperature, options.seeds, options.counters)
+    if logits.is_cuda and gumbel_sample is not None and not options.needs_truncation and not options.num_top_logprobs:
+        if grammar_mask is None:
+            token_ids, logprobs, _ = gumbel_sample(logits, options.temperature, options.seeds, options.counters)
+        else:  # the fused kernel reads the packed bitmasks and counts each row's allowed tokens
+            token_ids, logprobs, num_allowed = gumbel_sample(logits, options.temperature, options.seeds, options.counters,
+                                                             grammar_mask.bits, grammar_mask.row_index)
+            grammar_mask.set_num_allowed(num_allowed)
         return SampleOutput(token_ids, logprobs, None, None)
     if options.unit_temperature:  # one pass: read the logits, write float32 logprobs
         logprobs_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [B, V]
@@ -169,14 +173,15 @@ def _invert_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_sample_reference(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                            counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                            counters: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch twin of the fused GPU sampler (`layers/triton_sampler.py`): Gumbel-max.
 
     token = argmax_v(x_v + g_v) with x = logits / T and g_v = -log(-log u_v), u_v a hash of
     (seed, counter, v), which is an exact sample of softmax(x); greedy rows (T <= 0) take
     argmax x. Returns (token_ids [B] int64, logprobs [B] float32 = x_tok - logsumexp(x), T = 1
-    for greedy rows). Used on the GPU through its Triton twin; the CPU engine samples with
-    `sample`'s inverse CDF, which needs no per-token hash.
+    for greedy rows). `allowed` [B, V] bool restricts the draw (structured outputs), not the
+    logprob. Used on the GPU through its Triton twin; the CPU engine samples with `sample`'s
+    inverse CDF, which needs no per-token hash.
     """
     greedy = temperature <= 0
     inv_t = torch.where(greedy, torch.ones_like(temperature), 1.0 / torch.where(greedy, torch.ones_like(temperature), temperature))
@@ -187,6 +192,8 @@ def gumbel_sample_reference(logits: torch.Tensor, temperature: torch.Tensor, see
     h = _mix32(h[:, None] ^ cols[None, :])  # [B, V]
     u = (h.float() + 0.5) * 2.3283064365386963e-10
     score = torch.where(greedy[:, None], x, x - torch.log(-torch.log(u)))
+    if allowed is not None:
+        score = score.masked_fill(~allowed, float("-inf"))
     token_ids = score.argmax(dim=-1)
     logprobs = x.gather(1, token_ids[:, None])[:, 0] - x.logsumexp(dim=-1)
     return token_ids, logprobs

@@ -9,8 +9,8 @@ Per step, in this order:
    tokens become -inf (and the rows are renormalized when top-p needs it); the sampler draws (and
    takes the argmax) from the result. The caller keeps the unmasked logprobs: the logprob
    returned for a sampled token is the model's own, before the mask, which is what the trainer
-   recomputes. Cost: the unpacking and the select are two passes over the [C, V] rows; a fused
-   GPU sampler would read the packed words directly (`unpack_bitmask` is the reference).
+   recomputes. On a GPU the fused sampler (`layers/triton_sampler.py`) reads the packed words
+   directly instead, when no row needs top-k/top-p or top logprobs.
 3. `mask.forced()` (host, after the step's device→host sync): per batch row, whether the grammar
    allowed exactly one token (the token was forced, not chosen).
 4. `advance(pairs)` (host): each matcher consumes its row's sampled token.
@@ -62,14 +62,24 @@ class GrammarMask:
     the device by `apply` otherwise (a reduction the GPU does nearly for free).
     """
 
-    __slots__ = ("_host_rows", "_num_allowed", "bits", "num_rows", "rows")
+    __slots__ = ("_host_rows", "_num_allowed", "bits", "num_rows", "row_index", "rows")
 
     def __init__(self, rows: list[int], bits: torch.Tensor, num_rows: int, num_allowed: list[int] | None = None) -> None:
         self._host_rows = rows
-        self.rows = torch.tensor(rows, dtype=torch.long).to(bits.device, non_blocking=True)
+        pinned = bits.device.type == "cuda"
+        self.rows = torch.tensor(rows, dtype=torch.long, pin_memory=pinned).to(bits.device, non_blocking=True)
+        index = [-1] * num_rows
+        for i, row in enumerate(rows):
+            index[row] = i
+        # [B] int32: each batch row's bitmask row, -1 for a free row (the fused GPU sampler reads it)
+        self.row_index = torch.tensor(index, dtype=torch.int32, pin_memory=pinned).to(bits.device, non_blocking=True)
         self.bits = bits
         self.num_rows = num_rows
         self._num_allowed: torch.Tensor | list[int] | None = num_allowed
+
+    def set_num_allowed(self, per_batch_row: torch.Tensor) -> None:
+        """Allowed-token counts [B] computed by the fused sampler (free rows ignored)."""
+        self._num_allowed = per_batch_row.index_select(0, self.rows)
 
     @classmethod
     def fill(cls, matchers: list[GrammarMatcher | None], device: torch.device) -> GrammarMask | None:

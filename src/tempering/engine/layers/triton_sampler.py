@@ -36,7 +36,8 @@ def _mix32(h):
 
 @triton.jit
 def _chunk_kernel(Logits, Temperature, Seeds, Counters, PartMax, PartSum, PartScore, PartIdx,
-                  V, stride_l, num_chunks, CHUNK_SIZE: tl.constexpr):
+                  MaskIndex, MaskBits, PartAllowed, stride_mask,
+                  V, stride_l, num_chunks, CHUNK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
@@ -56,9 +57,16 @@ def _chunk_kernel(Logits, Temperature, Seeds, Counters, PartMax, PartSum, PartSc
     gumbel = -tl.log(-tl.log(u))
     score = tl.where(greedy, x, x + gumbel)
     score = tl.where(valid, score, float("-inf"))
+    out = row * num_chunks + chunk
+    if HAS_MASK:  # structured outputs: draw among the grammar's allowed tokens (m and s stay unmasked)
+        mask_row = tl.load(MaskIndex + row)
+        if mask_row >= 0:
+            words = tl.load(MaskBits + mask_row * stride_mask + cols // 32, mask=valid, other=0)
+            allowed = ((words >> (cols % 32)) & 1) != 0
+            score = tl.where(allowed, score, float("-inf"))
+            tl.store(PartAllowed + out, tl.sum(allowed.to(tl.int32), 0))
     best = tl.max(score, 0)
     best_idx = tl.min(tl.where(score == best, cols, V), 0)  # lowest id among ties, like argmax
-    out = row * num_chunks + chunk
     tl.store(PartMax + out, m)
     tl.store(PartSum + out, s)
     tl.store(PartScore + out, best)
@@ -67,7 +75,7 @@ def _chunk_kernel(Logits, Temperature, Seeds, Counters, PartMax, PartSum, PartSc
 
 @triton.jit
 def _merge_kernel(Logits, Temperature, PartMax, PartSum, PartScore, PartIdx, TokenIds, Logprobs,
-                  stride_l, num_chunks, C_PAD: tl.constexpr):
+                  PartAllowed, NumAllowed, stride_l, num_chunks, C_PAD: tl.constexpr, HAS_MASK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, C_PAD)
     valid = c < num_chunks
@@ -85,19 +93,25 @@ def _merge_kernel(Logits, Temperature, PartMax, PartSum, PartScore, PartIdx, Tok
     x_tok = tl.load(Logits + row * stride_l + token).to(tl.float32) * inv_t
     tl.store(TokenIds + row, token.to(tl.int64))
     tl.store(Logprobs + row, x_tok - lse)
+    if HAS_MASK:
+        tl.store(NumAllowed + row, tl.sum(tl.load(PartAllowed + base, mask=valid, other=0), 0))
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                  counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                  mask_bits: torch.Tensor | None = None, mask_index: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One token per row by Gumbel-max, and its logprob.
 
     Args:
         logits: [B, V] (any float dtype, last dim contiguous).
         temperature: [B] float32; <= 0 means greedy.
         seeds, counters: [B] int64, the row's random stream and the index of the token drawn.
+        mask_bits: [C, ceil(V/32)] int32 allowed-token bitmasks (bit v % 32 of word v // 32), or None.
+        mask_index: [B] int32, each row's bitmask row (-1: the row is free).
 
     Returns:
-        (token_ids [B] int64, logprobs [B] float32).
+        (token_ids [B] int64, logprobs [B] float32 under the unmasked distribution, and with a
+        mask the number of allowed tokens per row [B] int32 (0 for free rows)).
     """
     B, V = logits.shape
     num_chunks = triton.cdiv(V, CHUNK)
@@ -105,8 +119,16 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     part_idx = torch.empty(B, num_chunks, dtype=torch.int32, device=logits.device)
     token_ids = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    has_mask = mask_bits is not None
+    if has_mask:
+        part_allowed = torch.zeros(B, num_chunks, dtype=torch.int32, device=logits.device)
+        num_allowed = torch.empty(B, dtype=torch.int32, device=logits.device)
+    else:
+        mask_bits = mask_index = part_allowed = num_allowed = part_idx  # unused
     _chunk_kernel[(B, num_chunks)](logits, temperature, seeds, counters, parts[0], parts[1], parts[2], part_idx,
-                                   V, logits.stride(0), num_chunks, CHUNK_SIZE=CHUNK, num_warps=8)
+                                   mask_index, mask_bits, part_allowed, mask_bits.stride(0),
+                                   V, logits.stride(0), num_chunks, CHUNK_SIZE=CHUNK, HAS_MASK=has_mask, num_warps=8)
     _merge_kernel[(B,)](logits, temperature, parts[0], parts[1], parts[2], part_idx, token_ids, logprobs,
-                        logits.stride(0), num_chunks, C_PAD=max(16, triton.next_power_of_2(num_chunks)))
-    return token_ids, logprobs
+                        part_allowed, num_allowed, logits.stride(0), num_chunks,
+                        C_PAD=max(16, triton.next_power_of_2(num_chunks)), HAS_MASK=has_mask)
+    return token_ids, logprobs, num_allowed if has_mask else None
