@@ -23,6 +23,7 @@ from .errors import (
 )
 from .gather import gather_trajectories, gather_trajectory_groups
 from .model import Model, TrainableModel
+from .pipeline_trainer import PipelineResult, PipelineTrainer, make_group_rollout_fn
 from .sft import read_sft_jsonl, train_sft_from_file
 from .types import (
     History,
@@ -53,6 +54,8 @@ __all__ = [
     "MessagesAndChoices",
     "MissingDependencyError",
     "Model",
+    "PipelineResult",
+    "PipelineTrainer",
     "PydanticException",
     "RemoteBackend",
     "TemperingError",
@@ -68,6 +71,7 @@ __all__ = [
     "__version__",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "make_group_rollout_fn",
     "read_sft_jsonl",
     "rewards",
     "train_sft_from_file",

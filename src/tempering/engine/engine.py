@@ -3,9 +3,9 @@
 A worker thread owns the scheduler, block manager and model runner. `submit()` (any thread)
 queues a request and returns a Future; the worker turns it into n sequences, steps while there
 is work, and resolves the Future when all n samples are done. Each step holds `lock`, which the
-trainer takes for a whole training step, so weights never change inside a step. A sequence
-that spans a training step samples its later tokens from the new policy; each token's logprob
-is recorded under the policy that sampled it.
+trainer takes while it changes the weights (an optimizer update), so weights never change inside
+a step. A sequence that spans a training step samples its later tokens from the new policy; each
+token's logprob and policy version are recorded under the policy that sampled it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Engine:
         model: the engine's decoder, bound to the HF model's weights.
         tokenizer: for stop strings and text.
         stop_token_ids: ids that end a sample.
-        lock: held during each step; the trainer holds it during a training step.
+        lock: held during each step; the trainer holds it while it writes the weights.
         config: batching and cache settings.
         max_seq_len: the model's context length.
         peft_model: returns the PEFT model whose adapters requests name (None before training).
@@ -196,6 +196,9 @@ class Engine:
             raise EngineError("the scheduler could not place any request (KV cache too small?)")
         with self.lock:
             sampled = self.runner.run(batch)
+            # (issue 12) the version of the weights this step read, read under the lock, where the
+            # trainer changes weights and version together: stamped on each token sampled
+            versions = [out.seq.request.policy.version for out in sampled]
         stats = self.stats
         stats.num_steps += 1
         stats.num_decode_tokens += len(batch.decode)
@@ -206,10 +209,11 @@ class Engine:
                 stats.num_cached_tokens += seq.num_cached_tokens
         for seq, n in batch.items():
             seq.num_computed_tokens += n
-        for out in sampled:
+        for out, version in zip(sampled, versions):
             seq = out.seq
             seq.token_ids.append(out.token_id)
             seq.logprobs.append(out.logprob)
+            seq.policy_versions.append(version)
             seq.top_logprobs.append(out.top)
             seq.finish_reason = finish_reason_of(
                 seq.completion_ids, seq.request.params, seq.max_tokens, self.stop_token_ids, self.tokenizer
@@ -226,7 +230,8 @@ class Engine:
             return
         del self._pending[id(request)]
         completions = [
-            completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params, self.tokenizer)
+            completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params, self.tokenizer,
+                          policy_versions=s.policy_versions)
             for s in seqs
         ]
         request.future.set_result(completions)

@@ -38,6 +38,8 @@ def completion_of(
     finish_reason: str | None,
     params: SamplingParams,
     tokenizer: Any,
+    *,
+    policy_versions: list[int] | None = None,
 ) -> Completion:
     """The Completion of a finished sample: text without special tokens, cut before the first stop string."""
     text = tokenizer.decode(completion_ids, skip_special_tokens=True)
@@ -52,4 +54,5 @@ def completion_of(
         text=text,
         finish_reason=finish_reason or "length",
         logprob_temperature=params.logprob_temperature,
+        policy_versions=list(policy_versions or []),
     )
