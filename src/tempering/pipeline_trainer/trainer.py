@@ -71,6 +71,8 @@ class PipelineResult:
         num_stale_groups_dropped: finished groups older than `max_staleness` steps, not trained.
         num_failed_groups: groups whose every rollout failed.
         val_rewards: mean `val` reward of each validated step.
+        step_wall_s: seconds of each training step counted from the end of the one before (the
+            first from the start of the run, so it includes filling the pipeline).
         wall_s: seconds from start to end, validation included.
     """
 
@@ -81,6 +83,7 @@ class PipelineResult:
     num_stale_groups_dropped: int = 0
     num_failed_groups: int = 0
     val_rewards: dict[int, float] = field(default_factory=dict)
+    step_wall_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
 
 
@@ -298,6 +301,7 @@ class PipelineTrainer:
 
     async def _training_stage(self) -> None:
         result = self._result
+        last_end = time.perf_counter()
         while self.max_steps is None or result.num_steps < self.max_steps:
             wait_start = time.perf_counter()
             batch = await self._next_batch()
@@ -317,6 +321,9 @@ class PipelineTrainer:
                 self._version = train.step
                 self._is_training = False
                 self._changed.notify_all()
+            now = time.perf_counter()
+            result.step_wall_s.append(now - last_end)
+            last_end = now
             result.num_steps += 1
             result.num_groups_trained += len(batch)
             result.num_trajectories_trained += sum(len(g) for g in batch)
