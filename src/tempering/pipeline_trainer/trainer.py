@@ -179,8 +179,11 @@ class PipelineTrainer:
 
     # ---- the run ------------------------------------------------------------------------------
 
-    async def train(self) -> PipelineResult:
+    async def train(self, *, handle_signals: bool = True) -> PipelineResult:
         """Run the pipeline until `max_steps` or the end of the scenarios; returns what it did.
+
+        `handle_signals` is accepted for ART compatibility: tempering installs no signal handlers;
+        Ctrl-C (or cancelling the task) cancels every stage, and the last saved step stays good.
 
         Raises:
             whatever a rollout raised past `max_exceptions`, or a training call raised; the other
