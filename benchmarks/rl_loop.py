@@ -12,8 +12,8 @@ process, on one backend and model, after a warm-up iteration:
   ones (both figures are printed).
 
 Prints one JSON line: seconds per iteration, trained (completion) tokens per second of each
-variant, their ratio, and on CUDA the fraction of samples in which NVML saw the GPU busy (needs
-`pip install nvidia-ml-py`; null without it).
+variant, their ratio, and on CUDA the fraction of wall-clock the GPU was busy, from NVML's
+utilization counter (needs `pip install nvidia-ml-py`; null without it).
 
     python benchmarks/rl_loop.py                  # CPU, the default model, small shapes
     python benchmarks/rl_loop.py --device cuda    # Qwen2.5-1.5B-shaped random bf16 model, 32 x 8,
@@ -44,7 +44,8 @@ CPU_SHAPES = dict(groups=4, group_size=4, prompt_tokens=32, new_tokens=32, itera
 
 
 class BusySampler:
-    """The fraction of NVML samples (every `period_s`) in which the GPU was running a kernel."""
+    """The fraction of wall-clock the GPU ran a kernel: NVML's utilization (the percent of its last
+    sample period with a kernel running), read every `period_s` and averaged."""
 
     def __init__(self, device: torch.device, period_s: float = 0.05) -> None:
         self.device, self.period_s = device, period_s
@@ -73,7 +74,7 @@ class BusySampler:
 
     @property
     def fraction(self) -> float | None:
-        return sum(s > 0 for s in self.samples) / len(self.samples) if self.samples else None
+        return round(sum(self.samples) / len(self.samples) / 100, 3) if self.samples else None
 
 
 def make_prompts(tokenizer, renderer, count: int, num_tokens: int, seed: int = 0) -> list[str]:

@@ -194,7 +194,6 @@ class PipelineTrainer:
         self._result = PipelineResult(step=self._version)
         self._ready: list[TrajectoryGroup] = []
         self._num_running = 0
-        self._num_started = 0
         self._is_training = False
         self._is_exhausted = False
         self._changed = asyncio.Condition()
@@ -320,14 +319,14 @@ class PipelineTrainer:
                     self._is_training = False
                     self._changed.notify_all()
                 raise
-            async with self._changed:  # the new version and the looser bound together
+            async with self._changed:  # the new version, the step count and the looser bound together
                 self._version = train.step
                 self._is_training = False
+                result.num_steps += 1
                 self._changed.notify_all()
             now = time.perf_counter()
             result.step_wall_s.append(now - last_end)
             last_end = now
-            result.num_steps += 1
             result.num_groups_trained += len(batch)
             result.num_trajectories_trained += sum(len(g) for g in batch)
             await self.model.log(None, split="train", step=data_step, metrics={
@@ -353,6 +352,8 @@ class PipelineTrainer:
                 output = await self.eval_fn(self.model, step, self.config)
                 splits = output if isinstance(output, Mapping) else {"val": output}
                 for split, items in splits.items():
+                    if not items:
+                        continue
                     row = await self.model.log(list(items), split=split, step=step)
                     if split == "val" and "val/reward" in row:
                         self._result.val_rewards[step] = row["val/reward"]
