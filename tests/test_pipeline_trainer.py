@@ -9,6 +9,7 @@ import math
 import pytest
 
 import tempering as art
+from tempering.engine import EngineConfig
 from tempering.errors import ConfigError
 
 PROMPTS = [f"What is {a}+{b}? Answer with just the number." for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4)]]
@@ -33,7 +34,7 @@ async def validate(model, step, config):
 
 def test_the_pipeline_trains_while_rollouts_run_within_the_staleness_bound(tmp_path):
     async def run():
-        async with art.LocalBackend(path=tmp_path) as backend:
+        async with art.LocalBackend(path=tmp_path, engine_config=EngineConfig(cpu_kv_cache_bytes=256 << 20)) as backend:
             model = art.TrainableModel(name="pipe", project="tests", base_model="SmolLM2-135M-Instruct")
             await model.register(backend)
             with pytest.raises(ConfigError, match="same option"):

@@ -13,7 +13,7 @@ import torch
 from openai.types.chat.chat_completion import Choice
 
 import tempering as art
-from tempering.engine import SamplingParams
+from tempering.engine import EngineConfig, SamplingParams
 from tempering.training import tokenize_trajectory
 
 PROMPTS = ["What is 3+4? Answer with just the number.", "Name a color."]
@@ -42,18 +42,9 @@ def as_choice(prompt_ids, completion, tokenizer):
     })
 
 
-def logprobs_of(model, ids, start):
-    """log p(ids[t] | ids[:t]) at temperature 1 for t >= start, under `model` (fp32, no cache)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, start - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[start:])[:, None])[:, 0]
-
-
-def test_a_rollout_spanning_a_training_step_keeps_sampling_and_trains_with_its_sampled_logprobs(tmp_path, hf_model):
-    base_model, _ = hf_model
-
+def test_a_rollout_spanning_a_training_step_keeps_sampling_and_trains_with_its_sampled_logprobs(tmp_path):
     async def run():
-        async with art.LocalBackend(path=tmp_path) as backend:
+        async with art.LocalBackend(path=tmp_path, engine_config=EngineConfig(cpu_kv_cache_bytes=256 << 20)) as backend:
             model = art.TrainableModel(name="span", project="tests", base_model="SmolLM2-135M-Instruct")
             await model.register(backend)
             groups = await art.gather_trajectory_groups(
@@ -101,16 +92,21 @@ def test_a_rollout_spanning_a_training_step_keeps_sampling_and_trains_with_its_s
 
     ids = prompt + completion.token_ids
     engine = torch.tensor(completion.logprobs)
-    old = logprobs_of(base_model, ids, len(prompt))  # version 0: the base model (the adapter starts at B = 0)
+    peft_model, cut = service.trainer.peft_model, len(prompt) + k - 1
+
+    def logprobs(logits, targets):  # at temperature 1, as sampled
+        return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(targets)[:, None])[:, 0]
+
+    with torch.no_grad(), peft_model.disable_adapter():  # version 0: the base model (the adapter starts at B = 0)
+        old = logprobs(peft_model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1], completion.token_ids)
     assert (engine[:k] - old[:k]).abs().max() < 1e-3  # sampled under the old weights
     # the later tokens were sampled by the new adapter, attending to the cache the old one wrote for
     # the earlier tokens (what an in-flight update means): recompute exactly that
-    peft_model, cut = service.trainer.peft_model, len(prompt) + k - 1
     with torch.no_grad():
         with peft_model.disable_adapter():
             cache = peft_model(torch.tensor([ids[:cut]]), use_cache=True).past_key_values
-        logits = peft_model(torch.tensor([ids[cut:-1]]), past_key_values=cache, use_cache=True).logits[0].float()
-    new = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion.token_ids[k:])[:, None])[:, 0]
+        new = logprobs(peft_model(torch.tensor([ids[cut:-1]]), past_key_values=cache, use_cache=True).logits[0],
+                       completion.token_ids[k:])
     assert (new - old[k:]).abs().mean() > 1e-3  # the update changed these tokens' probabilities ...
     assert (engine[k:] - new).abs().max() < 1e-3  # ... and they were sampled by it
 
