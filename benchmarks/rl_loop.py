@@ -36,11 +36,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import torch
 
-GPU_SHAPES = dict(groups=32, group_size=8, prompt_tokens=128, new_tokens=1024, iterations=5)
-CPU_SHAPES = dict(groups=4, group_size=4, prompt_tokens=32, new_tokens=32, iterations=3)
+GPU_SHAPES = {"groups": 32, "group_size": 8, "prompt_tokens": 128, "new_tokens": 1024, "iterations": 5}
+CPU_SHAPES = {"groups": 4, "group_size": 4, "prompt_tokens": 32, "new_tokens": 32, "iterations": 3}
 
 
 class BusySampler:
@@ -53,7 +54,7 @@ class BusySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> BusySampler:
+    def __enter__(self) -> Self:
         if self.device.type == "cuda":
             try:
                 torch.cuda.utilization(self.device)

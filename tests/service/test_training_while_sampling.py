@@ -82,7 +82,7 @@ def test_a_rollout_spanning_a_training_step_keeps_sampling_and_trains_with_its_s
             completion = (await asyncio.wrap_future(future))[0]
             return model, backend, service, prompt, completion, marks, result
 
-    model, backend, service, prompt, completion, marks, result = asyncio.run(run())
+    _, _, service, prompt, completion, marks, result = asyncio.run(run())
     versions = completion.policy_versions
     assert result.step == 1
     k = versions.index(1)  # the first token sampled by the new adapter

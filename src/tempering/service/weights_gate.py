@@ -18,6 +18,7 @@ Enter the gate with the stream that will do the work current.
 from __future__ import annotations
 
 import threading
+from typing import Self
 
 import torch
 
@@ -46,7 +47,7 @@ class WeightsGate:
         self._is_cuda = self._device.type == "cuda"
         self._event: torch.cuda.Event | None = None  # recorded by the last holder as it left
 
-    def __enter__(self) -> WeightsGate:
+    def __enter__(self) -> Self:
         self._lock.acquire()
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)  # after the previous holder's work

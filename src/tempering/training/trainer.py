@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -64,7 +64,7 @@ class _NoGate:
 
     version = 0
 
-    def __enter__(self) -> _NoGate:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
