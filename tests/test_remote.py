@@ -124,6 +124,29 @@ def test_a_remote_client_runs_the_whole_loop(server, loop):
     assert (root / "tests" / "models" / "remote-loop" / "checkpoints" / "0002" / "adapter_model.safetensors").is_file()
 
 
+def test_a_remote_pipeline_with_max_staleness_0_trains_on_policy(server, loop):
+    url, _ = server
+
+    async def group_rollout(model, prompt, config):
+        return await art.TrajectoryGroup(rollout(model, prompt) for _ in range(2))
+
+    async def go():
+        async with art.RemoteBackend(url, KEY) as backend:
+            model = art.TrainableModel(name="remote-pipe", project="tests", base_model="SmolLM2-135M-Instruct")
+            await model.register(backend)
+            pipeline = art.PipelineTrainer(model, backend, group_rollout, ["Name a color.", "Say a number."] * 4,
+                                           groups_per_step=2, max_staleness=0, max_steps=2, learning_rate=1e-3,
+                                           pbar=False)
+            result = await pipeline.train()
+            return result, await backend._read_history(model)
+
+    result, history = loop.run_until_complete(go())
+    assert result.step == 2 and result.num_trajectories_trained == 8 and result.num_stale_groups_dropped == 0
+    train_rows = [r for r in history if "train/reward" in r]
+    assert [r["offpolicy/policy_age_max"] for r in train_rows] == [0.0, 0.0]  # no rollout ran during a step
+    assert all(r["data/step_num_trajectories_spanning_update"] == 0 for r in train_rows)
+
+
 def test_every_route_needs_the_key_and_the_spec_is_served(server):
     url, _ = server
     for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/register"),

@@ -26,6 +26,7 @@ from .errors import (
 )
 from .gather import gather_trajectories, gather_trajectory_groups
 from .model import Model, TrainableModel
+from .pipeline_trainer import PipelineResult, PipelineTrainer, make_group_rollout_fn
 from .sft import read_sft_jsonl, train_sft_from_file
 from .types import (
     History,
@@ -58,6 +59,8 @@ __all__ = [
     "MessagesAndChoices",
     "MissingDependencyError",
     "Model",
+    "PipelineResult",
+    "PipelineTrainer",
     "PydanticException",
     "RemoteBackend",
     "TemperingError",
@@ -77,6 +80,7 @@ __all__ = [
     "gather_trajectories",
     "gather_trajectory_groups",
     "local",
+    "make_group_rollout_fn",
     "read_sft_jsonl",
     "retry",
     "rewards",

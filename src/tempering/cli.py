@@ -19,6 +19,8 @@ def demo(
     num_val: Annotated[int, typer.Option(help="held-out validation problems")] = 64,
     path: Annotated[Path, typer.Option(help="storage root")] = Path(".tempering"),
     seed: Annotated[int, typer.Option(help="seed of the problem sets")] = 0,
+    max_staleness: Annotated[int | None, typer.Option(
+        help="pipeline the steps (rollouts run while the model trains), trained tokens at most this many steps old")] = None,
 ) -> None:
     """Train the default model (SmolLM2-135M-Instruct) on addition and show the reward rising."""
     from transformers.utils import logging as hf_logging
@@ -28,7 +30,7 @@ def demo(
     hf_logging.disable_progress_bar()
     result = run_demo(
         path=path, steps=steps, groups_per_step=groups_per_step, group_size=group_size,
-        learning_rate=learning_rate, num_val=num_val, seed=seed, echo=typer.echo,
+        learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness, echo=typer.echo,
     )
     typer.echo("")
     typer.echo(f"validation reward: {result.val_reward_before:.3f} -> {result.val_reward_after:.3f} "

@@ -134,6 +134,15 @@ class Trajectory(BaseModel):
         main = History(messages_and_choices=self.messages_and_choices, tools=self.tools)
         return [main, *self.additional_histories]
 
+    def policy_versions(self) -> list[int]:
+        """The policy version (training step) of every sampled token, over all histories in order.
+
+        Read from each Choice's `policy_versions`, which a tempering server stamps on every token
+        it samples; tokens of choices without it are left out.
+        """
+        return [int(v) for history in self.histories() for item in history.messages_and_choices
+                if isinstance(item, Choice) for v in getattr(item, "policy_versions", None) or []]
+
     def log(self, message: str) -> None:
         self.logs.append(message)
 

@@ -22,7 +22,7 @@ class LivePolicy:
     adapter_name = "default"
 
     def __init__(self, version=1):
-        self.cache_version = version
+        self.cache_version = self.version = version
 
     @contextlib.contextmanager
     def activate(self):

@@ -1,4 +1,9 @@
-"""`tempering demo`: train the default model on addition and show the validation reward rise."""
+"""`tempering demo`: train the default model on addition and show the validation reward rise.
+
+The loop is the explicit one (gather, then train) by default; with `max_staleness` it is a
+PipelineTrainer on the same problems in the same order, validating the saved steps in the
+background (benchmarks/pipeline_learning.py compares the two).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from pathlib import Path
 from ..backends.local import LocalBackend
 from ..gather import gather_trajectory_groups
 from ..model import TrainableModel
+from ..pipeline_trainer import PipelineTrainer
 from ..service.base_model import DEFAULT_BASE_MODEL
 from ..storage import ModelPaths, plot_history, read_history
 from ..types import TrainConfig, TrajectoryGroup
@@ -26,7 +32,10 @@ class DemoResult:
     val_reward_before: float
     val_reward_after: float
     train_rewards: list[float] = field(default_factory=list)
+    val_rewards: dict[int, float] = field(default_factory=dict)  # step -> validation reward
+    num_trajectories_trained: int = 0
     seconds: float = 0.0
+    training_seconds: float = 0.0  # from the end of the first validation to the end of the last
     plot_path: Path | None = None
     history_path: Path | None = None
 
@@ -35,11 +44,14 @@ class DemoResult:
         return self.val_reward_after - self.val_reward_before
 
 
-async def _validate(model: TrainableModel, task: AdditionTask, scenarios: list[Scenario], samples: int) -> float:
+async def _validate(model: TrainableModel, task: AdditionTask, scenarios: list[Scenario], samples: int,
+                    step: int | None = None) -> float:
+    """The mean reward on `scenarios` of the live policy, or of saved `step` (logged at that step)."""
     groups = await gather_trajectory_groups(
-        (TrajectoryGroup(task.rollout(model, s) for _ in range(samples)) for s in scenarios), pbar_desc="validate"
+        (TrajectoryGroup(task.rollout(model, s, step=step) for _ in range(samples)) for s in scenarios),
+        pbar_desc="validate" if step is None else None,
     )
-    metrics = await model.log(groups, split="val")
+    metrics = await model.log(groups, split="val", step=step)
     return metrics["val/reward"]
 
 
@@ -55,12 +67,14 @@ async def run_demo_async(
     seed: int = 0,
     val_every: int = 4,
     name: str | None = None,
+    max_staleness: int | None = None,
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
     """Train on `steps` × `groups_per_step` addition problems (`group_size` rollouts each).
 
     Validation uses `num_val` held-out problems, `val_samples` samples each, at the rollout
     temperature, before the first step, every `val_every` steps and after the last.
+    `max_staleness` (None: the sequential gather-then-train loop) pipelines the same steps.
     """
     start = time.perf_counter()
     task = AdditionTask()
@@ -73,27 +87,19 @@ async def run_demo_async(
         echo(f"validation before training: {num_val} held-out problems x {val_samples} samples")
         before = await _validate(model, task, val_scenarios, val_samples)
         echo(f"  val/reward = {before:.3f}")
-        result = DemoResult(name, before, before)
+        result = DemoResult(name, before, before, val_rewards={await model.get_step(): before})
         config = TrainConfig(learning_rate=learning_rate)
         held_out = set(val_scenarios)
-        for step in range(await model.get_step(), steps):
-            scenarios = task.scenarios(groups_per_step, seed=seed + step, exclude=held_out)
-            groups = await gather_trajectory_groups(
-                (TrajectoryGroup(task.rollout(model, s) for _ in range(group_size)) for s in scenarios),
-                pbar_desc=f"step {step + 1}/{steps}",
-            )
-            train = await model.train(groups, config=config)
-            reward = train.metrics.get("train/reward", float("nan"))
-            result.train_rewards.append(reward)
-            echo(
-                f"step {step + 1:>2}/{steps}: train/reward {reward:.3f}  "
-                f"loss {train.metrics.get('loss/train', float('nan')):+.4f}  "
-                f"trainable groups {int(train.metrics.get('data/step_num_groups_trainable', 0))}/{groups_per_step}  "
-                f"{train.metrics.get('time/step_wall_s', 0):.1f} s"
-            )
-            if step + 1 == steps or (val_every and (step + 1) % val_every == 0):
-                result.val_reward_after = await _validate(model, task, val_scenarios, val_samples)
-                echo(f"  val/reward after step {step + 1} = {result.val_reward_after:.3f}")
+        training_start = time.perf_counter()
+        if max_staleness is None:
+            await _sequential(model, task, result, steps=steps, groups_per_step=groups_per_step, group_size=group_size,
+                              config=config, seed=seed, held_out=held_out, val=(val_scenarios, val_samples, val_every),
+                              echo=echo)
+        else:
+            await _pipelined(model, backend, task, result, steps=steps, groups_per_step=groups_per_step,
+                             group_size=group_size, config=config, max_staleness=max_staleness, seed=seed,
+                             held_out=held_out, val=(val_scenarios, val_samples, val_every), echo=echo)
+        result.training_seconds = time.perf_counter() - training_start
     paths = ModelPaths(path, model.project, name)
     result.history_path = paths.history
     result.plot_path = plot_history(
@@ -105,6 +111,63 @@ async def run_demo_async(
     )
     result.seconds = time.perf_counter() - start
     return result
+
+
+async def _sequential(model: TrainableModel, task: AdditionTask, result: DemoResult, *, steps: int,
+                      groups_per_step: int, group_size: int, config: TrainConfig, seed: int, held_out: set[Scenario],
+                      val: tuple[list[Scenario], int, int], echo: Callable[[str], None]) -> None:
+    """The explicit loop: gather a step's groups, train on them, validate every `val_every` steps."""
+    val_scenarios, val_samples, val_every = val
+    for step in range(await model.get_step(), steps):
+        scenarios = task.scenarios(groups_per_step, seed=seed + step, exclude=held_out)
+        groups = await gather_trajectory_groups(
+            (TrajectoryGroup(task.rollout(model, s) for _ in range(group_size)) for s in scenarios),
+            pbar_desc=f"step {step + 1}/{steps}",
+        )
+        train = await model.train(groups, config=config)
+        reward = train.metrics.get("train/reward", float("nan"))
+        result.train_rewards.append(reward)
+        result.num_trajectories_trained += sum(len(g) for g in groups)
+        echo(
+            f"step {step + 1:>2}/{steps}: train/reward {reward:.3f}  "
+            f"loss {train.metrics.get('loss/train', float('nan')):+.4f}  "
+            f"trainable groups {int(train.metrics.get('data/step_num_groups_trainable', 0))}/{groups_per_step}  "
+            f"{train.metrics.get('time/step_wall_s', 0):.1f} s"
+        )
+        if step + 1 == steps or (val_every and (step + 1) % val_every == 0):
+            result.val_reward_after = await _validate(model, task, val_scenarios, val_samples)
+            result.val_rewards[step + 1] = result.val_reward_after
+            echo(f"  val/reward after step {step + 1} = {result.val_reward_after:.3f}")
+
+
+async def _pipelined(model: TrainableModel, backend: LocalBackend, task: AdditionTask, result: DemoResult, *,
+                     steps: int, groups_per_step: int, group_size: int, config: TrainConfig, max_staleness: int,
+                     seed: int, held_out: set[Scenario], val: tuple[list[Scenario], int, int],
+                     echo: Callable[[str], None]) -> None:
+    """The demo's steps through a PipelineTrainer: the problems of step k are `seed + k`'s, in order."""
+    start = await model.get_step()
+    scenarios = [s for step in range(start, steps) for s in task.scenarios(groups_per_step, seed=seed + step, exclude=held_out)]
+    val_scenarios, val_samples, val_every = val
+
+    async def rollout(model, scenario, _config):
+        return await task.rollout(model, scenario)
+
+    async def evaluate(model, step, _config):
+        reward = await _validate(model, task, val_scenarios, val_samples, step=step)
+        echo(f"  val/reward after step {step} = {reward:.3f}")
+        result.val_rewards[step] = reward
+        return []  # already logged at `step`
+
+    echo(f"pipelined: {steps - start} steps, max_staleness={max_staleness}")
+    pipeline = PipelineTrainer(model, backend, rollout, scenarios, eval_fn=evaluate, group_size=group_size,
+                               groups_per_step=groups_per_step, max_staleness=max_staleness, max_steps=steps - start,
+                               train_config=config, eval_every_n_steps=val_every or steps, eval_at_start=False)
+    done = await pipeline.train()
+    result.num_trajectories_trained += done.num_trajectories_trained
+    if result.val_rewards:
+        result.val_reward_after = result.val_rewards[max(result.val_rewards)]
+    rows = [r for r in await backend._read_history(model) if "train/reward" in r and r["step"] >= start]
+    result.train_rewards += [r["train/reward"] for r in sorted(rows, key=lambda r: r["step"])]
 
 
 def run_demo(**kwargs) -> DemoResult:

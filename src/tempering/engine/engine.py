@@ -15,7 +15,7 @@ was collected and its tokens advanced the grammars' matchers (their bitmasks nee
 Launching a step holds `lock`, which the trainer takes while it changes weights; a launch sees
 either the old weights or the new ones, and the device runs the work in launch order. A sequence
 that spans a training step samples its later tokens from the new policy; each token's logprob
-is recorded under the policy that sampled it.
+and policy version are recorded under the policy that sampled them.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Engine:
         model: the engine's decoder, bound to the HF model's weights.
         tokenizer: for stop strings and text.
         stop_token_ids: ids that end a sample.
-        lock: held during each step; the trainer holds it during a training step.
+        lock: held during each step; the trainer holds it while it writes the weights.
         config: batching and cache settings.
         max_seq_len: the model's context length.
         peft_model: returns the PEFT model whose adapters requests name (None before training).
@@ -214,6 +214,8 @@ class Engine:
         if batch:
             with self.lock:
                 launched = self.runner.launch(batch, self._in_flight)
+                if launched is not None:  # the version of the weights this step reads, stamped on its tokens
+                    launched.versions = [s.request.policy.version for s in launched.seqs]
             stats = self.stats
             stats.num_steps += 1
             stats.num_decode_tokens += len(batch.decode)
@@ -251,6 +253,7 @@ class Engine:
             seq.num_pending -= 1
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
+            seq.policy_versions.append(sampled.versions[j])
             if seq.grammar is not None:
                 seq.forced.append(sampled.forced[j])
             seq.finish_reason = finish_reason_at(seq.token_ids, index, index + 1 - seq.num_prompt_tokens,
@@ -271,7 +274,8 @@ class Engine:
         del self._pending[id(request)]
         completions = [
             completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params, self.tokenizer,
-                          forced=s.forced if s.grammar is not None else None)
+                          forced=s.forced if s.grammar is not None else None,
+                          policy_versions=s.policy_versions)
             for s in seqs
         ]
         request.future.set_result(completions)

@@ -42,6 +42,7 @@ class _Row:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     grammar: GrammarMatcher | None = None  # structured outputs: this sample's matcher
     forced: list[bool] = field(default_factory=list)
@@ -258,6 +259,7 @@ class HFEngine:
         k = row.request.params.num_top_logprobs
         row.token_ids.append(token_id)
         row.logprobs.append(logprob)
+        row.policy_versions.append(row.request.policy.version)  # read under `lock`, held for the whole batch
         row.top_logprobs.append(list(zip(top[0][:k], top[1][:k])) if top and k else [])
         row.finish_reason = finish_reason_of(
             row.token_ids, row.request.params, row.max_tokens, self.stop_token_ids, self.tokenizer
@@ -269,4 +271,5 @@ class HFEngine:
         return completion_of(
             row.token_ids, row.logprobs, row.top_logprobs, row.finish_reason, row.request.params, self.tokenizer,
             forced=row.forced if row.grammar is not None else None,
+            policy_versions=row.policy_versions,
         )

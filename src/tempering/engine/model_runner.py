@@ -20,7 +20,7 @@ it blocks, so a step copies its rows with one numpy gather instead of rebuilding
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ class SampledTokens:
     logprobs: list[float]
     top: list[list[tuple[int, float]]] | None  # per row, when some row asked for top logprobs
     forced: list[bool] | None = None  # per row, when some row follows a grammar: it allowed only this token
+    versions: list[int] | None = None  # per row, the policy version of the weights that sampled it
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class LaunchedStep:
         done: recorded after the copies (None on CPU, where they are already done).
         deferred: (logits [S, V], options) while a step with grammar rows waits to be sampled.
         grammar_mask: the step's grammar bitmasks, when some row follows a grammar.
+        versions: per row, the policy version of the weights the step read (set at launch).
     """
 
     seqs: list[Sequence]
@@ -83,6 +85,7 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None
     deferred: tuple[torch.Tensor, SamplingTensors] | None = None
     grammar_mask: GrammarMask | None = None
+    versions: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -292,7 +295,8 @@ class ModelRunner:
             tops = [list(zip(top_ids[j][: s.request.params.num_top_logprobs], top_lps[j]))
                     for j, s in enumerate(step.seqs)]
         forced = step.grammar_mask.forced() if step.grammar_mask is not None else None
-        return SampledTokens(step.seqs, step.indices, step.host_ids.tolist(), step.host_logprobs.tolist(), tops, forced)
+        return SampledTokens(step.seqs, step.indices, step.host_ids.tolist(), step.host_logprobs.tolist(), tops, forced,
+                             step.versions or [0] * len(step.seqs))
 
     def _graphable(self, batch: ScheduledBatch, lora: list[LoRASegment]) -> bool:
         """A decode-only batch that fits a graph bucket, with one adapter (or none) for all rows."""

@@ -21,12 +21,15 @@ class Policy(Protocol):
         adapter_name: the PEFT adapter to apply (None: the base weights).
         cache_version: changes whenever that adapter's weights change, so KV blocks computed
             under older weights are never reused (part of the prefix-cache key).
+        version: the policy version of these weights (the training step that produced them);
+            read at every step under the engine's lock and stamped on each token sampled.
     `activate()` makes these weights the ones the transformers model computes with.
     """
 
     key: Hashable
     adapter_name: str | None
     cache_version: Hashable
+    version: int
 
     def activate(self) -> contextlib.AbstractContextManager[None]: ...
 
@@ -37,6 +40,7 @@ class BasePolicy:
     key: Hashable = "base"
     adapter_name: str | None = None
     cache_version: Hashable = 0
+    version: int = 0
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[None]:
@@ -57,6 +61,8 @@ class Completion:
         logprob_temperature: the temperature the logprobs were computed at.
         forced: for a grammar-constrained sample, per sampled token whether the grammar allowed
             only that token; None for a free sample.
+        policy_versions: per sampled token, the policy version of the weights that sampled it
+            (a sample that spans a training step has two).
     """
 
     token_ids: list[int]
@@ -66,6 +72,7 @@ class Completion:
     finish_reason: str
     logprob_temperature: float
     forced: list[bool] | None = None
+    policy_versions: list[int] = field(default_factory=list)
 
 
 TokenCallback = Callable[[int, int, float, list[tuple[int, float]]], None]

@@ -51,6 +51,7 @@ class Sequence:
     last_block_hash: int | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)  # per sampled token: the version that sampled it
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_pending: int = 0

@@ -49,7 +49,9 @@ def completion_of(
     finish_reason: str | None,
     params: SamplingParams,
     tokenizer: Any,
+    *,
     forced: list[bool] | None = None,
+    policy_versions: list[int] | None = None,
 ) -> Completion:
     """The Completion of a finished sample: text without special tokens, cut before the first stop string."""
     text = tokenizer.decode(completion_ids, skip_special_tokens=True)
@@ -65,4 +67,5 @@ def completion_of(
         finish_reason=finish_reason or "length",
         logprob_temperature=params.logprob_temperature,
         forced=forced,
+        policy_versions=list(policy_versions or []),
     )

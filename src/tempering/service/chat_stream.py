@@ -5,7 +5,8 @@ back while it ends in a partial UTF-8 character, in what could be the start of a
 or, when tools are on, from the first `<tool_call>` on (a call is sent as a whole `tool_calls`
 delta when the sample ends, or as plain text if it does not parse). The deltas of a choice
 concatenate to exactly the content of the same request without streaming, and every chunk
-carries its new `token_ids` and their logprobs.
+carries its new `token_ids` and their logprobs; the last chunk of a choice carries the
+`policy_versions` of all its tokens.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ async def sse_chat_stream(
             delta["content"] = rest
         extra = {"grammar_forced": final["grammar_forced"]} if "grammar_forced" in final else {}
         yield event([{"index": i, "delta": delta, "logprobs": None, "finish_reason": final["finish_reason"],
-                      "logprob_temperature": completion.logprob_temperature, **extra}])
+                      "logprob_temperature": completion.logprob_temperature,
+                      "policy_versions": completion.policy_versions, **extra}])
     if include_usage:
         num_completion = sum(len(c.token_ids) for c in completions)
         yield event([], usage={"prompt_tokens": len(prompt_ids), "completion_tokens": num_completion,

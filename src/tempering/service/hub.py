@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -77,15 +78,27 @@ class ModelHub:
             other = self._projects.get(name)
             if other is not None and other != project:
                 raise ConfigError(f"a model named {name!r} is already registered in project {other!r}; use another name")
+            is_new_name = other is None
             self._projects[name] = project
-        paths.model_dir.mkdir(parents=True, exist_ok=True)
-        paths.model_json.write_text(json.dumps(model_json, indent=2))
-        if base_model is None:
-            return 0
-        service = self.registry.get(name)
+        created = [d for d in (paths.model_dir.parent.parent, paths.model_dir.parent, paths.model_dir) if not d.exists()]
+        try:
+            paths.model_dir.mkdir(parents=True, exist_ok=True)
+            service = self.registry.get(name)
+            if base_model is not None and service is None:  # loads the weights: fails for an unknown base model
+                service = ModelService(paths, base_model, lora=lora, device=self.device,
+                                       engine_config=engine_config or self.engine_config, max_seq_len=max_seq_len)
+            _write_json_atomically(paths.model_json, model_json)
+        except BaseException:
+            # leave nothing behind: no model.json (nor directories) for a model that does not exist
+            if created:
+                shutil.rmtree(created[0], ignore_errors=True)
+            if is_new_name:
+                with self._lock:
+                    self._projects.pop(name, None)
+            raise
         if service is None:
-            service = ModelService(paths, base_model, lora=lora, device=self.device,
-                                   engine_config=engine_config or self.engine_config, max_seq_len=max_seq_len)
+            return 0
+        if self.registry.get(name) is None:
             self.registry.add(name, service)
         return service.step
 
@@ -171,3 +184,10 @@ class ModelHub:
         self.train_executor.shutdown(wait=False, cancel_futures=True)
         gc.collect()  # the services' reference cycles (engine callbacks), then the heap back to the OS
         release_free_memory()
+
+
+def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as JSON to a temporary file beside `path`, then rename it into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)

@@ -7,7 +7,9 @@ Besides the OpenAI fields, every choice carries what training needs:
 - `logprobs`: always returned (as if `logprobs=true`): `content[i].logprob` is the logprob of
   `token_ids[i]`;
 - `logprob_temperature`: the temperature those logprobs were computed at, `log_softmax(logits / T)`,
-  before top-k/top-p truncation (T = 1 for greedy requests).
+  before top-k/top-p truncation (T = 1 for greedy requests);
+- `policy_versions`: per sampled token, the policy version (training step) of the weights that
+  sampled it; a sample of `model.name` that spans a training step has two.
 
 With `tools`, the model's `<tool_call>{...}</tool_call>` text becomes OpenAI `tool_calls` with
 `finish_reason="tool_calls"` (a malformed call stays plain content). `tool_choice` "auto"
@@ -62,6 +64,8 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         _reject_unsupported(body)
         service, step = registry.resolve(body.model)
+        if step is not None:  # a saved step's adapter may have to be loaded: not on the event loop
+            await asyncio.to_thread(service.policy, step)
         prompt_tools = _checked_tools(body)  # rendered even with tool_choice "none": the prompt stays stable
         tools = prompt_tools if body.tool_choice != "none" else None  # tools the model may call now
         prefix = forced_prefix(body.tool_choice) if tools else None
@@ -112,6 +116,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
                 "token_ids": c.token_ids,
                 "prompt_token_ids": prompt_ids,
                 "logprob_temperature": c.logprob_temperature,
+                "policy_versions": c.policy_versions,
             })
             choices.append(choice)
         return _response("chat.completion", body.model, choices, len(prompt_ids), completions)
@@ -120,6 +125,8 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
     async def completions(body: CompletionRequest) -> dict[str, Any]:
         _reject_unsupported(body)
         service, step = registry.resolve(body.model)
+        if step is not None:
+            await asyncio.to_thread(service.policy, step)
         if isinstance(body.prompt, str):
             prompt_ids = service.tokenizer(body.prompt, add_special_tokens=True)["input_ids"]
         else:
@@ -153,6 +160,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
                 "prompt_token_ids": prompt_ids,
                 "logprob_temperature": c.logprob_temperature,
                 **_forced(c),
+                "policy_versions": c.policy_versions,
             })
         return _response("text_completion", body.model, choices, len(prompt_ids), results)
 

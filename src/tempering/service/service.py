@@ -2,12 +2,22 @@
 
 The base weights are loaded once. The trainer injects LoRA layers into that same module tree,
 and the engine samples from it, so a finished step is served at once, with no copy and no
-reload. A lock serializes engine batches and train steps: a sample never mixes two policies.
+reload.
+
+Rollouts keep running while a training step runs: the step's forward and backward only read the
+shared tensors, and only its writes (the optimizer update, a restore after a failure) and changes
+of the module tree (the first step's LoRA injection, loading a saved step's adapter) exclude
+engine steps, through the `WeightsGate`, which also carries the policy version stamped on every
+sampled token. On CUDA the trainer runs on a stream of its own, ordered against the engine's by
+the gate's events. With a transformers fallback (the engine or the trainer of an architecture
+tempering has no model code for), which share module state with each other, a training step holds
+the gate from start to end instead, as before.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import threading
@@ -24,6 +34,7 @@ from ..engine.memory import release_free_memory
 from ..errors import ConfigError, TrajectoryError, UnknownModelError
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
+from ..training.policy_age import policy_age_metrics
 from ..training.sft import sft_batches, sft_sequences
 from ..training.trainer import ADAPTER_NAME
 from ..types import (
@@ -36,7 +47,8 @@ from ..types import (
     summarize_groups,
 )
 from .base_model import resolve_base_model
-from .policies import AdapterPolicy, NoAdapterPolicy
+from .policies import AdapterPolicy, LivePolicy, NoAdapterPolicy
+from .weights_gate import WeightsGate
 
 __all__ = ["ModelService"]
 
@@ -98,20 +110,26 @@ class ModelService:
         stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or [])
         self.renderer = ChatRenderer(self.tokenizer, stop_token_ids=stop_ids)
         self.turns = TurnCache(self.tokenizer)
-        self.lock = threading.RLock()
         vocab_size = self.model.get_output_embeddings().weight.shape[0]  # the logits' width
         self.grammars = GrammarCompiler(self.tokenizer, stop_token_ids=self.renderer.stop_token_ids, vocab_size=vocab_size)
 
         self.trainer: Trainer | None = None
         self.step = latest_step(paths.checkpoints_dir)
+        # engine steps and writes of the shared weights; the policy version is the step
+        self.gate = WeightsGate(self.device, version=self.step)
+        # one training call at a time; also excludes loading a step's adapter (PEFT's module tree changes)
+        self.train_lock = threading.RLock()
+        self._train_stream: torch.cuda.Stream | None = None  # the trainer's CUDA stream (made on first use)
         if self.step > 0 or (paths.checkpoint(0) / "adapter_config.json").is_file():
             checkpoint = paths.checkpoint(self.step)
-            self.trainer = Trainer.from_adapter(self.model, checkpoint)
+            self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate)
             self.trainer.load_state(checkpoint)
         elif resolved.adapter_dir is not None:  # continue from a PEFT adapter: it is step 0
-            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir)
+            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate)
             write_atomically(paths.checkpoint(0), lambda tmp: self.trainer.save(tmp, step=0))
+        self._live = LivePolicy(lambda: self.trainer is not None, self.gate)
         self._step_adapters: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._step_adapters_lock = threading.Lock()
         self._max_step_adapters = 4
         self.engine = self._make_engine(engine_config or EngineConfig(max_num_seqs=max_batch_size))
 
@@ -123,7 +141,7 @@ class ModelService:
                 self.model,
                 self.tokenizer,
                 stop_token_ids=self.renderer.stop_token_ids,
-                lock=self.lock,
+                lock=self.gate,
                 max_batch_size=min(config.max_num_seqs, 64),
                 max_seq_len=self.max_seq_len,
             )
@@ -131,7 +149,7 @@ class ModelService:
             decoder,
             self.tokenizer,
             stop_token_ids=self.renderer.stop_token_ids,
-            lock=self.lock,
+            lock=self.gate,
             config=config,
             max_seq_len=self.max_seq_len,
             peft_model=lambda: self.peft_model,
@@ -144,34 +162,44 @@ class ModelService:
     # ---- inference --------------------------------------------------------------------------
 
     def policy(self, step: int | None = None) -> Policy:
-        """The policy of `step` (None: the latest, which the trainer updates in place).
+        """The policy of `step`; None: the live one, which the trainer updates in place.
+
+        A saved step is served from its checkpoint, loaded beside the live adapter on first use, so
+        it stays that step's weights while training goes on. Loading waits for a running training
+        step to end (it changes PEFT's module tree): call it off the event loop for a new step.
 
         Raises:
             UnknownModelError: if there is no checkpoint of `step`.
         """
-        if step is None or step == self.step:
-            if self.trainer is None:
-                return NoAdapterPolicy(lambda: self.peft_model)
-            return AdapterPolicy(self.trainer.peft_model, ADAPTER_NAME, self.step)
+        if step is None:
+            return self._live
         checkpoint = self.paths.checkpoint(step)
         if not (checkpoint / "adapter_config.json").is_file():
             if step == 0:
                 return NoAdapterPolicy(lambda: self.peft_model)
+            if step == self.step:  # trained with save_checkpoint=False: only the live weights are that step's
+                return self._live
             steps = [c.step for c in list_checkpoints(self.paths.checkpoints_dir)]
             raise UnknownModelError(f"{self.paths.name} has no checkpoint of step {step}; saved steps: {steps}")
-        with self.lock:
+        with self._step_adapters_lock:
             name = self._step_adapters.get(step)
+            if name is not None:
+                self._step_adapters.move_to_end(step)
+                return AdapterPolicy(self.trainer.peft_model, name, step)
+        with self.train_lock, self.gate:  # neither a training step's forward nor an engine step sees it half-built
+            with self._step_adapters_lock:
+                name = self._step_adapters.get(step)
             if name is None:
                 name = f"step-{step:04d}"
                 self.peft_model.load_adapter(str(checkpoint), adapter_name=name, is_trainable=False)
                 self.peft_model.set_adapter(ADAPTER_NAME)
-                self._step_adapters[step] = name
-                if len(self._step_adapters) > self._max_step_adapters:
-                    _, evicted = self._step_adapters.popitem(last=False)
+                with self._step_adapters_lock:
+                    self._step_adapters[step] = name
+                    evicted = self._step_adapters.popitem(last=False)[1] if len(self._step_adapters) > self._max_step_adapters else None
+                if evicted is not None:
                     self.peft_model.delete_adapter(evicted)
                     if isinstance(self.engine, Engine):
                         self.engine.forget_adapter(evicted)
-            self._step_adapters.move_to_end(step)
         return AdapterPolicy(self.trainer.peft_model, name, step)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, step: int | None = None,
@@ -197,30 +225,34 @@ class ModelService:
         sequences, num_trainable, num_groups = self._prepare(groups, config)
         emit({"type": "started", "num_sequences": len(sequences), "num_groups": num_groups,
               "num_groups_trainable": num_trainable})
-        with self.lock:
+        with self.train_lock:
             trainer = self._ensure_trainer(config)
             data_step = self.step
             new_step = data_step + 1
             checkpoint = self.paths.checkpoint(new_step)
+            ages = policy_age_metrics(groups, data_step)
 
             def commit() -> None:
                 if config.save_checkpoint:
                     write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
                     emit({"type": "checkpoint", "step": new_step})
 
-            if sequences:
-                metrics = trainer.step(
-                    sequences, config, commit=commit, on_update=lambda info: emit({"type": "update", **info})
-                ).values
-            else:
-                # the client reports it to the user (backends.base.report_nothing_learned); the
-                # server's own log keeps a line at INFO
-                log.info("step %d: none of the %d groups has reward spread; the adapter is unchanged",
-                         data_step, num_groups)
-                metrics = {}
-                commit()
-            self.step = new_step
+            with self._training(trainer):
+                if sequences:
+                    metrics = trainer.step(
+                        sequences, config, commit=commit, on_update=lambda info: emit({"type": "update", **info}),
+                        version=new_step,
+                    ).values
+                else:
+                    # the client reports it to the user (backends.base.report_nothing_learned); the
+                    # server's own log keeps a line at INFO
+                    log.info("step %d: none of the %d groups has reward spread; the adapter is unchanged",
+                             data_step, num_groups)
+                    metrics = {}
+                    commit()
+            self._publish(new_step)
         release_free_memory()
+        metrics.update(ages)
         metrics.update({
             "data/step_num_groups_submitted": float(num_groups),
             "data/step_num_groups_trainable": float(num_trainable),
@@ -255,7 +287,7 @@ class ModelService:
                 per_trajectory.append(sft_sequences(trajectory, self.renderer, max_seq_len=self.max_seq_len))
             except TrajectoryError as exc:
                 raise TrajectoryError(f"trajectory {i}: {exc}") from None
-        with self.lock:
+        with self.train_lock:
             trainer = self._ensure_trainer(TrainConfig())
             batches = sft_batches(per_trajectory, config, trainer.rng)
             emit({"type": "started", "num_trajectories": len(trajectories), "num_updates": len(batches)})
@@ -266,9 +298,10 @@ class ModelService:
                 write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
                 emit({"type": "checkpoint", "step": new_step})
 
-            metrics = trainer.sft_step(batches, config, commit=commit,
-                                       on_update=lambda info: emit({"type": "update", **info})).values
-            self.step = new_step
+            with self._training(trainer):
+                metrics = trainer.sft_step(batches, config, commit=commit,
+                                           on_update=lambda info: emit({"type": "update", **info}), version=new_step).values
+            self._publish(new_step)
         release_free_memory()
         metrics["time/step_wall_s"] = time.perf_counter() - start
         append_history(self.paths.history, {"step": data_step, **metrics})
@@ -314,12 +347,35 @@ class ModelService:
                     sequences.append(seq)
         return sequences, num_trainable, len(groups)
 
+    @contextlib.contextmanager
+    def _training(self, trainer: Trainer):
+        """The context of a training call: on CUDA the trainer's own stream; the gate for the whole
+        call when the engine and the trainer cannot overlap (a transformers fallback on either side:
+        they share module state, such as train/eval mode and PEFT's active adapter)."""
+        with contextlib.ExitStack() as stack:
+            if self.device.type == "cuda":
+                if self._train_stream is None:
+                    self._train_stream = torch.cuda.Stream(self.device)
+                self._train_stream.wait_stream(torch.cuda.current_stream(self.device))  # after what this thread queued
+                stack.enter_context(torch.cuda.stream(self._train_stream))
+            if not (isinstance(self.engine, Engine) and trainer.decoder is not None):
+                stack.enter_context(self.gate)  # entered with the trainer's stream current
+            yield
+
+    def _publish(self, step: int) -> None:
+        """Make `step` the latest: the trainer's last update already set the version; a step that
+        changed nothing (no reward spread) moves it here."""
+        with self.gate:
+            self.step = step
+            self.gate.version = step
+
     def _ensure_trainer(self, config: TrainConfig) -> Trainer:
         if self.trainer is None:
             lora = self.lora.model_copy(update={
                 k: v for k, v in (("rank", config.lora_rank), ("alpha", config.lora_alpha)) if v is not None
             })
-            self.trainer = Trainer.new(self.model, lora)
+            with self.gate:  # injecting the LoRA layers changes the module tree an engine step reads
+                self.trainer = Trainer.new(self.model, lora, gate=self.gate)
             return self.trainer
         for key, wanted in (("rank", config.lora_rank), ("alpha", config.lora_alpha)):
             have = getattr(self.trainer.lora, key)

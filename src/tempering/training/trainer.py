@@ -12,6 +12,12 @@ read once, at its end.
 
 If a step fails half way, the adapter, the optimizer and the RNG state are restored to what they
 were before it, so the live policy always equals the last checkpoint or a complete step.
+
+The adapter's tensors are shared with the rollout engine, which keeps sampling while a step runs
+(its forward and backward only read them). Every write to them (an optimizer update, the restore
+after a failure) happens inside the owner's `gate` (a lock that the engine's steps also take; on
+CUDA it also orders the two streams), and the step's last update sets `gate.version`, so each
+sampled token is stamped with the version of the weights that sampled it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -51,6 +57,18 @@ def _quiet_peft() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield
+
+
+class _NoGate:
+    """The gate of a trainer that shares its weights with no engine: a version and nothing to wait for."""
+
+    version = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 @dataclass(slots=True)
@@ -122,9 +140,13 @@ class Trainer:
     base model) or `Trainer.from_adapter(model, adapter_dir)` (continue from a PEFT adapter).
     The LoRA layers are injected into `model` in place, so an engine holding `model` samples
     from the live adapter with no copy.
+
+    `gate` (keyword): a re-entrant context manager with an int `version` attribute, held around
+    every in-place write to the adapter (the service's WeightsGate); by default nothing is shared.
     """
 
-    def __init__(self, peft_model: Any, lora: LoRAConfig, *, seed: int = 0) -> None:
+    def __init__(self, peft_model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None) -> None:
+        self.gate = gate if gate is not None else _NoGate()
         self.peft_model = peft_model
         self.lora = lora
         self.model = peft_model.get_base_model()  # the transformers model with LoRA layers inside
@@ -146,7 +168,7 @@ class Trainer:
     # ---- construction ---------------------------------------------------------------------
 
     @classmethod
-    def new(cls, model: Any, lora: LoRAConfig, *, seed: int = 0) -> Trainer:
+    def new(cls, model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None) -> Trainer:
         from peft import LoraConfig, get_peft_model
 
         targets = [m for m in lora.target_modules if any(n.endswith(m) for n, _ in model.named_modules())]
@@ -159,10 +181,10 @@ class Trainer:
         with torch.random.fork_rng(devices=[]), _quiet_peft():
             torch.manual_seed(seed)  # reproducible A init (B starts at 0)
             peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
-        return cls(peft_model, lora, seed=seed)
+        return cls(peft_model, lora, seed=seed, gate=gate)
 
     @classmethod
-    def from_adapter(cls, model: Any, adapter_dir: Path) -> Trainer:
+    def from_adapter(cls, model: Any, adapter_dir: Path, *, gate: Any = None) -> Trainer:
         from peft import PeftModel
 
         try:
@@ -173,7 +195,7 @@ class Trainer:
         config = peft_model.peft_config[ADAPTER_NAME]
         targets = sorted(config.target_modules) if not isinstance(config.target_modules, str) else [config.target_modules]
         lora = LoRAConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout, target_modules=targets)
-        return cls(peft_model, lora)
+        return cls(peft_model, lora, gate=gate)
 
     # ---- saving ---------------------------------------------------------------------------
 
@@ -221,20 +243,22 @@ class Trainer:
         *,
         commit: Callable[[], None] | None = None,
         on_update: Callable[[dict[str, float]], None] | None = None,
+        version: int | None = None,
     ) -> StepMetrics:
         """One RL step on sequences whose `advantage` is set.
 
         `commit` (say, writing the checkpoint) runs after the update; if the update or `commit`
-        raises, the adapter, optimizer and RNG are put back as they were and the error propagates.
-        `on_update(info)` is called after each optimizer update with its index, count, loss and
-        grad norm (progress reporting).
+        raises, the adapter, optimizer and RNG (and `gate.version`) are put back as they were and
+        the error propagates. `on_update(info)` is called after each optimizer update with its
+        index, count, loss and grad norm (progress reporting). `version`: set as `gate.version`
+        together with the step's last optimizer update.
 
         Raises:
             ConfigError: if `sequences` is empty.
         """
         if not sequences:
             raise ConfigError("nothing to train on: every sequence was filtered out")
-        return self._undoable(lambda: self._step(sequences, config, on_update), commit)
+        return self._undoable(lambda: self._step(sequences, config, on_update, version), commit)
 
     def _undoable(self, run: Callable[[], StepMetrics], commit: Callable[[], None] | None) -> StepMetrics:
         """`run()` then `commit()`; if either raises, the adapter, optimizer and RNG go back to before.
@@ -243,7 +267,7 @@ class Trainer:
         optimizer update changes them (`_apply_update`), so that on a GPU their copy is queued
         behind the first forward/backward instead of delaying it.
         """
-        self._undo = _Undo(self.num_updates, self.rng.getstate(), torch.get_rng_state())
+        self._undo = _Undo(self.num_updates, self.rng.getstate(), torch.get_rng_state(), self.gate.version)
         try:
             metrics = run()
             if commit is not None:
@@ -255,7 +279,8 @@ class Trainer:
         finally:
             self._undo = None
 
-    def _step(self, sequences: list[TokenizedSequence], config: TrainConfig, on_update=None) -> StepMetrics:
+    def _step(self, sequences: list[TokenizedSequence], config: TrainConfig, on_update=None,
+              version: int | None = None) -> StepMetrics:
         start = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = config.learning_rate
@@ -265,7 +290,7 @@ class Trainer:
         totals = _Totals()
         try:
             with self._forward_mode(config.gradient_checkpointing):
-                self._run_minibatches(sequences, config, totals, on_update)
+                self._run_minibatches(sequences, config, totals, on_update, version)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         totals.values()  # waits for the device: the step time below is the whole step's
@@ -320,7 +345,7 @@ class Trainer:
             disable()
 
     def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals,
-                         on_update=None) -> None:
+                         on_update=None, version: int | None = None) -> None:
         minibatches = self._minibatches(sequences, config)
         capture = self._can_capture(config)
         # everything the captured objective depends on besides the row's shape
@@ -338,7 +363,7 @@ class Trainer:
                     continue  # nothing trained in this row
                 totals.add(self.rows.run(micro, objective, key, capture=capture))
             self.rows.install_grads()
-            grad_norm = self._apply_update(config.max_grad_norm)
+            grad_norm = self._apply_update(config.max_grad_norm, publish=version if index == len(minibatches) - 1 else None)
             totals.grad_norms.append(grad_norm)
             if on_update is not None:
                 loss = float(totals.sums[STATS.index("loss")]) if totals.sums is not None else 0.0
@@ -358,13 +383,14 @@ class Trainer:
         *,
         commit: Callable[[], None] | None = None,
         on_update: Callable[[dict[str, float]], None] | None = None,
+        version: int | None = None,
     ) -> StepMetrics:
         """Supervised updates: each (sequences, learning rate) batch is one optimizer update of the
         mean cross-entropy over its trained tokens. `config` is a TrainSFTConfig. Undone on failure,
-        like `step`."""
-        return self._undoable(lambda: self._sft(batches, config, on_update), commit)
+        and `version` published with the last update, like `step`."""
+        return self._undoable(lambda: self._sft(batches, config, on_update, version), commit)
 
-    def _sft(self, batches, config, on_update) -> StepMetrics:
+    def _sft(self, batches, config, on_update, version=None) -> StepMetrics:
         start = time.perf_counter()
         if not self.model.training:
             self.model.train()
@@ -387,7 +413,8 @@ class Trainer:
                         batch_loss += float(loss.detach())
                         tokens += micro.num_tokens
                         trained += int(logprobs.numel())
-                    grad_norm = self._apply_update(config.max_grad_norm)
+                    grad_norm = self._apply_update(config.max_grad_norm,
+                                                   publish=version if index == len(batches) - 1 else None)
                     losses.append(batch_loss)
                     grad_norms.append(grad_norm)
                     if on_update is not None:
@@ -407,8 +434,11 @@ class Trainer:
             "time/sft_s": elapsed,
         })
 
-    def _apply_update(self, max_grad_norm: float | None) -> float:
+    def _apply_update(self, max_grad_norm: float | None, *, publish: int | None = None) -> float:
         """Clip the gradients, take an optimizer step; returns the norm before clipping.
+
+        The optimizer step is the only write to the shared adapter: it alone holds the gate, and
+        `publish` (when given) becomes `gate.version` in the same hold.
 
         Raises:
             FloatingPointError: for a non-finite gradient norm (the caller undoes the step).
@@ -417,7 +447,10 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm if max_grad_norm is not None else math.inf)
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the step was undone")
-        self.optimizer.step()
+        with self.gate:
+            self.optimizer.step()
+            if publish is not None:
+                self.gate.version = publish
         self.num_updates += 1
         return float(grad_norm)
 
@@ -522,9 +555,10 @@ class Trainer:
             return
         self._snapshot_buffers = None  # the saved moments become the optimizer's own tensors below
         n = len(self.params)
-        with torch.no_grad():
+        with torch.no_grad(), self.gate:  # a write to the shared adapter, and its version back with it
             for p, copy_ in zip(self.params, undo.tensors[:n]):
                 p.copy_(copy_)
+            self.gate.version = undo.version
         self.optimizer.state.clear()  # parameters without state before the step get none back
         for i, extra in undo.others.items():
             self.optimizer.state[self.params[i]] = dict(extra)
@@ -539,6 +573,7 @@ class _Undo:
     num_updates: int
     python_rng: Any
     torch_rng: torch.Tensor
+    version: int  # the gate's policy version before the step
     tensors: list[torch.Tensor] | None = None  # params, then optimizer state tensors at `keys`
     keys: list[tuple[int, str]] = field(default_factory=list)
     others: dict[int, dict[str, Any]] = field(default_factory=dict)

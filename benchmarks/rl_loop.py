@@ -1,0 +1,202 @@
+"""Whole RL iterations through the OpenAI endpoint: sequential gather-then-train vs pipelined.
+
+An iteration is one training step on `--groups` groups of `--group-size` rollouts. Each rollout
+is one chat completion of `--new-tokens` tokens (EOS ignored) on a `--prompt-tokens`-token
+prompt, scored with a random reward (so every group has spread). Both variants run in one
+process, on one backend and model, after a warm-up iteration:
+
+- sequential: `gather_trajectory_groups` of all groups, then `model.train` (the engine idles
+  while the trainer runs and the other way round);
+- pipelined: `PipelineTrainer(max_staleness=1)`: the next batch's rollouts run while the trainer
+  steps. Its first step also fills the pipeline, so the steady state is the mean of the later
+  ones (both figures are printed).
+
+Prints one JSON line: seconds per iteration, trained (completion) tokens per second of each
+variant, their ratio, and on CUDA the fraction of wall-clock the GPU was busy, from NVML's
+utilization counter (needs `pip install nvidia-ml-py`; null without it).
+
+    python benchmarks/rl_loop.py                  # CPU, the default model, small shapes
+    python benchmarks/rl_loop.py --device cuda    # Qwen2.5-1.5B-shaped random bf16 model, 32 x 8,
+                                                  # 128-token prompts, 1024 new tokens, 5 iterations
+
+On CUDA the model is built as in gpu_loop.py (random weights: speed does not depend on them) with
+the default model's tokenizer and chat template (`--tokenizer-dir`, default: the converted
+default model in the cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Self
+
+import torch
+
+GPU_SHAPES = {"groups": 32, "group_size": 8, "prompt_tokens": 128, "new_tokens": 1024, "iterations": 5}
+CPU_SHAPES = {"groups": 4, "group_size": 4, "prompt_tokens": 32, "new_tokens": 32, "iterations": 3}
+
+
+class BusySampler:
+    """The fraction of wall-clock the GPU ran a kernel: NVML's utilization (the percent of its last
+    sample period with a kernel running), read every `period_s` and averaged."""
+
+    def __init__(self, device: torch.device, period_s: float = 0.05) -> None:
+        self.device, self.period_s = device, period_s
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Self:
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.utilization(self.device)
+            except Exception:  # no pynvml: report null
+                return self
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.samples.append(torch.cuda.utilization(self.device))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def fraction(self) -> float | None:
+        return round(sum(self.samples) / len(self.samples) / 100, 3) if self.samples else None
+
+
+def make_prompts(tokenizer, renderer, count: int, num_tokens: int, seed: int = 0) -> list[str]:
+    """`count` different user messages whose rendered chat prompt is `num_tokens` tokens long."""
+    rng = random.Random(seed)
+    words = [w for w in (tokenizer.decode([i]).strip() for i in range(1000, 6000)) if w.isalpha()]
+    prompts = []
+    for _ in range(count):
+        text = " ".join(rng.choice(words) for _ in range(num_tokens))
+        while len(renderer.render_prompt([{"role": "user", "content": text}])) > num_tokens:
+            text = text.rsplit(" ", 1)[0]
+        while len(renderer.render_prompt([{"role": "user", "content": text}])) < num_tokens:
+            text += " " + rng.choice(words)
+            if len(renderer.render_prompt([{"role": "user", "content": text}])) > num_tokens:
+                text = text.rsplit(" ", 1)[0] + " a"
+                break
+        prompts.append(text)
+    return prompts
+
+
+async def run(base_model: str, root: Path, device: str, shapes: dict) -> dict:
+    import tempering as art
+
+    groups, group_size, iterations = shapes["groups"], shapes["group_size"], shapes["iterations"]
+    new_tokens = shapes["new_tokens"]
+    model = art.TrainableModel(name="rl-loop", project="bench", base_model=base_model)
+    backend = art.LocalBackend(path=root, device=device)
+    await model.register(backend)
+    service = backend._registry.get(model.name)
+    prompts = iter(make_prompts(service.tokenizer, service.renderer, groups * (3 * iterations + 4), shapes["prompt_tokens"]))
+    config = art.TrainConfig(learning_rate=1e-5)  # LoRA r8 (the model's default)
+    rewards = random.Random(0)
+    client = model.openai_client()
+
+    async def rollout(model, prompt, _config=None):
+        traj = art.Trajectory(messages_and_choices=[{"role": "user", "content": prompt}])
+        completion = await client.chat.completions.create(
+            model=model.name, messages=traj.messages(), max_tokens=new_tokens, temperature=1.0,
+            extra_body={"ignore_eos": True})
+        traj.messages_and_choices.append(completion.choices[0])
+        traj.reward = rewards.random()
+        return traj
+
+    async def sequential_iteration() -> dict:
+        start = time.perf_counter()
+        scenarios = [next(prompts) for _ in range(groups)]
+        batch = await art.gather_trajectory_groups(
+            (art.TrajectoryGroup(rollout(model, p) for _ in range(group_size)) for p in scenarios), pbar_desc=None)
+        gathered = time.perf_counter()
+        result = await model.train(batch, config=config)
+        end = time.perf_counter()
+        return {"s": end - start, "gather_s": gathered - start, "train_s": end - gathered,
+                "trained_tokens": result.metrics["data/step_completion_tokens"]}
+
+    await sequential_iteration()  # warm-up: first requests, the trainer's first step (and CUDA graph captures)
+
+    with BusySampler(service.device) as busy:
+        sequential = [await sequential_iteration() for _ in range(iterations)]
+    sequential_busy = busy.fraction
+
+    first_step = await model.get_step()
+    pipeline = art.PipelineTrainer(model, backend, rollout, prompts, group_size=group_size, groups_per_step=groups,
+                                   max_staleness=1, max_steps=iterations + 1, train_config=config, pbar=False)
+    with BusySampler(service.device) as busy:
+        piped = await pipeline.train()
+    rows = {r["step"]: r for r in await backend._read_history(model) if "train/reward" in r}
+    piped_tokens = [rows[first_step + i]["data/step_completion_tokens"] for i in range(iterations + 1)]
+    ages = [rows[first_step + i].get("offpolicy/policy_age_mean", 0.0) for i in range(iterations + 1)]
+    await backend.close()
+
+    seq_s = statistics.mean(it["s"] for it in sequential)
+    seq_tps = sum(it["trained_tokens"] for it in sequential) / sum(it["s"] for it in sequential)
+    steady = piped.step_wall_s[1:]
+    pipe_s = statistics.mean(steady)
+    pipe_tps = sum(piped_tokens[1:]) / sum(steady)
+    return {
+        "benchmark": "rl_loop",
+        "device": str(service.device),
+        "dtype": str(service.dtype),
+        "machine": torch.cuda.get_device_name(service.device) if service.device.type == "cuda" else "cpu",
+        "model": base_model if device == "cpu" else "Qwen2.5-1.5B-shaped random bf16 (SmolLM2 tokenizer)",
+        **{k: v for k, v in shapes.items()},
+        "sequential_s_per_iteration": round(seq_s, 3),
+        "sequential_gather_s": round(statistics.mean(it["gather_s"] for it in sequential), 3),
+        "sequential_train_s": round(statistics.mean(it["train_s"] for it in sequential), 3),
+        "sequential_trained_tokens_per_s": round(seq_tps, 1),
+        "sequential_gpu_busy_fraction": sequential_busy,
+        "pipelined_s_per_iteration": round(pipe_s, 3),
+        "pipelined_first_iteration_s": round(piped.step_wall_s[0], 3),
+        "pipelined_trained_tokens_per_s": round(pipe_tps, 1),
+        "pipelined_gpu_busy_fraction": busy.fraction,
+        "pipelined_policy_age_mean": round(statistics.mean(ages[1:]), 3),
+        "pipelined_stale_groups_dropped": piped.num_stale_groups_dropped,
+        "ratio_s_per_iteration": round(pipe_s / seq_s, 3),
+        "ratio_trained_tokens_per_s": round(pipe_tps / seq_tps, 3),
+        "torch": torch.__version__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--tokenizer-dir", type=Path, default=None, help="CUDA: tokenizer of the random model")
+    for name in GPU_SHAPES:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    args = parser.parse_args()
+    shapes = dict(GPU_SHAPES if args.device == "cuda" else CPU_SHAPES)
+    shapes.update({k: getattr(args, k) for k in shapes if getattr(args, k) is not None})
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.device == "cuda":
+            from tempering.service.base_model import default_model_dir
+
+            sys.path.insert(0, str(Path(__file__).parent))
+            from gpu_loop import build_model_dir
+
+            base_model = str(build_model_dir(args.tokenizer_dir or default_model_dir(), Path(tmp) / "model"))
+        else:
+            base_model = "SmolLM2-135M-Instruct"
+        record = asyncio.run(run(base_model, Path(tmp) / "runs", args.device, shapes))
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

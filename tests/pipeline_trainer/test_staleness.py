@@ -1,0 +1,46 @@
+"""The staleness rules of the pipeline: group versions, the admission bound, what gets dropped."""
+
+from __future__ import annotations
+
+from openai.types.chat.chat_completion import Choice
+
+import tempering as art
+from tempering.pipeline_trainer.staleness import group_staleness, max_groups_ahead, stamp_versions
+
+
+def choice(versions):
+    return Choice.model_validate({
+        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"},
+        "logprobs": {"content": [{"token": "x", "logprob": -1.0, "bytes": [], "top_logprobs": []} for _ in versions]},
+        "token_ids": [7] * len(versions), "prompt_token_ids": [1], "policy_versions": versions,
+    })
+
+
+def test_versions_come_from_the_tokens_and_fall_back_to_the_pipeline_versions():
+    spanning = art.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice([2, 2, 3])])
+    unstamped = art.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}])
+    preset = art.Trajectory(messages_and_choices=[choice([5])], initial_policy_version=1, final_policy_version=1)
+    group = art.TrajectoryGroup([spanning, unstamped, preset])
+    stamp_versions(group, started=4, finished=6)
+    assert (spanning.initial_policy_version, spanning.final_policy_version) == (2, 3)
+    assert (unstamped.initial_policy_version, unstamped.final_policy_version) == (4, 6)
+    assert (preset.initial_policy_version, preset.final_policy_version) == (1, 1)  # set by the user: kept
+    assert group_staleness(group, 5) == 4  # the oldest token decides
+
+
+def test_the_bound_keeps_every_planned_group_within_max_staleness():
+    # on-policy: nothing runs during a step, one batch at a time otherwise
+    assert max_groups_ahead(groups_per_step=4, max_staleness=0, is_training=True) == 0
+    assert max_groups_ahead(groups_per_step=4, max_staleness=0, is_training=False) == 4
+    # one step off-policy: the next batch runs while the current one trains
+    assert max_groups_ahead(groups_per_step=4, max_staleness=1, is_training=True) == 4
+    assert max_groups_ahead(groups_per_step=4, max_staleness=1, is_training=False) == 8
+    # simulate in-order batches: a group admitted with `ahead` groups before it is trained
+    # ahead // G + 1 batches later, each batch one version on; its staleness never exceeds the bound
+    for staleness in range(4):
+        for is_training in (False, True):
+            bound = max_groups_ahead(groups_per_step=3, max_staleness=staleness, is_training=is_training)
+            for ahead in range(bound):
+                batches_later = ahead // 3 + 1
+                assert batches_later - (0 if is_training else 1) <= staleness
+            assert (bound // 3 + 1) - (0 if is_training else 1) > staleness  # one more would be too stale

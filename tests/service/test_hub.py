@@ -1,0 +1,63 @@
+"""ModelHub registration: a registration that fails leaves nothing on disk, locally and over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+import tempering as art
+from tempering.errors import UnknownModelError
+from tempering.service import create_app
+from tempering.service.hub import ModelHub
+from tempering.service.jobs import TrainJobs
+
+BAD = "no/such-model-anywhere"
+
+
+def files_under(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_a_failed_local_registration_leaves_no_model_json_and_frees_the_name(tmp_path):
+    async def check():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            with pytest.raises(UnknownModelError):
+                await art.TrainableModel(name="ghost", project="p", base_model=BAD).register(backend)
+            assert files_under(tmp_path) == []
+            # the name is free again: the same name registers in another project
+            await art.Model(name="ghost", project="other").register(backend)
+            assert (tmp_path / "other" / "models" / "ghost" / "model.json").is_file()
+
+    asyncio.run(check())
+
+
+def test_a_failed_registration_keeps_what_an_existing_model_had(tmp_path):
+    hub = ModelHub(tmp_path, device="cpu")
+    try:
+        hub.register(name="kept", project="p", model_json={"name": "kept", "v": 1})
+        before = (tmp_path / "p" / "models" / "kept" / "model.json").read_text()
+        with pytest.raises(UnknownModelError):
+            hub.register(name="kept", project="p", model_json={"name": "kept", "v": 2}, base_model=BAD)
+        assert (tmp_path / "p" / "models" / "kept" / "model.json").read_text() == before
+        assert files_under(tmp_path) == ["p", "p/models", "p/models/kept", "p/models/kept/model.json"]
+    finally:
+        hub.close()
+
+
+def test_a_failed_v1_register_leaves_no_model_json(tmp_path):
+    hub = ModelHub(tmp_path, device="cpu")
+    app = create_app(hub.registry, api_key="k", hub=hub, jobs=TrainJobs(hub))
+
+    async def check():
+        transport = httpx.ASGITransport(app=app)
+        async with art.RemoteBackend("http://test", api_key="k", transport=transport, max_retries=0) as backend:
+            with pytest.raises(UnknownModelError):
+                await art.TrainableModel(name="ghost", project="p", base_model=BAD).register(backend)
+        assert files_under(tmp_path) == []
+
+    try:
+        asyncio.run(check())
+    finally:
+        hub.close()
