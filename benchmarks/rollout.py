@@ -21,6 +21,11 @@ subprocess first, in the same run, and prints the ratios.
     python benchmarks/rollout.py                              # CPU
     python benchmarks/rollout.py --device cuda --profile      # GPU
     python benchmarks/rollout.py --device cuda --vllm         # GPU, against vLLM
+    python benchmarks/rollout.py --device cuda --response-format json_schema --qwen-tiktoken PATH
+
+`--response-format json_schema` / `--guided-choice` add workload R with the live adapter under a
+grammar (structured outputs) and its ratio to the free run; on the random GPU model the grammar
+needs Qwen's vocabulary (`qwen.tiktoken` from the PyPI package `dashscope`).
 """
 
 from __future__ import annotations
@@ -116,14 +121,18 @@ def capture_all_graphs(engine: Engine, prompt: list[int], policy) -> None:
         engine.submit(prompt, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True), n=size, policy=policy).result()
 
 
-def time_engine(engine: Engine, prompts, work: dict, policy) -> tuple[float, list]:
-    """Seconds to sample the workload (after a warm-up with the same prompts), and the results."""
+def time_engine(engine: Engine, prompts, work: dict, policy, grammar=None) -> tuple[float, list]:
+    """Seconds to sample the workload (after a warm-up with the same prompts), and the results.
+
+    `grammar`: every sample follows it (structured outputs); it must not be able to finish
+    within the workload's new tokens, so that both sides sample the same number of tokens.
+    """
     capture_all_graphs(engine, prompts[0][:16], policy)
-    warm = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=grammar is None, grammar=grammar)
     for f in [engine.submit(p, warm, n=work["n"], policy=policy) for p in prompts]:
         f.result()
     engine.blocks.forget_cached()
-    params = SamplingParams(max_tokens=work["max_new"], temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=work["max_new"], temperature=1.0, ignore_eos=grammar is None, grammar=grammar)
     sync(engine.device)
     start = time.perf_counter()
     futures = [engine.submit(p, params, n=work["n"], policy=policy) for p in prompts]
@@ -229,6 +238,32 @@ def adapter_switch(engine: Engine, trainer, prompts, results) -> dict:
             "request_latency_after_step_ms": round(sorted(after)[2] * 1e3, 2)}
 
 
+def structured_grammar(args, tokenizer, vocab_size: int):
+    """The grammar of `--response-format json_schema` (RULER's score list for 32 trajectories, longer
+    than any workload's new tokens) or `--guided-choice` (4 choices of ~400 words), compiled."""
+    from tempering.engine.grammar import GrammarCompiler, GrammarSpec
+    from tempering.rewards.ruler import judge_schema
+
+    if tokenizer is None:  # the random GPU model: Qwen's vocabulary from dashscope's qwen.tiktoken
+        import llguidance
+        from structured_outputs import QWEN_PATTERN, QWEN_SPECIALS, QWEN_VOCAB, qwen_ranks
+
+        if not args.qwen_tiktoken:
+            raise SystemExit("structured outputs on the random GPU model need --qwen-tiktoken PATH")
+        tokenizer = llguidance.LLTokenizer.from_tiktoken(encoder=qwen_ranks(Path(args.qwen_tiktoken)),
+                                                         special_tokens=QWEN_SPECIALS, pattern=QWEN_PATTERN,
+                                                         eos_token=[151645], n_vocab=QWEN_VOCAB)
+        stop = [151645]
+    else:
+        stop = [tokenizer.eos_token_id]
+    compiler = GrammarCompiler(tokenizer, stop_token_ids=stop, vocab_size=vocab_size)
+    if args.response_format == "json_schema":
+        return "json_schema", compiler.compile(GrammarSpec.json_schema(judge_schema(32)))
+    words = ["alpha", "river", "stone", "cloud", "maple", "orbit", "lantern", "violet"]
+    choices = [" ".join(words[(i * 7 + j) % 8] for j in range(400)) + f" ({i})" for i in range(4)]
+    return "guided_choice", compiler.compile(GrammarSpec.choice(choices))
+
+
 def run_vllm(workloads: dict, names: list[str]) -> dict:
     """The same workloads through vLLM in a subprocess (before this process touches the GPU)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,6 +310,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="GPU busy fraction during R with the live adapter")
     parser.add_argument("--vllm", action="store_true", help="also run the workloads through vLLM (subprocess)")
     parser.add_argument("--cpu-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--response-format", choices=["json_schema"], default=None,
+                        help="also run R with the live adapter under a JSON schema (RULER's score list)")
+    parser.add_argument("--guided-choice", action="store_true", help="also run R with the live adapter under a guided choice")
+    parser.add_argument("--qwen-tiktoken", default=None, help="GPU structured outputs: dashscope's resources/qwen.tiktoken")
     args = parser.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -327,6 +366,13 @@ def main() -> None:
                 record[f"{mode}_logprob_abs_err_mean_max"] = logprob_error(forward, prompts, results, device)
             if mode == "lora" and name == names[0]:
                 switch_results = results
+    if (args.response_format or args.guided_choice) and trainer is not None and "R" in names:
+        kind, grammar = structured_grammar(args, tokenizer, vocab)
+        work, entry = workloads["R"], record["workloads"]["R"]
+        prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=1)  # the prompts of R's live-adapter run
+        seconds, _ = time_engine(engine, prompts, work, policy, grammar=grammar)
+        entry[f"lora_{kind}_tok_per_s"] = round(work["num_prompts"] * work["n"] * work["max_new"] / seconds, 1)
+        entry[f"lora_{kind}_vs_free"] = round(entry[f"lora_{kind}_tok_per_s"] / entry["lora_tok_per_s"], 3)
     for name, entry in record["workloads"].items():
         if "lora_tok_per_s" in entry:
             entry["lora_vs_base"] = round(entry["lora_tok_per_s"] / entry["base_tok_per_s"], 3)

@@ -81,7 +81,7 @@ class AdapterPolicy:
     """A named adapter of the PEFT model, as the service's policies present it to the engine."""
 
     def __init__(self, name, version=0):  # the version keys the prefix cache: it changes with the weights
-        self.adapter_name, self.key, self.cache_version = name, ("adapter", name), version
+        self.adapter_name, self.key, self.cache_version, self.version = name, ("adapter", name), version, version
 
     def activate(self):
         import contextlib
