@@ -104,7 +104,7 @@ def test_fused_sampler_draws_the_same_tokens_as_its_pytorch_twin():
     temperature[::7] = 0.0  # greedy rows
     seeds = torch.randint(0, 2**31 - 1, (B,), device="cuda")
     counters = torch.randint(0, 1000, (B,), device="cuda")
-    ids, lps = gumbel_sample(logits, temperature, seeds, counters)
+    ids, lps, _ = gumbel_sample(logits, temperature, seeds, counters)
     ref_ids, ref_lps = gumbel_sample_reference(logits, temperature, seeds, counters)
     assert (ids == ref_ids).float().mean() > 0.98  # float rounding may flip a near-tie
     same = ids == ref_ids
@@ -155,24 +155,6 @@ def test_lora_expand_leaves_columns_without_lora_untouched():
     before = y.clone()
     triton_lora.lora_expand_(y, triton_lora.lora_shrink(x, A), [torch.randn(64, 8, device="cuda")], [slice(576, 640)], [1.0])
     assert torch.equal(y[:, :576], before[:, :576]) and not torch.equal(y[:, 576:], before[:, 576:])
-
-
-def test_add_rms_norm_with_a_fused_lora_delta_matches_the_two_step_path():
-    from tempering.engine.layers import triton_lora, triton_ops
-
-    torch.manual_seed(0)
-    N, H, r = 37, 1536, 8
-    full = torch.randn(N, H + 8, device="cuda", dtype=torch.bfloat16)  # a projection's output with its x A^T columns
-    x, t = full[:, :H], full[:, H:H + r]
-    residual = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(H, device="cuda", dtype=torch.bfloat16)
-    B = torch.randn(H, r, device="cuda") * 0.05
-    y, res = triton_ops.add_rms_norm(x, residual, w, 1e-6, lora=(t, B, 2.0))
-    expanded = x.clone()
-    triton_lora.lora_expand_(expanded, t, [B], [slice(0, H)], [2.0])
-    y_ref, res_ref = triton_ops.add_rms_norm(expanded, residual, w, 1e-6)
-    assert (res.float() - res_ref.float()).abs().max() <= 2e-2 * res_ref.float().abs().max()
-    assert (y.float() - y_ref.float()).abs().max() <= 3e-2 * y_ref.float().abs().max()
 
 
 def test_fused_sampler_with_grammar_bitmasks_draws_only_allowed_tokens():

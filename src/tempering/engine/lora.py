@@ -10,8 +10,8 @@ Three ways, fastest first:
 - Spare rows (CUDA, a batch whose rows all use one adapter): the base weights are allocated with
   a few spare rows (`EngineConfig.max_lora_rank` per slice), and `SpareRows.bind` writes the
   adapter's A matrices there in the model dtype, so the base GEMM also computes x A^T: the
-  shrink costs nothing. The expand is one Triton kernel for q/k/v; for o and down it is fused
-  into the RMSNorm kernel that follows, and for gate/up into the SwiGLU kernel. A and B are read from the trainer's tensors; the
+  shrink costs nothing. The expand is one Triton kernel per projection (q/k/v, o, down) and is
+  fused into the SwiGLU kernel for gate/up. A and B are read from the trainer's tensors; the
   copy of A (r·in values per module) is refreshed whenever any A changed in place (the
   optimizer step; PyTorch's version counters tell), before the next engine step.
 - Two Triton kernels per projection, a shrink and an expand over all its slices (mixed batches).
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..modeling.lora import AdapterWeights, collect_adapter
 
 __all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_lora", "collect_adapter",
-           "add_rms_norm_with_lora", "linear_deferring_lora", "linear_with_lora", "lora_silu_and_mul",
+           "linear_with_lora", "lora_silu_and_mul",
            "spare_rows_for"]
 
 try:  # the CUDA kernels need Triton, which CPU builds of torch do not bring
@@ -163,31 +163,6 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
         t = y[:, num_out:num_out + g.num_rows]
         (triton_lora.lora_expand_ if _kernels_for(y) else _expand_reference_)(out, t, g.B, g.columns, g.scales)
     return out
-
-
-def linear_deferring_lora(x: torch.Tensor, full_w: torch.Tensor, num_out: int, g: LoRAGroup | None
-                          ) -> tuple[torch.Tensor, tuple | None]:
-    """x W^T for a single-slice projection (o, down), its LoRA expand left to the next norm.
-
-    Returns:
-        (y [N, num_out], (x A^T [N, r], B [num_out, r], s) or None), for `add_rms_norm_with_lora`.
-    """
-    if g is None:
-        return F.linear(x, full_w[:num_out]), None
-    y = F.linear(x, full_w[:num_out + spare_rows_for(g.num_rows)])
-    return y[:, :num_out], (y[:, num_out:num_out + g.num_rows], g.B[0], g.scales[0])
-
-
-def add_rms_norm_with_lora(add_rms_norm, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                           pending: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm(x, residual)` after x += the deferred LoRA delta (fused into the norm kernel on CUDA)."""
-    if pending is None:
-        return add_rms_norm(x, residual, weight, eps)
-    if _kernels_for(x):
-        return add_rms_norm(x, residual, weight, eps, lora=pending)
-    t, B, scale = pending
-    _expand_reference_(x, t, [B], [slice(0, x.shape[1])], [scale])
-    return add_rms_norm(x, residual, weight, eps)
 
 
 def spare_rows_for(num_rows: int) -> int:

@@ -21,18 +21,11 @@ __all__ = ["add_rms_norm", "rms_norm", "rotary_", "silu_and_mul"]
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, ROut, stride_x, stride_r, stride_y, stride_ro, H, eps,
-                     T, B, stride_t, scale,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_LORA:  # x += s · (x_in A^T) B^T first, rounded like the expand kernel's output (engine/lora.py)
-        delta = tl.zeros([BLOCK], tl.float32)
-        for j in tl.static_range(RANK):
-            t_j = (tl.load(T + row * stride_t + j).to(tl.float32) * scale).to(x.dtype).to(tl.float32)
-            delta += t_j * tl.load(B + cols * RANK + j, mask=mask, other=0.0).to(x.dtype).to(tl.float32)
-        x = (x.to(tl.float32) + delta).to(x.dtype)
     if HAS_RESIDUAL:
         x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(x.dtype)  # rounded like HF's add
         tl.store(ROut + row * stride_ro + cols, x, mask=mask)
@@ -49,26 +42,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, shape[-1])
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     H = shape[-1]
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), 0, y.stride(0), 0, H, eps, x2, x2, 0, 0.0,
-                                     HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(H), HAS_LORA=False, RANK=1)
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), 0, y.stride(0), 0, H, eps,
+                                     HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(H))
     return y.view(shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 lora: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual) for x, residual [N, H] (x's rows may be strided).
-
-    `lora` = (t [N, r], B [H, r], s): the LoRA expand of the projection that produced x, fused in
-    (x += s · t B^T before the residual add).
-    """
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) for x, residual [N, H]."""
     N, H = x.shape
-    y = torch.empty(N, H, dtype=x.dtype, device=x.device)
-    new_residual = torch.empty(N, H, dtype=x.dtype, device=x.device)
-    t, B, scale = lora if lora is not None else (x, x, 0.0)
+    y = torch.empty_like(x)
+    new_residual = torch.empty_like(x)
     _rms_norm_kernel[(N,)](x, residual, weight, y, new_residual, x.stride(0), residual.stride(0), y.stride(0),
-                           new_residual.stride(0), H, eps, t, B, t.stride(0), float(scale),
-                           HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(H), HAS_LORA=lora is not None,
-                           RANK=B.shape[1] if lora is not None else 1)
+                           new_residual.stride(0), H, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(H))
     return y, new_residual
 
 

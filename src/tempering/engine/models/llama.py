@@ -26,8 +26,6 @@ from ..lora import (
     LoRASegment,
     SpareRows,
     add_lora,
-    add_rms_norm_with_lora,
-    linear_deferring_lora,
     linear_with_lora,
     lora_silu_and_mul,
     silu_and_mul_with_lora,
@@ -212,13 +210,13 @@ class LlamaFamilyModel:
         """`forward` for a batch that uses the adapter bound to the spare rows (x A^T from the base GEMMs)."""
         N = x.shape[0]
         ops = self.ops
-        residual = pending = None  # pending: the down projection's LoRA delta, added by the next norm
+        residual = None
         for i, layer in enumerate(self.layers):
             groups = adapter.layers[i]
             if residual is None:
                 h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
             else:
-                h, residual = add_rms_norm_with_lora(ops.add_rms_norm, x, residual, layer.input_norm, self.eps, pending)
+                h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
             qkv = linear_with_lora(h, full_rows(layer.qkv), full_rows(layer.qkv_bias), layer.qkv.shape[0], groups["qkv"])
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
@@ -231,12 +229,12 @@ class LlamaFamilyModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
-            attn_out, o_delta = linear_deferring_lora(o, full_rows(layer.o), self.hidden_size, groups["o"])
-            h, residual = add_rms_norm_with_lora(ops.add_rms_norm, attn_out, residual, layer.post_norm, self.eps, o_delta)
+            attn_out = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"])
+            h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
             act = silu_and_mul_with_lora(h, full_rows(layer.gate_up), 2 * self.intermediate_size, groups["gate_up"],
                                          ops.silu_and_mul)
-            x, pending = linear_deferring_lora(act, full_rows(layer.down), self.hidden_size, groups["down"])
-        return add_rms_norm_with_lora(ops.add_rms_norm, x, residual, self.norm, self.eps, pending)[0]
+            x = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"])
+        return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, H] → [S, V] logits in the model dtype (the sampler reads them in float32)."""
