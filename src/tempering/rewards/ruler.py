@@ -88,13 +88,17 @@ def judge_prompt(message_lists: list[list[dict[str, Any]]], rubric: str, tools: 
 
 def judge_schema(num_trajectories: int) -> dict[str, Any]:
     """The JSON schema of the judge's answer: `{"scores": [...]}` with one entry per trajectory id
-    ("1", "2", ... in order), a short explanation (at most 200 characters) and a score in [0, 1]."""
+    ("1", "2", ... in order), an explanation and a score in [0, 1].
+
+    The explanation has no `maxLength`: a bounded string makes the grammar's token masks ~100x
+    dearer to compute (measured with llguidance at a 152k vocabulary: 37 ms per decode step of
+    256 rows on 16 cores), and the request's `max_tokens` bounds the answer anyway."""
     def entry(i: int) -> dict[str, Any]:
         return {
             "type": "object",
             "properties": {
                 "trajectory_id": {"const": str(i)},
-                "explanation": {"type": "string", "maxLength": 200},
+                "explanation": {"type": "string"},
                 "score": {"type": "number", "minimum": 0, "maximum": 1},
             },
             "required": ["trajectory_id", "explanation", "score"],
