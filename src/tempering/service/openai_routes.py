@@ -33,7 +33,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, HTTPException
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat.tools import TOOL_CALL_END, forced_prefix, parse_tool_calls
 from ..engine import Completion, SamplingParams
@@ -122,7 +122,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         return _response("chat.completion", body.model, choices, len(prompt_ids), completions)
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> dict[str, Any]:
+    async def completions(body: CompletionRequest) -> JSONResponse:
         _reject_unsupported(body)
         service, step = registry.resolve(body.model)
         if step is not None:
@@ -257,14 +257,17 @@ def _chat_logprob(decode, c: Completion, t: int, num_top: int) -> dict[str, Any]
     return _logprob_entry(decode, c.token_ids[t], c.logprobs[t], c.top_logprobs[t], num_top)
 
 
-def _response(kind: str, model: str, choices: list[dict], num_prompt: int, results: list[Completion]) -> dict[str, Any]:
+def _response(kind: str, model: str, choices: list[dict], num_prompt: int, results: list[Completion]) -> JSONResponse:
+    """The response, serialized here with `json.dumps`: handing FastAPI the dict would walk it through
+    `jsonable_encoder` first, ~25 ms of the GIL for one 1024-token choice with logprobs (the engine's
+    thread waits for the GIL meanwhile), against ~3 ms for the dump alone."""
     num_completion = sum(len(c.token_ids) for c in results)
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    return {
+    return JSONResponse({
         "id": f"{prefix}-{uuid.uuid4().hex}",
         "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": choices,
         "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion},
-    }
+    })
