@@ -181,7 +181,12 @@ def main() -> None:
     parser.add_argument("--tokenizer-dir", type=Path, default=None, help="CUDA: tokenizer of the random model")
     for name in GPU_SHAPES:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval (seconds) for this process: how long a thread holding the GIL "
+                             "keeps it while the engine's thread waits (Python's default 0.005)")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     shapes = dict(GPU_SHAPES if args.device == "cuda" else CPU_SHAPES)
     shapes.update({k: getattr(args, k) for k in shapes if getattr(args, k) is not None})
     with tempfile.TemporaryDirectory() as tmp:
