@@ -179,3 +179,37 @@ def test_a_failing_rollout_counts_against_max_exceptions_and_the_server_keeps_se
     with pytest.raises(ValueError, match="the environment broke"):
         run(served, gather(0))
     assert run(served, client.chat.completions.create(**kwargs)).choices[0].token_ids  # still serving
+
+
+class Outcomes:
+    """A capture listener noting, per request, whether it finished with a choice."""
+
+    def __init__(self) -> None:
+        self.finished: list[bool] = []
+
+    def on_request(self, request):
+        return request["messages"][-1]["content"]
+
+    def on_response(self, content, exchange):
+        self.finished.append(exchange is not None and exchange.request["messages"][-1]["content"] == content)
+
+
+def test_failed_and_abandoned_requests_are_not_recorded_but_their_listeners_are_told(served):
+    model, _, _ = served
+    client = model.openai_client()
+    outcomes = Outcomes()
+
+    async def rollout():
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "a"}])
+        stream = await client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "b"}],
+                                                      max_tokens=16, stream=True)
+        async for _ in stream:
+            break  # abandoned after the first chunk
+        await stream.close()
+        await client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "c"}], max_tokens=2)
+
+    with art.capture.listen(outcomes):
+        traj = run(served, art.capture_auto_trajectory(rollout()))
+    assert outcomes.finished == [False, False, True]
+    assert [m["content"] for m in traj.messages()] == ["c", traj.messages()[1]["content"]] and len(choices_of(traj)) == 1

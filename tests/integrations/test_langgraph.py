@@ -70,6 +70,20 @@ async def rollout(seed: int, *, stream: bool = False, tools=(capital_of, weather
     return art.Trajectory(messages_and_choices=[], reward=len(answer), metadata={"seed": seed})
 
 
+class StreamFlags:
+    """A capture listener noting whether each finished chat completion was streamed."""
+
+    def __init__(self) -> None:
+        self.flags: list[bool] = []
+
+    def on_request(self, request):
+        return bool(request.get("stream"))
+
+    def on_response(self, is_stream, exchange):
+        if exchange is not None:
+            self.flags.append(is_stream)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, default_model_dir):
     loop = asyncio.new_event_loop()
@@ -88,11 +102,11 @@ def run(served, coro):
 def test_a_react_agent_with_two_tools_is_captured_call_by_call_and_trains_one_step(served):
     model, backend, _ = served
     wrapped = wrap_rollout(model, rollout)
-    streamed: list[bool] = []
-    with listen(lambda exchange: streamed.append(bool(exchange.request.get("stream")))):
+    seen = StreamFlags()
+    with listen(seen):
         groups = run(served, art.gather_trajectory_groups(
             [art.TrajectoryGroup([wrapped(0), wrapped(1, stream=True)])], pbar_desc=None))
-    assert sorted(streamed) == [False] * 3 + [True] * 3
+    assert sorted(seen.flags) == [False] * 3 + [True] * 3
     service = backend._registry.get(model.name)
     for traj in groups[0]:
         items = traj.messages_and_choices

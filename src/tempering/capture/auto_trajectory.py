@@ -47,8 +47,11 @@ class CaptureScope:
         self.num_calls = 0
         self._lock = threading.Lock()  # sync clients may record from several threads
 
-    def record(self, exchange: Exchange) -> None:
-        if _current.get() is not self:  # an inner scope was current when the request was sent
+    def on_request(self, request: dict[str, Any]) -> bool:
+        return _current.get() is self  # False: an inner scope is current, and records the call
+
+    def on_response(self, is_mine: bool, exchange: Exchange | None) -> None:
+        if not is_mine or exchange is None:
             return
         with self._lock:
             record_exchange(self.trajectory, exchange.request, exchange.choice)
@@ -61,7 +64,7 @@ def capture_scope(trajectory: Trajectory | None = None) -> Iterator[CaptureScope
     scope = CaptureScope(trajectory)
     token = _current.set(scope)
     try:
-        with listen(scope.record):
+        with listen(scope):
             yield scope
     finally:
         _current.reset(token)

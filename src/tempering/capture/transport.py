@@ -1,12 +1,12 @@
 """httpx transports that hand every chat completion a client makes to the listeners in context.
 
 A capturing transport wraps the real one (it is the openai SDK's own seam: `AsyncOpenAI(http_client=...)`,
-no patching of httpx or openai). For a `POST .../chat/completions` made while a listener is in
-context (`listen(...)`, as `capture_auto_trajectory` and tracing do), the response body is
-copied as the client reads it, and when the client closes the response, streamed or not, the
-request and its first choice go to each listener as an `Exchange`. Listeners run in the context
-of the request (a copy taken when it was sent), so they see the capture scope and the tracing
-span that were current then. Outside any listener the transport only forwards.
+no patching of httpx or openai). For a `POST .../chat/completions` made while listeners are in
+context (`listen(...)`, as `capture_auto_trajectory` and tracing do), each listener is told of
+the request when it is sent (in the sender's context: its capture scope, its tracing span), the
+response body is copied as the client reads it, and when the client closes the response,
+streamed or not, the request and its first choice go back to each listener as an `Exchange`.
+Outside any listener the transport only forwards.
 
 `model.openai_client()` is built on `capturing_http_client()`; `capture_client(client)` gives
 any other `openai` client the same transport.
@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -32,6 +32,7 @@ __all__ = [
     "AsyncCaptureTransport",
     "CaptureTransport",
     "Exchange",
+    "Listener",
     "capture_client",
     "capturing_http_client",
     "capturing_sync_http_client",
@@ -65,13 +66,23 @@ class Exchange:
     end_s: float
 
 
-Listener = Callable[[Exchange], None]
+class Listener(Protocol):
+    """What `listen` takes: told when a chat completion is sent, and again when it is done."""
+
+    def on_request(self, request: dict[str, Any]) -> Any:
+        """Called in the sender's context (its capture scope, its tracing span); returns a handle."""
+
+    def on_response(self, handle: Any, exchange: Exchange | None) -> None:
+        """Called once, with `on_request`'s handle, when the response closed (`exchange`) or the
+        request failed: an error status, a stream not read to its end, no response (None)."""
+
+
 _listeners: contextvars.ContextVar[tuple[Listener, ...]] = contextvars.ContextVar("tempering_capture_listeners", default=())
 
 
 @contextlib.contextmanager
 def listen(listener: Listener) -> Iterator[None]:
-    """Within the block (and tasks started from it), `listener(exchange)` sees every captured chat completion."""
+    """Within the block (and tasks started from it), `listener` sees every captured chat completion."""
     token = _listeners.set((*_listeners.get(), listener))
     try:
         yield
@@ -84,27 +95,37 @@ class _Pending:
 
     def __init__(self, request: dict[str, Any], listeners: tuple[Listener, ...]) -> None:
         self.request = request
-        self.listeners = listeners
-        self.context = contextvars.copy_context()
         self.start_s = time.time()
         self.is_done = False
+        self.handles = [(listener, _safely(listener.on_request, request)) for listener in listeners]
+
+    def fail(self) -> None:
+        self._finish(None)
 
     def deliver(self, response: httpx.Response, raw: bytes) -> None:
         if self.is_done:
             return
-        self.is_done = True
         body = httpx.Response(response.status_code, headers=response.headers, stream=httpx.ByteStream(raw)).read()
         is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
         parsed = parse_chat_completion(body, is_stream=is_stream)
         if parsed is None:
             logger.debug("a chat completion response held no finished choice; nothing captured")
+        self._finish(Exchange(self.request, parsed[0], parsed[1], self.start_s, time.time()) if parsed else None)
+
+    def _finish(self, exchange: Exchange | None) -> None:
+        if self.is_done:
             return
-        exchange = Exchange(self.request, parsed[0], parsed[1], self.start_s, time.time())
-        for listener in self.listeners:
-            try:
-                self.context.run(listener, exchange)
-            except Exception:  # the user already has the response; a failed listener must not take it back
-                logger.exception("a capture listener failed on a chat completion")
+        self.is_done = True
+        for listener, handle in self.handles:
+            _safely(listener.on_response, handle, exchange)
+
+
+def _safely(method: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return method(*args)
+    except Exception:  # the user's request goes on: a failed listener must not break it
+        logger.exception("a capture listener failed on a chat completion")
+        return None
 
 
 def _watch(request: httpx.Request) -> _Pending | None:
@@ -153,7 +174,10 @@ class _SyncTee(httpx.SyncByteStream):
 
 
 def _teed(response: httpx.Response, pending: _Pending | None, tee: type) -> httpx.Response:
-    if pending is None or not 200 <= response.status_code < 300:
+    if pending is None:
+        return response
+    if not 200 <= response.status_code < 300:
+        pending.fail()
         return response
     stream = tee(response.stream, lambda raw: pending.deliver(response, raw))
     return httpx.Response(response.status_code, headers=response.headers, stream=stream, extensions=response.extensions)
@@ -168,7 +192,13 @@ class AsyncCaptureTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         pending = _watch(request)
-        return _teed(await self.transport.handle_async_request(request), pending, _AsyncTee)
+        try:
+            response = await self.transport.handle_async_request(request)
+        except BaseException:
+            if pending is not None:
+                pending.fail()
+            raise
+        return _teed(response, pending, _AsyncTee)
 
     async def aclose(self) -> None:
         await self.transport.aclose()
@@ -182,7 +212,13 @@ class CaptureTransport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         pending = _watch(request)
-        return _teed(self.transport.handle_request(request), pending, _SyncTee)
+        try:
+            response = self.transport.handle_request(request)
+        except BaseException:
+            if pending is not None:
+                pending.fail()
+            raise
+        return _teed(response, pending, _SyncTee)
 
     def close(self) -> None:
         self.transport.close()
