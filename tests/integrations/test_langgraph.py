@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import sys
 from typing import Literal
@@ -84,17 +83,6 @@ class StreamFlags:
             self.flags.append(is_stream)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, default_model_dir):
-    loop = asyncio.new_event_loop()
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("langgraph"))
-    model = art.TrainableModel(name="langgraph-test", project="tests", base_model="SmolLM2-135M-Instruct")
-    loop.run_until_complete(model.register(backend))
-    yield model, backend, loop
-    loop.run_until_complete(backend.close())
-    loop.close()
-
-
 def run(served, coro):
     return served[2].run_until_complete(coro)
 
@@ -152,7 +140,7 @@ def test_an_agent_that_raises_fails_its_rollout_within_max_exceptions_and_the_se
 def test_init_chat_model_serves_the_rollouts_model_and_misuse_gets_clear_errors(served):
     model, _, _ = served
     with pytest.raises(art.ConfigError, match="wrap_rollout"):
-        init_chat_model("langgraph-test")
+        init_chat_model(model.name)
 
     @wrap_rollout(model)
     async def decorated() -> None:  # returns None: the captured trajectory comes back, scored through auto_trajectory
