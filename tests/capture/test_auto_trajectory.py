@@ -64,8 +64,8 @@ def test_a_multi_turn_rollout_is_captured_in_order_and_trains_on_exactly_the_sam
 def test_a_streamed_completion_is_captured_with_the_tokens_and_logprobs_of_the_same_request_unstreamed(served):
     model, _, _ = served
     client = model.openai_client()
-    kwargs = dict(model=model.name, messages=[{"role": "user", "content": "Tell me a short story."}], max_tokens=12,
-                  temperature=1.0, seed=11)
+    kwargs = {"model": model.name, "messages": [{"role": "user", "content": "Tell me a short story."}], "max_tokens": 12,
+              "temperature": 1.0, "seed": 11}
 
     async def streamed():
         stream = await client.chat.completions.create(stream=True, **kwargs)
@@ -84,8 +84,8 @@ def test_a_streamed_completion_is_captured_with_the_tokens_and_logprobs_of_the_s
 def test_a_streamed_tool_call_is_captured_with_its_tools(served):
     model, _, _ = served
     client = model.openai_client()
-    kwargs = dict(model=model.name, messages=[{"role": "user", "content": "What time is it?"}], tools=TOOLS,
-                  tool_choice="required", max_tokens=24, seed=3)
+    kwargs = {"model": model.name, "messages": [{"role": "user", "content": "What time is it?"}], "tools": TOOLS,
+              "tool_choice": "required", "max_tokens": 24, "seed": 3}
 
     async def streamed():
         async for _ in await client.chat.completions.create(stream=True, **kwargs):
@@ -123,7 +123,7 @@ def test_only_capturing_clients_are_captured_and_any_openai_client_can_be_wrappe
     model, _, _ = served
     own = openai.AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
     sync = openai.OpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
-    kwargs = dict(model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    kwargs = {"model": model.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
     async def rollout():
         await own.chat.completions.create(**kwargs)  # not captured: a plain client
@@ -141,7 +141,7 @@ def test_only_capturing_clients_are_captured_and_any_openai_client_can_be_wrappe
 def test_outside_a_capture_nothing_is_recorded_and_inner_scopes_take_their_calls(served):
     model, _, _ = served
     client = model.openai_client()
-    kwargs = dict(model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    kwargs = {"model": model.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
     assert art.auto_trajectory() is None
     with pytest.raises(art.TrajectoryError, match="capture_auto_trajectory"):
         art.auto_trajectory(required=True)
@@ -160,7 +160,7 @@ def test_outside_a_capture_nothing_is_recorded_and_inner_scopes_take_their_calls
 def test_a_failing_rollout_counts_against_max_exceptions_and_the_server_keeps_serving(served):
     model, _, _ = served
     client = model.openai_client()
-    kwargs = dict(model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    kwargs = {"model": model.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
     async def rollout(fail: bool):
         await client.chat.completions.create(**kwargs)

@@ -11,16 +11,16 @@ import pytest
 pytest.importorskip("langgraph")
 pytest.importorskip("langchain_openai")
 
-from langchain_core.messages import ToolMessage  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
-from langchain_openai import ChatOpenAI  # noqa: E402
-from langgraph.prebuilt import ToolNode, create_react_agent  # noqa: E402
+from langchain_core.messages import ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.prebuilt import ToolNode, create_react_agent
 
-import tempering as art  # noqa: E402
-from tempering.capture import listen  # noqa: E402
-from tempering.langgraph import init_chat_model, wrap_rollout  # noqa: E402
-from tempering.training.tokenize import tokenize_trajectory  # noqa: E402
-from tempering.types import Choice  # noqa: E402
+import tempering as art
+from tempering.capture import listen
+from tempering.langgraph import init_chat_model, wrap_rollout
+from tempering.training.tokenize import tokenize_trajectory
+from tempering.types import Choice
 
 
 @tool

@@ -114,9 +114,9 @@ def record_exchange(trajectory: Trajectory, request: dict[str, Any], choice: Any
     best_len = -1
     for history in (trajectory, *trajectory.additional_histories):
         have = [_comparable(m) for m in history.messages()]
-        if wanted[: len(have)] == have and (not have or _comparable_tools(history.tools) == _comparable_tools(tools)):
-            if len(have) > best_len:
-                best, best_len = history, len(have)
+        extends = wanted[: len(have)] == have and (not have or _comparable_tools(history.tools) == _comparable_tools(tools))
+        if extends and len(have) > best_len:
+            best, best_len = history, len(have)
     if best is None:
         best, best_len = History(messages_and_choices=[]), 0
         trajectory.additional_histories.append(best)
