@@ -19,7 +19,3 @@ def served(tmp_path_factory, default_model_dir):
     yield model, backend, loop
     loop.run_until_complete(backend.close())
     loop.close()
-
-
-def run(served, coro):
-    return served[2].run_until_complete(coro)
