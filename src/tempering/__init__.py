@@ -12,6 +12,7 @@
 from . import dev, local, rewards, trajectories, utils
 from .backends import Backend, LocalBackend, RemoteBackend
 from .backends.art_mapping import ArtOptionWarning
+from .capture import auto_trajectory, capture_auto_trajectory, capture_client, capturing_http_client
 from .errors import (
     BackendError,
     CheckpointError,
@@ -76,6 +77,10 @@ __all__ = [
     "UnknownOptionError",
     "UnsupportedOptionError",
     "__version__",
+    "auto_trajectory",
+    "capture_auto_trajectory",
+    "capture_client",
+    "capturing_http_client",
     "dev",
     "gather_trajectories",
     "gather_trajectory_groups",

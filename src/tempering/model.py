@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 
 from .backends.art_mapping import lora_config_from_art, resolve_internal_config, train_config_from_options
 from .backends.base import report_nothing_learned
+from .capture import capturing_http_client
 from .errors import BackendError, TrajectoryError
 from .progress import TrainProgress
 from .tracking import WandbReporter, wandb_wanted
@@ -84,6 +85,9 @@ class Model(BaseModel):
     def openai_client(self) -> AsyncOpenAI:
         """An `openai.AsyncOpenAI` client for this model's endpoint (cached).
 
+        Its chat completions are captured inside `art.capture_auto_trajectory(...)` (and by
+        tracing), through the client's HTTP transport; elsewhere it is a plain client.
+
         Raises:
             BackendError: if the model has no endpoint yet (register it, or set inference_base_url).
         """
@@ -100,6 +104,7 @@ class Model(BaseModel):
                 api_key=self.inference_api_key or "none",
                 timeout=1200.0,
                 max_retries=2,
+                http_client=capturing_http_client(),
             )
         return self._openai_client
 
