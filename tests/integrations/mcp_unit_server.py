@@ -1,0 +1,83 @@
+"""A small MCP server for the tests: a unit converter (stdio by default, `http PORT` for streamable HTTP).
+
+Tools: `convert(value, from_unit, to_unit)` for lengths and masses, `list_units(kind)`,
+`save_conversion` / `get_conversion(conversion_id)` (ids are 8 random hex digits, so a made-up id is
+always rejected), and `shutdown`, which ends the process at once (a server that dies mid-rollout).
+Resource: `units://table`, every unit with its factor.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from typing import Annotated
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
+
+UNITS = {  # unit -> (kind, factor to the kind's base unit)
+    "mm": ("length", 0.001), "cm": ("length", 0.01), "m": ("length", 1.0), "km": ("length", 1000.0),
+    "in": ("length", 0.0254), "ft": ("length", 0.3048), "mi": ("length", 1609.344),
+    "g": ("mass", 0.001), "kg": ("mass", 1.0), "lb": ("mass", 0.45359237), "oz": ("mass", 0.028349523125),
+}
+SAVED: dict[str, str] = {}
+
+server = MCPServer("unit-converter", instructions="Converts lengths and masses.", log_level="WARNING")
+
+
+@server.tool()
+def convert(value: float, from_unit: str, to_unit: str) -> str:
+    """Convert a value between two units of the same kind (length or mass)."""
+    if from_unit not in UNITS or to_unit not in UNITS:
+        raise ToolError(f"unknown unit; known units: {', '.join(UNITS)}")
+    (kind, a), (other, b) = UNITS[from_unit], UNITS[to_unit]
+    if kind != other:
+        raise ToolError(f"cannot convert {kind} ({from_unit}) to {other} ({to_unit})")
+    return f"{value:g} {from_unit} = {value * a / b:.6g} {to_unit}"
+
+
+@server.tool()
+def list_units(kind: str) -> str:
+    """List the units of one kind: "length" or "mass"."""
+    units = [u for u, (k, _) in UNITS.items() if k == kind]
+    if not units:
+        raise ToolError('kind must be "length" or "mass"')
+    return ", ".join(units)
+
+
+@server.tool()
+def save_conversion(text: str) -> str:
+    """Save a conversion's text; returns its id."""
+    conversion_id = secrets.token_hex(4)
+    SAVED[conversion_id] = text
+    return conversion_id
+
+
+@server.tool()
+def get_conversion(conversion_id: Annotated[str, Field(min_length=8, max_length=8)]) -> str:
+    """Read a saved conversion by the id save_conversion returned."""
+    if conversion_id not in SAVED:
+        raise ToolError(f"no saved conversion has id {conversion_id!r}")
+    return SAVED[conversion_id]
+
+
+@server.tool()
+def shutdown() -> str:
+    """Stop the server."""
+    print("shutting down on request", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+@server.resource("units://table")
+def table() -> str:
+    """Every unit, its kind and its factor to the base unit (m, kg)."""
+    return "\n".join(f"{u}: {k} x{f:g}" for u, (k, f) in UNITS.items())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["http"]:
+        server.run("streamable-http", port=int(sys.argv[2]))
+    else:
+        server.run()
