@@ -4,6 +4,9 @@ Tools: `convert(value, from_unit, to_unit)` for lengths and masses, `list_units(
 `save_conversion` / `get_conversion(conversion_id)` (ids are 8 random hex digits, so a made-up id is
 always rejected), and `shutdown`, which ends the process at once (a server that dies mid-rollout).
 Resource: `units://table`, every unit with its factor.
+
+Every tool's schema says `additionalProperties: false` and bounds its strings, so a call forced by
+`tool_choice` (held to the schema by a tempering server) is short and complete.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-from typing import Annotated
+from typing import Annotated, Literal
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver.tools import Tool
 from pydantic import Field
 
 UNITS = {  # unit -> (kind, factor to the kind's base unit)
@@ -23,12 +27,10 @@ UNITS = {  # unit -> (kind, factor to the kind's base unit)
     "g": ("mass", 0.001), "kg": ("mass", 1.0), "lb": ("mass", 0.45359237), "oz": ("mass", 0.028349523125),
 }
 SAVED: dict[str, str] = {}
+Unit = Literal["mm", "cm", "m", "km", "in", "ft", "mi", "g", "kg", "lb", "oz"]
 
-server = MCPServer("unit-converter", instructions="Converts lengths and masses.", log_level="WARNING")
 
-
-@server.tool()
-def convert(value: float, from_unit: str, to_unit: str) -> str:
+def convert(value: float, from_unit: Unit, to_unit: Unit) -> str:
     """Convert a value between two units of the same kind (length or mass)."""
     if from_unit not in UNITS or to_unit not in UNITS:
         raise ToolError(f"unknown unit; known units: {', '.join(UNITS)}")
@@ -38,8 +40,7 @@ def convert(value: float, from_unit: str, to_unit: str) -> str:
     return f"{value:g} {from_unit} = {value * a / b:.6g} {to_unit}"
 
 
-@server.tool()
-def list_units(kind: str) -> str:
+def list_units(kind: Literal["length", "mass"]) -> str:
     """List the units of one kind: "length" or "mass"."""
     units = [u for u, (k, _) in UNITS.items() if k == kind]
     if not units:
@@ -47,15 +48,13 @@ def list_units(kind: str) -> str:
     return ", ".join(units)
 
 
-@server.tool()
-def save_conversion(text: str) -> str:
+def save_conversion(text: Annotated[str, Field(max_length=200)]) -> str:
     """Save a conversion's text; returns its id."""
     conversion_id = secrets.token_hex(4)
     SAVED[conversion_id] = text
     return conversion_id
 
 
-@server.tool()
 def get_conversion(conversion_id: Annotated[str, Field(min_length=8, max_length=8)]) -> str:
     """Read a saved conversion by the id save_conversion returned."""
     if conversion_id not in SAVED:
@@ -63,11 +62,20 @@ def get_conversion(conversion_id: Annotated[str, Field(min_length=8, max_length=
     return SAVED[conversion_id]
 
 
-@server.tool()
 def shutdown() -> str:
     """Stop the server."""
     print("shutting down on request", file=sys.stderr, flush=True)
     os._exit(3)
+
+
+def strict(fn) -> Tool:
+    tool = Tool.from_function(fn)
+    tool.parameters["additionalProperties"] = False
+    return tool
+
+
+server = MCPServer("unit-converter", instructions="Converts lengths and masses.", log_level="WARNING",
+                   tools=[strict(f) for f in (convert, list_units, save_conversion, get_conversion, shutdown)])
 
 
 @server.resource("units://table")

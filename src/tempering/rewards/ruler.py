@@ -86,19 +86,25 @@ def judge_prompt(message_lists: list[list[dict[str, Any]]], rubric: str, tools: 
     return [{"role": "system", "content": _SYSTEM.format(rubric=rubric)}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
-def judge_schema(num_trajectories: int) -> dict[str, Any]:
+def judge_schema(num_trajectories: int, *, max_explanation_chars: int | None = None) -> dict[str, Any]:
     """The JSON schema of the judge's answer: `{"scores": [...]}` with one entry per trajectory id
     ("1", "2", ... in order), an explanation and a score in [0, 1].
 
-    The explanation has no `maxLength`: a bounded string makes the grammar's token masks ~100x
-    dearer to compute (measured with llguidance at a 152k vocabulary: 37 ms per decode step of
-    256 rows on 16 cores), and the request's `max_tokens` bounds the answer anyway."""
+    The explanation has no `maxLength` unless `max_explanation_chars` is given: a bounded string
+    makes the grammar's token masks ~100x dearer to compute (measured with llguidance at a 152k
+    vocabulary: 37 ms per decode step of 256 rows on 16 cores), and the request's `max_tokens`
+    bounds the answer anyway. A small judge, though, may ramble inside the explanation until
+    `max_tokens` cuts the JSON short; a bound keeps its answer whole."""
+    explanation: dict[str, Any] = {"type": "string"}
+    if max_explanation_chars is not None:
+        explanation["maxLength"] = max_explanation_chars
+
     def entry(i: int) -> dict[str, Any]:
         return {
             "type": "object",
             "properties": {
                 "trajectory_id": {"const": str(i)},
-                "explanation": {"type": "string"},
+                "explanation": explanation,
                 "score": {"type": "number", "minimum": 0, "maximum": 1},
             },
             "required": ["trajectory_id", "explanation", "score"],
@@ -175,6 +181,7 @@ async def ruler(
     max_tokens: int = 1024,
     temperature: float = 0.0,
     structured: bool | None = None,
+    max_explanation_chars: int | None = None,
 ) -> list[TrajectoryScore]:
     """Score conversations relative to each other.
 
@@ -185,6 +192,7 @@ async def ruler(
             model); otherwise one is made from `base_url` and `api_key`.
         structured: send the answer's JSON schema as `response_format` (True), not (False), or
             when the judge is served by tempering (None, the default).
+        max_explanation_chars: bound each explanation's length in that schema (see judge_schema).
 
     Returns:
         one TrajectoryScore per conversation, in order.
@@ -204,7 +212,8 @@ async def ruler(
     extra: dict[str, Any] = {}
     if structured:
         extra["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": "ruler_scores", "schema": judge_schema(len(message_lists)), "strict": True}}
+            "name": "ruler_scores", "schema": judge_schema(len(message_lists), max_explanation_chars=max_explanation_chars),
+            "strict": True}}
     completions = []
     for attempt in range(2):
         completion = await client.chat.completions.create(
