@@ -19,7 +19,7 @@ RANK = {
     "tracking": 4.5, "progress": 4.5, "capture": 4.5,
     "model": 5, "gather": 5, "rewards": 5, "guided_completion": 5, "pipeline_trainer": 5.5, "sft": 6,
     "trajectories": 5, "utils": 5, "dev": 5, "local": 5,  # ART's module paths (client layer)
-    "demo": 6, "integrations": 6, "langgraph": 6.5, "cli": 7, "__init__": 8,
+    "demo": 6, "integrations": 6, "langgraph": 6.5, "mcp": 6.5, "autorl": 6.5, "cli": 7, "__init__": 8,
 }
 LEAVES = {"errors", "types", "chat"}
 

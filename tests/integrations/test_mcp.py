@@ -19,10 +19,10 @@ import pytest
 
 pytest.importorskip("mcp")
 
-import tempering as art  # noqa: E402
-import tempering.mcp as tm  # noqa: E402
-from tempering.integrations.mcp.rollout import _call  # noqa: E402
-from tempering.rewards import ruler_score_group  # noqa: E402
+import tempering as art
+import tempering.mcp as tm
+from tempering.integrations.mcp.rollout import _call
+from tempering.rewards import ruler_score_group
 
 SERVER = [sys.executable, str(Path(__file__).with_name("mcp_unit_server.py"))]
 PROBE = [{"role": "user", "content": "How many meters are in a kilometer?"}]
@@ -66,7 +66,7 @@ except ImportError as error:
 else:
     raise SystemExit("tempering.mcp imported without the SDK")
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert 'pip install "tempering[mcp]"' in done.stdout
 

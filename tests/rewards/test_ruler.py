@@ -12,7 +12,7 @@ import pytest
 
 import tempering as art
 from tempering.rewards import RulerError, ruler, ruler_score_group
-from tempering.rewards.ruler import judge_prompt, parse_scores, serves_structured_outputs
+from tempering.rewards.ruler import judge_prompt, judge_schema, parse_scores, serves_structured_outputs
 
 
 def traj(answer, reward):
@@ -65,6 +65,19 @@ def test_parse_scores_accepts_good_answers_and_names_every_problem():
     ]:
         with pytest.raises(ValueError, match=re.escape(problem)):
             parse_scores(text, 2)
+
+
+def test_the_schema_bounds_explanations_only_when_asked_and_the_request_carries_it():
+    def explanation(schema):
+        return schema["properties"]["scores"]["prefixItems"][0]["properties"]["explanation"]
+
+    assert explanation(judge_schema(2)) == {"type": "string"}
+    assert explanation(judge_schema(2, max_explanation_chars=40)) == {"type": "string", "maxLength": 40}
+    judge = ScriptedJudge(scores(0.2, 0.8))
+    asyncio.run(ruler([traj("4", 0).messages(), traj("5", 0).messages()], judge_model="j", client=judge, structured=True,
+                      max_explanation_chars=40))
+    sent = judge.requests[0]["response_format"]["json_schema"]["schema"]
+    assert explanation(sent)["maxLength"] == 40
 
 
 def test_a_bad_answer_is_retried_once_with_the_problem_named_then_fails_clearly():

@@ -184,7 +184,7 @@ async def train(
     rubric: str = DEFAULT_RUBRIC,
     judge_options: dict[str, Any] | None = None,
     validate: bool = True,
-    max_exceptions: int | float = 0,
+    max_exceptions: float = 0,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> AutoRLResult:
     """Generate the data, then train `model` on it with RULER rewards, validating before and after.

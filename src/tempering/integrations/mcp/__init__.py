@@ -34,18 +34,18 @@ def _check_sdk() -> None:
 
 _check_sdk()
 
-from .connection import MCPConnection, MCPConnectionError, ToolResult, connect  # noqa: E402
-from .rollout import DEFAULT_SYSTEM_PROMPT, MCPToolError, rollout  # noqa: E402
-from .scenarios import generate_scenarios  # noqa: E402
-from .types import GeneratedScenario, GeneratedScenarioCollection, MCPResource, MCPTool, complete_task_tool  # noqa: E402
+from .connection import MCPConnection, MCPConnectionError, ToolResult, connect
+from .rollout import DEFAULT_SYSTEM_PROMPT, MCPToolError, rollout
+from .scenarios import generate_scenarios
+from .types import GeneratedScenario, GeneratedScenarioCollection, MCPResource, MCPTool, complete_task_tool
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "GeneratedScenario",
     "GeneratedScenarioCollection",
     "MCPConnection",
-    "MCPResource",
     "MCPConnectionError",
+    "MCPResource",
     "MCPTool",
     "MCPToolError",
     "ToolResult",

@@ -111,7 +111,7 @@ class MCPConnection:
                                  f"{self._stderr_tail()}") from self._failure
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
