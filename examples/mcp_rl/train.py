@@ -1,6 +1,6 @@
 """MCP•RL: train SmolLM2-135M-Instruct to use an MCP server's tools, with no data and no reward code.
 
-    python examples/mcp_rl/train.py [--steps 4] [--server-url http://127.0.0.1:8000/mcp]
+    python examples/mcp_rl/train.py [--steps 2] [--server-url http://127.0.0.1:8000/mcp]
 
 1. connect to the MCP server (unit_server.py over stdio unless --server-url) and list its tools;
 2. have a model write scenarios for them (generate_scenarios; here the policy itself, through the
@@ -72,13 +72,13 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--train-scenarios", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--train-scenarios", type=int, default=4)
     parser.add_argument("--val-scenarios", type=int, default=2)
     parser.add_argument("--groups-per-step", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--server-url", default=None, help="a streamable HTTP MCP server (default: unit_server.py over stdio)")
     parser.add_argument("--path", default=".tempering")

@@ -114,6 +114,18 @@ def test_a_stdio_server_lists_and_serves_and_rejected_arguments_come_back_as_too
     loop.run_until_complete(main())
 
 
+def test_a_server_that_cannot_start_is_reported_with_the_end_of_its_stderr(loop):
+    broken = [sys.executable, "-c", "import sys; print('bad config: no API key', file=sys.stderr); sys.exit(2)"]
+
+    async def main():
+        async with tm.connect(broken):
+            pass
+
+    with pytest.raises(tm.MCPConnectionError, match="could not connect") as error:
+        loop.run_until_complete(main())
+    assert "bad config: no API key" in str(error.value) and isinstance(error.value, ConnectionError)
+
+
 def test_a_streamable_http_server_serves_and_its_death_fails_calls_at_once(loop):
     port = free_port()
     url = f"http://127.0.0.1:{port}/mcp"

@@ -106,9 +106,10 @@ class MCPConnection:
         await asyncio.wait({self._owner, ready}, return_when=asyncio.FIRST_COMPLETED)
         ready.cancel()
         if not self._ready.is_set():
+            error = MCPConnectionError(f"could not connect to the MCP server {self.name}: {_reason(self._failure)}"
+                                       f"{self._stderr_tail()}")
             await self.close()
-            raise MCPConnectionError(f"could not connect to the MCP server {self.name}: {_reason(self._failure)}"
-                                 f"{self._stderr_tail()}") from self._failure
+            raise error from self._failure
         return self
 
     async def __aexit__(self, *exc: object) -> None:
