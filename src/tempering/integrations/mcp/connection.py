@@ -77,6 +77,10 @@ class MCPConnection:
         timeout_s: how long one request may take before MCPConnectionError.
         errlog: where a stdio server's stderr goes; default a temporary file whose end is quoted
             in errors.
+
+    Every request (list_tools, list_resources, read_resource, call_tool) raises
+    MCPConnectionError if the server is gone or does not answer within timeout_s, and
+    BackendError if the connection is used outside its `async with` block.
     """
 
     def __init__(self, server: Any, *, timeout_s: float = 60.0, errlog: IO[str] | None = None) -> None:
