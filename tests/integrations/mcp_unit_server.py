@@ -2,7 +2,8 @@
 
 Tools: `convert(value, from_unit, to_unit)` for lengths and masses, `list_units(kind)`,
 `save_conversion` / `get_conversion(conversion_id)` (ids are 8 random hex digits, so a made-up id is
-always rejected), and `shutdown`, which ends the process at once (a server that dies mid-rollout).
+always rejected), `wait(seconds)` (a slow tool), and `shutdown`, which ends the process at once (a
+server that dies mid-rollout).
 Resource: `units://table`, every unit with its factor.
 
 Every tool's schema says `additionalProperties: false` and bounds its strings, so a call forced by
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import time
 from typing import Annotated, Literal
 
 from mcp.server.mcpserver import MCPServer
@@ -62,6 +64,12 @@ def get_conversion(conversion_id: Annotated[str, Field(min_length=8, max_length=
     return SAVED[conversion_id]
 
 
+def wait(seconds: Annotated[float, Field(ge=0, le=30)]) -> str:
+    """Do nothing for a while (a slow tool)."""
+    time.sleep(seconds)
+    return f"waited {seconds:g} s"
+
+
 def shutdown() -> str:
     """Stop the server."""
     print("shutting down on request", file=sys.stderr, flush=True)
@@ -75,7 +83,7 @@ def strict(fn) -> Tool:
 
 
 server = MCPServer("unit-converter", instructions="Converts lengths and masses.", log_level="WARNING",
-                   tools=[strict(f) for f in (convert, list_units, save_conversion, get_conversion, shutdown)])
+                   tools=[strict(f) for f in (convert, list_units, save_conversion, get_conversion, wait, shutdown)])
 
 
 @server.resource("units://table")

@@ -114,6 +114,16 @@ def test_a_stdio_server_lists_and_serves_and_rejected_arguments_come_back_as_too
     loop.run_until_complete(main())
 
 
+def test_a_call_past_timeout_s_raises_and_the_connection_serves_on(loop):
+    async def main():
+        async with tm.connect(SERVER, timeout_s=1.0) as server:
+            with pytest.raises(tm.MCPConnectionError, match="did not answer the call of tool 'wait' within 1.0 s"):
+                await server.call_tool("wait", {"seconds": 3})
+            return await server.call_tool("wait", {"seconds": 0})
+
+    assert loop.run_until_complete(main()) == tm.ToolResult("waited 0 s", False)
+
+
 def test_a_server_that_cannot_start_is_reported_with_the_end_of_its_stderr(loop):
     broken = [sys.executable, "-c", "import sys; print('bad config: no API key', file=sys.stderr); sys.exit(2)"]
 
