@@ -29,20 +29,14 @@ PROBE = [{"role": "user", "content": "How many meters are in a kilometer?"}]
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+def model(served):
+    """The shared default model (tests/integrations/conftest.py): policy, scenario generator and judge."""
+    return served[0]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, loop, default_model_dir):
-    """The default model, registered on a LocalBackend (policy, scenario generator and judge)."""
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("mcp"))
-    model = art.TrainableModel(name="mcp-agent", project="tests", base_model="SmolLM2-135M-Instruct")
-    loop.run_until_complete(model.register(backend))
-    yield model
-    loop.run_until_complete(backend.close())
+def loop(served):
+    return served[2]
 
 
 def free_port() -> int:
@@ -265,11 +259,12 @@ def test_mcp_rl_trains_one_step_on_rollouts_through_the_server_scored_by_ruler(l
                 (art.TrajectoryGroup(tm.rollout(model, s, server, max_turns=1, max_tokens=64, tool_choice="required")
                                      for _ in range(3)) for s in scenarios),
                 pbar_desc=None, after_each=judge)
+        step = await model.get_step()
         result = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
-        return groups, result, before, await probe(model)
+        return groups, result, before, await probe(model), step
 
-    groups, result, before, after = loop.run_until_complete(main())
-    assert result.step == 1 and len(groups) == 1
+    groups, result, before, after, step = loop.run_until_complete(main())
+    assert result.step == step + 1 and len(groups) == 1
     for group in groups:
         assert len(group) == 3
         for t in group:
