@@ -1,4 +1,5 @@
-"""The multi-GPU path on two CPU processes (gloo): LocalBackend(gpus=2) and `tempering serve --gpus 2`.
+"""The multi-GPU path on two CPU processes (gloo): LocalBackend(gpus=2) and `tempering serve --gpus 2`;
+the backend tests also on two GPUs (NCCL) where there are two (skipped otherwise).
 
 A tiny random Llama with the default model's tokenizer keeps each process quick. What is checked:
 requests spread over both engine replicas, a training step reaches both (their greedy logprobs
@@ -28,6 +29,7 @@ from tempering.engine import EngineConfig, SamplingParams
 from tempering.errors import DistributedError
 
 ENGINE = EngineConfig(cpu_kv_cache_bytes=16 << 20, max_num_seqs=32)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"))]
 PROMPTS = ["Say a number.", "Name a color.", "Pick a letter."]
 
 
@@ -49,8 +51,10 @@ def tiny_model_dir(tmp_path_factory, default_model_dir):
     return out
 
 
-def backend(path: Path) -> art.LocalBackend:
-    return art.LocalBackend(path=path, device="cpu", gpus=2, engine_config=ENGINE)
+def backend(path: Path, device: str) -> art.LocalBackend:
+    if device == "cpu":
+        return art.LocalBackend(path=path, device="cpu", gpus=2, engine_config=ENGINE)
+    return art.LocalBackend(path=path, gpus=2, engine_config=EngineConfig(num_kv_blocks=2048, max_num_seqs=32))
 
 
 async def groups_from_rollouts(model: art.TrainableModel) -> list[art.TrajectoryGroup]:
@@ -84,13 +88,14 @@ def assert_same(a, b, tol=1e-5):
     assert max(abs(x - y) for x, y in zip(a[1], b[1])) < tol
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(request, tiny_model_dir, tmp_path_factory):
     """One step on two processes; what the test functions check, gathered while the backend ran."""
     path = tmp_path_factory.mktemp("store")
+    device = request.param
 
     async def run() -> dict:
-        b = backend(path)
+        b = backend(path, device)
         try:
             model = art.TrainableModel(name="tiny", project="mgpu", base_model=str(tiny_model_dir))
             await model.register(b)
@@ -105,16 +110,16 @@ def trained(tiny_model_dir, tmp_path_factory):
         finally:
             await b.close()
 
-    return asyncio.run(run()), path
+    return asyncio.run(run()), path, device
 
 
 def test_requests_are_served_by_both_processes(trained):
-    seen, _ = trained
+    seen, _, _ = trained
     assert len(seen["requests_per_replica"]) == 2 and min(seen["requests_per_replica"]) >= 1
 
 
 def test_a_training_step_reaches_the_engine_replicas_of_both_processes(trained):
-    seen, path = trained
+    seen, path, _ = trained
     assert seen["step"] == 1 and seen["result"].metrics["loss/grad_norm"] > 0
     rank0_before, rank1_before = seen["before"]
     rank0_after, rank1_after = seen["after"]
@@ -126,10 +131,10 @@ def test_a_training_step_reaches_the_engine_replicas_of_both_processes(trained):
 
 
 def test_a_new_two_process_backend_resumes_from_the_checkpoint_on_both_ranks(trained, tiny_model_dir):
-    seen, path = trained
+    seen, path, device = trained
 
     async def run():
-        b = backend(path)
+        b = backend(path, device)
         try:
             model = art.TrainableModel(name="tiny", project="mgpu", base_model=str(tiny_model_dir))
             await model.register(b)
@@ -146,9 +151,24 @@ def test_a_new_two_process_backend_resumes_from_the_checkpoint_on_both_ranks(tra
     assert step == 2
 
 
-def test_a_killed_worker_stops_the_backend_with_a_clear_error(tiny_model_dir, tmp_path):
+async def server_stops(base_url: str, *, within_s: float) -> bool:
+    """Whether the server stops answering within `within_s` (it shuts down gracefully)."""
+    deadline = time.monotonic() + within_s
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            try:
+                await client.get(f"{base_url}/models", timeout=2)
+            except httpx.TransportError:
+                return True
+            await asyncio.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_worker_killed_during_a_step_fails_it_and_stops_the_backend_with_a_clear_error(device, tiny_model_dir,
+                                                                                         tmp_path):
     async def run():
-        b = backend(tmp_path)
+        b = backend(tmp_path, device)
         try:
             model = art.TrainableModel(name="tiny", project="mgpu", base_model=str(tiny_model_dir))
             await model.register(b)
@@ -159,15 +179,20 @@ def test_a_killed_worker_stops_the_backend_with_a_clear_error(tiny_model_dir, tm
                                           n=4, step=None, on_token=None)
             base_url = b.base_url
             worker = service.workers[0].process
+            os.kill(worker.pid, signal.SIGSTOP)  # frozen: rank 0's step waits for it in a collective
+            step = asyncio.ensure_future(model.train(groups, config=art.TrainConfig(learning_rate=1e-3)))
+            await asyncio.sleep(2)
+            assert not step.done()
             os.kill(worker.pid, signal.SIGKILL)
             start = time.monotonic()
             with pytest.raises(DistributedError, match=r"worker rank 1 \(pid \d+\).*SIGKILL"):
-                long.result(30)
+                await asyncio.wait_for(step, 60)
             with pytest.raises(DistributedError, match="rank 1"):
+                long.result(30)
+            with pytest.raises(DistributedError, match="rank 1"):  # and every later call
                 await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
             elapsed = time.monotonic() - start
-            with pytest.raises(httpx.TransportError):  # the server stopped
-                httpx.get(f"{base_url}/models", timeout=5)
+            assert await server_stops(base_url, within_s=15)
             return elapsed
         finally:
             await b.close()
@@ -200,7 +225,7 @@ def test_serve_with_two_processes_exits_with_the_error_when_a_worker_dies(tmp_pa
         children = Path(f"/proc/{serve.pid}/task/{serve.pid}/children").read_text().split()
         assert len(children) == 1  # one worker: rank 1
         os.kill(int(children[0]), signal.SIGKILL)
-        out, err = serve.communicate(timeout=60)
+        _, err = serve.communicate(timeout=60)
     finally:
         if serve.poll() is None:
             serve.kill()

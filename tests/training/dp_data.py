@@ -14,12 +14,13 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             vocab_size=211, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
-def make_trainer(*, seed: int, dp=None, adapter: Path | None = None) -> Trainer:
-    """A tiny random Llama (the same base weights everywhere) with a LoRA whose B is drawn from `seed`."""
+def make_trainer(*, seed: int, dp=None, adapter: Path | None = None, device: torch.device | str = "cpu") -> Trainer:
+    """A tiny random fp32 Llama (the same base weights everywhere: drawn on the CPU) on `device`,
+    with a LoRA whose B is drawn from `seed`."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().to(device)
     model.requires_grad_(False)
     if adapter is not None:
         return Trainer.from_adapter(model, adapter, dp=dp)
@@ -28,7 +29,7 @@ def make_trainer(*, seed: int, dp=None, adapter: Path | None = None) -> Trainer:
     with torch.no_grad():
         for name, p in trainer.peft_model.named_parameters():
             if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+                p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.05)
     return trainer
 
 

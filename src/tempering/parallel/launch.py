@@ -187,16 +187,15 @@ class Driver:
     @classmethod
     def from_env(cls, *, device_type: str, timeout_s: float = 600.0, start_timeout_s: float = 600.0) -> Driver:
         """Rank 0 of a run that torchrun started (its variables set; the workers started by it)."""
-        info = RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
-                        torch.device("cpu"))
-        if info.rank != 0:
-            raise DistributedError(f"the driver must be rank 0, this process is rank {info.rank}")
-        info = RankInfo(0, info.world_size, info.local_rank, _device(device_type, info.local_rank))
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        if rank != 0:
+            raise DistributedError(f"the driver must be rank 0, this process is rank {rank}")
+        info = RankInfo(0, int(os.environ["WORLD_SIZE"]), local_rank, _device(device_type, local_rank))
         host = os.environ["MASTER_ADDR"]
         store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), world_size=info.world_size,
                               is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                               timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
-        return cls._rendezvous(info, store, host, lambda: [], timeout_s, start_timeout_s)
+        return cls._rendezvous(info, store, host, list, timeout_s, start_timeout_s)
 
     @classmethod
     def _rendezvous(cls, info: RankInfo, store: dist.Store, host: str, spawn: Callable[[], list[subprocess.Popen]],
@@ -229,7 +228,8 @@ def _accept(listener: Listener, count: int, procs: dict[int, subprocess.Popen], 
                 conn = listener.accept()
             except (OSError, EOFError):
                 return  # the listener was closed
-            except Exception:  # a wrong key (AuthenticationError): not one of ours
+            except Exception as exc:  # a wrong key (AuthenticationError): not one of ours
+                log.warning("refused a connection to the control listener: %r", exc)
                 continue
             arrivals.put(conn)
 

@@ -30,6 +30,7 @@ __all__ = [
     "default_cache_dir",
     "default_model_dir",
     "resolve_base_model",
+    "weight_bytes",
 ]
 
 DEFAULT_BASE_MODEL = "SmolLM2-135M-Instruct"
@@ -94,6 +95,17 @@ def resolve_base_model(spec: str, *, cache_dir: Path | None = None, _depth: int 
     )
 
 
+def weight_bytes(model_ref: str, dtype) -> int:
+    """Bytes of the weights of `model_ref` (a model directory or hub id) in `dtype`, from its config
+    alone (the model is built on the meta device: nothing is loaded or allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_ref))
+    return sum(p.numel() for p in shell.parameters()) * torch.empty((), dtype=dtype).element_size()
+
+
 def check_fits_device(model_ref: str, dtype, device) -> None:
     """Check, before loading, that the weights of `model_ref` in `dtype` fit the free memory of a
     CUDA `device` (nothing to check on a CPU).
@@ -110,15 +122,11 @@ def check_fits_device(model_ref: str, dtype, device) -> None:
     device = torch.device(device)
     if device.type != "cuda":
         return
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):  # shapes only: no memory is allocated
-        shell = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_ref))
-    weight_bytes = sum(p.numel() for p in shell.parameters()) * torch.empty((), dtype=dtype).element_size()
+    needed = weight_bytes(model_ref, dtype)
     free, total = torch.cuda.mem_get_info(device)
-    if weight_bytes > 0.95 * free:
+    if needed > 0.95 * free:
         raise ConfigError(
-            f"{model_ref} needs {weight_bytes / 2**30:.1f} GiB for its weights in {dtype}, but {device} has "
+            f"{model_ref} needs {needed / 2**30:.1f} GiB for its weights in {dtype}, but {device} has "
             f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB. Each GPU holds a whole copy of the model "
             "(with several GPUs, one engine replica and one data-parallel trainer per GPU); tensor-parallel "
             "serving, which would split one model over several GPUs, is not supported yet. Use GPUs with more "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import random
 import time
@@ -54,6 +55,8 @@ from .tokenize import TokenizedSequence
 __all__ = ["ADAPTER_NAME", "StepMetrics", "Trainer"]
 
 ADAPTER_NAME = "default"
+
+log = logging.getLogger("tempering")
 
 
 @contextlib.contextmanager
@@ -299,8 +302,8 @@ class Trainer:
             if self.dp is not None:
                 try:  # the vote that every rank casts at the end of a step, failed or not
                     self.dp.agree(False, self.params[0].device)
-                except Exception:
-                    pass  # a dead rank: the error raised below says what went wrong here
+                except Exception as vote_error:  # a dead rank: the error raised below says what went wrong here
+                    log.debug("the failed step's vote failed too: %r", vote_error)
             self._restore(self._undo)
             raise
         except BaseException:
