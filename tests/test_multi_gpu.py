@@ -26,6 +26,7 @@ import torch
 
 import tempering as art
 from tempering.engine import EngineConfig, SamplingParams
+from tempering.engine.grammar import GrammarSpec
 from tempering.errors import DistributedError
 
 ENGINE = EngineConfig(cpu_kv_cache_bytes=16 << 20, max_num_seqs=32)
@@ -106,6 +107,18 @@ def trained(request, tiny_model_dir, tmp_path_factory):
             seen["result"] = await model.train(groups, config=art.TrainConfig(learning_rate=5e-2))
             seen["after"] = replica_probes(service)
             seen["step"] = await model.get_step()
+            # on rank 1's replica: a grammar (compiled there) and a saved step (loaded there)
+            prompt = service.renderer.render_prompt([{"role": "user", "content": "Pick."}])
+            choice = service.grammars.compile(GrammarSpec.choice(["red apple", "blue sky"]))
+            link = service.workers[0]
+            constrained = service._submit_remote(link, prompt, SamplingParams(max_tokens=12, grammar=choice), n=3,
+                                                 step=None, on_token=None)
+            seen["constrained"] = [c.text for c in constrained.result(60)]
+            greedy = SamplingParams(max_tokens=6, temperature=0.0)
+            seen["saved_steps"] = [f.result(60)[0].logprobs for f in (
+                service._submit_remote(link, prompt, greedy, n=1, step=0, on_token=None),
+                service._submit_remote(link, prompt, greedy, n=1, step=1, on_token=None),
+                service._submit_local(prompt, greedy, n=1, step=None, on_token=None))]
             return seen
         finally:
             await b.close()
@@ -128,6 +141,14 @@ def test_a_training_step_reaches_the_engine_replicas_of_both_processes(trained):
     assert max(abs(x - y) for x, y in zip(rank0_before[1], rank0_after[1])) > 1e-3  # the step changed the policy
     checkpoints = path / "mgpu" / "models" / "tiny" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["0001"]  # written once, no temporary left
+
+
+def test_rank_1_serves_grammars_and_saved_steps_too(trained):
+    seen, _, _ = trained
+    assert seen["constrained"] and all(text in ("red apple", "blue sky") for text in seen["constrained"])
+    step_0, step_1, live = seen["saved_steps"]  # step 1's checkpoint, loaded on rank 1, is the live policy
+    assert max(abs(a - b) for a, b in zip(step_1, live)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(step_0, live)) > 1e-3  # the base model is not
 
 
 def test_a_new_two_process_backend_resumes_from_the_checkpoint_on_both_ranks(trained, tiny_model_dir):

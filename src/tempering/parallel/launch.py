@@ -61,6 +61,9 @@ def _device(device_type: str, local_rank: int) -> torch.device:
 
 
 def _init_group(store: dist.Store, info: RankInfo, timeout_s: float) -> None:
+    if dist.is_initialized():
+        raise DistributedError("torch.distributed is already initialized in this process; a multi-GPU tempering run "
+                               "starts its own process group: run it in a process of its own")
     is_cuda = info.device.type == "cuda"
     dist.init_process_group("nccl" if is_cuda else "gloo", store=dist.PrefixStore("tempering/pg", store),
                             rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s),
@@ -156,8 +159,9 @@ class Driver:
         Args:
             num_procs: processes in all, this one included (one per GPU).
             device_type: "cuda" (rank r on cuda:r, NCCL) or "cpu" (gloo; for tests).
-            command: argv of a worker, e.g. [sys.executable, "-m", "tempering.service.worker"]; it
-                must call `join()` with the same device type and timeout, then serve its channel.
+            command: argv of a worker (service/worker.py's `worker_command()`, or a benchmark's own
+                script); it must call `join()` with the same device type and timeout, then serve
+                its channel.
             timeout_s: how long a collective may wait for another rank.
             start_timeout_s: how long the workers may take to start and connect.
             host: the interface the store and the control listener bind to.

@@ -56,8 +56,8 @@ class WorkerHub:
         self.info = info
         self.dp = DataParallel()
         self.services: dict[str, ModelService] = {}
-        # compiling a grammar can take seconds: never on the thread that reads the driver's messages
-        self._compile = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tempering-grammar")
+        # for requests that may block (see submit)
+        self._helpers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tempering-submit")
 
     def register(self, *, root: str, project: str, name: str, base_model: str, lora: LoRAConfig | None,
                  engine_config: EngineConfig | None, max_seq_len: int | None) -> int:
@@ -81,15 +81,21 @@ class WorkerHub:
 
     def submit(self, *, name: str, prompt_ids: list[int], params: SamplingParams, n: int, step: int | None,
                grammar: GrammarSpec | None, on_token: Any = None) -> concurrent.futures.Future:
-        """A generation the driver's router sent here; a Future of its completions."""
+        """A generation the driver's router sent here; a Future of its completions.
+
+        A request that may block (a grammar to compile, a saved step's adapter to load, which
+        waits for a running training step) is queued on a helper thread: the thread that reads
+        the driver's messages never waits.
+        """
         service = self._service(name)
-        if grammar is None:
+        if grammar is None and step is None:
             return service.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
         outer: concurrent.futures.Future = concurrent.futures.Future()
 
-        def compile_and_submit() -> None:
+        def prepare_and_submit() -> None:
             try:
-                params.grammar = service.grammars.compile(grammar)
+                if grammar is not None:
+                    params.grammar = service.grammars.compile(grammar)
                 inner = service.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
             except Exception as exc:
                 outer.set_exception(exc)
@@ -97,7 +103,7 @@ class WorkerHub:
             inner.add_done_callback(lambda f: outer.set_exception(f.exception()) if f.exception() is not None
                                     else outer.set_result(f.result()))
 
-        self._compile.submit(compile_and_submit)
+        self._helpers.submit(prepare_and_submit)
         return outer
 
     def _service(self, name: str) -> ModelService:
@@ -109,7 +115,7 @@ class WorkerHub:
     def close(self) -> None:
         for name in list(self.services):
             self.unregister(name=name)
-        self._compile.shutdown(wait=False, cancel_futures=True)
+        self._helpers.shutdown(wait=False, cancel_futures=True)
 
 
 def main(argv: list[str] | None = None) -> None:
