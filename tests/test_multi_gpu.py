@@ -114,6 +114,10 @@ def trained(request, tiny_model_dir, tmp_path_factory):
             constrained = service._submit_remote(link, prompt, SamplingParams(max_tokens=12, grammar=choice), n=3,
                                                  step=None, on_token=None)
             seen["constrained"] = [c.text for c in constrained.result(60)]
+            streamed: list = []
+            sampled = service._submit_remote(link, prompt, SamplingParams(max_tokens=7, ignore_eos=True), n=2, step=None,
+                                             on_token=lambda *token: streamed.append(token))
+            seen["streamed"] = (streamed, [(c.token_ids, c.logprobs) for c in sampled.result(60)])
             greedy = SamplingParams(max_tokens=6, temperature=0.0)
             seen["saved_steps"] = [f.result(60)[0].logprobs for f in (
                 service._submit_remote(link, prompt, greedy, n=1, step=0, on_token=None),
@@ -143,8 +147,11 @@ def test_a_training_step_reaches_the_engine_replicas_of_both_processes(trained):
     assert sorted(p.name for p in checkpoints.iterdir()) == ["0001"]  # written once, no temporary left
 
 
-def test_rank_1_serves_grammars_and_saved_steps_too(trained):
+def test_rank_1_serves_grammars_saved_steps_and_streams_too(trained):
     seen, _, _ = trained
+    streamed, completions = seen["streamed"]
+    for i, (ids, logprobs) in enumerate(completions):  # every token arrived, in order, before the result
+        assert [(t[1], t[2]) for t in streamed if t[0] == i] == list(zip(ids, logprobs))
     assert seen["constrained"] and all(text in ("red apple", "blue sky") for text in seen["constrained"])
     step_0, step_1, live = seen["saved_steps"]  # step 1's checkpoint, loaded on rank 1, is the live policy
     assert max(abs(a - b) for a, b in zip(step_1, live)) < 1e-5
