@@ -26,12 +26,27 @@ subprocess first, in the same run, and prints the ratios.
 `--response-format json_schema` / `--guided-choice` add workload R with the live adapter under a
 grammar (structured outputs) and its ratio to the free run; on the random GPU model the grammar
 needs Qwen's vocabulary (`qwen.tiktoken` from the PyPI package `dashscope`).
+
+`--gpus N` measures rollouts over N engine replicas, one process per GPU, against one GPU in the
+same run, with the live adapter (`--modes base,lora` for both): this process times each workload
+on GPU 0 through the router (parallel/router.py) with its own replica only, then starts ranks
+1..N-1 (parallel/launch.py), each with the same model, adapter and engine, and times the same
+workload through the router over all N replicas (strong scaling), and N times the prompts
+(weak scaling: the same load per GPU). Requests reach the other ranks over the control channel
+(parallel/channel.py), as in `tempering serve --gpus N`. Also reported: requests per replica and
+the greatest logprob difference between the replicas on a greedy probe. `--model 32b` is
+Qwen2.5-32B-shaped (61 GiB of bf16 weights per GPU; workload R by default).
+
+    python benchmarks/rollout.py --device cuda --gpus 2
+    python benchmarks/rollout.py --device cuda --gpus 2 --model 32b
+    python benchmarks/rollout.py --device cpu --gpus 2 --workloads R      # 2 CPU processes (gloo)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -59,6 +74,10 @@ PROMPT_LEN = 128
 QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
                  rope_theta=1_000_000.0, rms_norm_eps=1e-6, architectures=["Qwen2ForCausalLM"])
+QWEN_32B = dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
+                rope_theta=1_000_000.0, rms_norm_eps=1e-6, architectures=["Qwen2ForCausalLM"])
+SHAPES = {"1.5b": QWEN_1_5B, "32b": QWEN_32B}
 
 
 def sync(device: torch.device) -> None:
@@ -81,12 +100,17 @@ def load_cpu_model(dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
 
 
-def build_gpu_model(device: torch.device):
+def build_gpu_model(device: torch.device, shape: str = "1.5b"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B)).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 32B model in fp32 would not fit the GPU
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape]))
+    finally:
+        torch.set_default_dtype(default)
     return model.eval(), None
 
 
@@ -301,6 +325,151 @@ def run_vllm(workloads: dict, names: list[str]) -> dict:
         return merged
 
 
+class Replica:
+    """One rank's engine with the benchmark's policies: rank 0 calls it directly, the other ranks
+    serve it over the control channel (`submit` for generations, the rest as calls)."""
+
+    def __init__(self, engine: Engine, policies: dict) -> None:
+        self.engine = engine
+        self.policies = policies
+        self.mode = "lora"
+
+    def submit(self, *, prompt_ids, params, n, step=None, on_token=None):
+        return self.engine.submit(prompt_ids, params, n=n, policy=self.policies[self.mode], on_token=on_token)
+
+    def prepare(self, *, mode: str, prompts: list[list[int]], n: int) -> None:
+        """Switch policy, capture every decode graph, warm up on the workload's prompts, empty the prefix cache."""
+        self.mode = mode
+        policy = self.policies[mode]
+        capture_all_graphs(self.engine, prompts[0][:16], policy)
+        warm = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+        for f in [self.engine.submit(p, warm, n=n, policy=policy) for p in prompts]:
+            f.result()
+        self.engine.blocks.forget_cached()
+
+    def probe(self, *, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        c = self.engine.submit(prompt_ids, SamplingParams(max_tokens=16, temperature=0.0),
+                               policy=self.policies[self.mode]).result()[0]
+        return c.token_ids, c.logprobs
+
+
+def build_replica(args, device: torch.device):
+    """The model (random GPU shape, or the default model on CPU), its live adapter and an engine."""
+    from tempering.service.policies import AdapterPolicy
+
+    gpu = device.type == "cuda"
+    model, tokenizer = build_gpu_model(device, args.model) if gpu else load_cpu_model(getattr(torch, args.cpu_dtype))
+
+    class _Tok:  # random-weight GPU model: no tokenizer; EOS ignored anyway
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    holder = {"peft": None}
+    engine = Engine(
+        engine_model_for(model, 4096), tokenizer or _Tok(), stop_token_ids=[0], lock=threading.RLock(),
+        config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, cpu_kv_cache_bytes=1 << 30),
+        max_seq_len=4096, peft_model=lambda: holder["peft"],
+    )
+    trainer = add_live_adapter(model)
+    holder["peft"] = trainer.peft_model
+    replica = Replica(engine, {"base": BasePolicy(), "lora": AdapterPolicy(trainer.peft_model, "default", 1)})
+    return replica, model, tokenizer
+
+
+def data_parallel(args) -> None:
+    """`--gpus N` (see the module docstring). Every process runs this: rank 0 is the one the user
+    started; ranks 1..N-1 are started by it with torchrun's variables and serve their replica."""
+    import torch.distributed as dist
+
+    from tempering.parallel import Driver, Router, join, serve
+
+    device_type = torch.device(args.device).type
+    if int(os.environ.get("RANK", "0")) > 0:  # a worker: its replica, served until rank 0 is done
+        info, conn = join(device_type=device_type, timeout_s=1800)
+        if device_type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gpus))
+        replica, _, _ = build_replica(args, info.device)
+        serve(conn, replica, rank=info.rank)
+        replica.engine.close()
+        dist.destroy_process_group()
+        return
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gpus))
+    replica, model, tokenizer = build_replica(args, device)
+    gpu = device_type == "cuda"
+    workloads = GPU_WORKLOADS if gpu else CPU_WORKLOADS
+    default_names = ["R"] if args.model == "32b" or not gpu else list(workloads)
+    names = args.workloads.split(",") if args.workloads else default_names
+    modes = args.modes.split(",")
+    vocab = model.config.vocab_size
+
+    def run(router: Router, prepares: list, prompts: list[list[int]], work: dict, mode: str) -> dict:
+        """Tokens/s of the workload through `router` after every replica prepared for it."""
+        remote = [prepare(mode=mode, prompts=prompts, n=work["n"]) for prepare in prepares[1:]]  # futures
+        prepares[0](mode=mode, prompts=prompts, n=work["n"])
+        for f in remote:
+            f.result()
+        before = list(router.num_requests)
+        params = SamplingParams(max_tokens=work["max_new"], temperature=1.0, ignore_eos=True)
+        sync(device)
+        start = time.perf_counter()
+        futures = [router.submit(p, params, n=work["n"]) for p in prompts]
+        results = [f.result() for f in futures]
+        elapsed = time.perf_counter() - start
+        assert all(len(c.token_ids) == work["max_new"] for r in results for c in r)
+        return {"tok_per_s": round(len(prompts) * work["n"] * work["max_new"] / elapsed, 1),
+                "requests_per_replica": [a - b for a, b in zip(router.num_requests, before)]}
+
+    def local(prompt_ids, params, *, n, step, on_token):
+        return replica.submit(prompt_ids=prompt_ids, params=params, n=n, on_token=on_token)
+
+    record: dict = {"benchmark": "rollout_data_parallel", "device": args.device, "gpus": args.gpus,
+                    "machine": machine(device), "engine_returns_logprobs": True, "torch": torch.__version__,
+                    "model": f"Qwen2.5-{args.model}-shaped random bf16" if gpu else f"SmolLM2-135M-Instruct {args.cpu_dtype}",
+                    "replicas": "one engine per GPU, whole model on each (no tensor parallelism)", "workloads": {}}
+    single = Router([local])
+    for mode in modes:
+        for k, name in enumerate(names):
+            work = workloads[name]
+            prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k)
+            entry = record["workloads"].setdefault(name, {"shape": work})
+            entry[f"{mode}_1gpu_tok_per_s"] = run(single, [replica.prepare], prompts, work, mode)["tok_per_s"]
+
+    driver = Driver.start(args.gpus, device_type=device_type, command=[sys.executable, *sys.argv], timeout_s=1800)
+    try:
+        remotes = [lambda prompt_ids, params, *, n, step, on_token, link=link: link.submit(
+            {"prompt_ids": prompt_ids, "params": params, "n": n}, on_token) for link in driver.links]
+        prepares = [replica.prepare, *[lambda link=link, **kw: link.call("prepare", **kw) for link in driver.links]]
+        multi = Router([local, *remotes])
+        for mode in modes:
+            for k, name in enumerate(names):
+                work = workloads[name]
+                prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k)
+                entry = record["workloads"][name]
+                strong = run(multi, prepares, prompts, work, mode)
+                more = make_prompts(work["num_prompts"] * args.gpus, tokenizer, vocab, seed=10 * k + 5)
+                weak = run(multi, prepares, more, work, mode)
+                single_tps = entry[f"{mode}_1gpu_tok_per_s"]
+                entry.update({
+                    f"{mode}_{args.gpus}gpu_tok_per_s": strong["tok_per_s"],
+                    f"{mode}_ratio": round(strong["tok_per_s"] / single_tps, 3),
+                    f"{mode}_{args.gpus}gpu_{args.gpus}x_prompts_tok_per_s": weak["tok_per_s"],
+                    f"{mode}_ratio_{args.gpus}x_prompts": round(weak["tok_per_s"] / single_tps, 3),
+                    f"{mode}_requests_per_replica": strong["requests_per_replica"],
+                })
+        probe_prompt = make_prompts(1, tokenizer, vocab, seed=99)[0]
+        probes = [replica.probe(prompt_ids=probe_prompt)] + [link.call("probe", prompt_ids=probe_prompt).result()
+                                                             for link in driver.links]
+        record["replicas_same_greedy_tokens"] = all(p[0] == probes[0][0] for p in probes)
+        record["replicas_max_logprob_diff"] = round(max(abs(a - b) for p in probes[1:]
+                                                        for a, b in zip(p[1], probes[0][1])), 6)
+    finally:
+        driver.close()
+        replica.engine.close()
+    print(json.dumps(record))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -314,14 +483,20 @@ def main() -> None:
                         help="also run R with the live adapter under a JSON schema (RULER's score list)")
     parser.add_argument("--guided-choice", action="store_true", help="also run R with the live adapter under a guided choice")
     parser.add_argument("--qwen-tiktoken", default=None, help="GPU structured outputs: dashscope's resources/qwen.tiktoken")
+    parser.add_argument("--gpus", type=int, default=1, help="engine replicas on this many GPUs, against one GPU")
+    parser.add_argument("--model", default="1.5b", choices=sorted(SHAPES), help="GPU model shape")
+    parser.add_argument("--modes", default="lora", help="with --gpus: base, lora or base,lora")
     args = parser.parse_args()
+    if args.gpus > 1:
+        data_parallel(args)
+        return
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     workloads = GPU_WORKLOADS if gpu else CPU_WORKLOADS
     names = args.workloads.split(",") if args.workloads else (list(workloads) if gpu else ["R"])
 
     vllm = run_vllm(workloads, names) if args.vllm else None
-    model, tokenizer = build_gpu_model(device) if gpu else load_cpu_model(getattr(torch, args.cpu_dtype))
+    model, tokenizer = build_gpu_model(device, args.model) if gpu else load_cpu_model(getattr(torch, args.cpu_dtype))
     vocab = model.config.vocab_size
 
     class _Tok:  # random-weight GPU model: no tokenizer; EOS ignored anyway

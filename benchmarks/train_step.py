@@ -20,13 +20,28 @@ e.g. `--also gradient_checkpointing=0,micro_batch_tokens=4096 --also cuda_graphs
     python benchmarks/train_step.py --device cuda
     python benchmarks/train_step.py --device cuda --also cuda_graphs=0 --also gradient_checkpointing=0,micro_batch_tokens=4096
     python benchmarks/train_step.py --device cuda --model 7b --num-seqs 1 --seq-len 8192 --skip-baseline
+
+`--gpus N` measures the data-parallel step (training/data_parallel.py) against one GPU in the
+same run: this process first times the step on GPU 0 alone, then starts ranks 1..N-1 (one
+process per GPU, torch.distributed with NCCL; parallel/launch.py) and times the same step over
+all N, each rank running its share of every mini-batch and the LoRA gradients all-reduced. It
+prints one JSON line with both figures, their ratio, the peak memory of every GPU and whether the
+ranks' adapters are bit-identical afterwards. `--model 32b` is Qwen2.5-32B-shaped (its base
+weights replicated on every GPU: 61 GiB in bf16). No peft baseline with `--gpus`.
+
+    python benchmarks/train_step.py --device cuda --gpus 2
+    python benchmarks/train_step.py --device cuda --gpus 2 --model 32b --num-seqs 4 --seq-len 8192 --steps 2
+    python benchmarks/train_step.py --device cpu --gpus 2        # the same path on 2 CPU processes (gloo)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import platform
+import sys
 import time
 
 import torch
@@ -39,6 +54,8 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 
 
@@ -58,8 +75,13 @@ def build_model(args, device: torch.device):
 
     config = Qwen2Config(**SHAPES[args.model], max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 32B model in fp32 would not fit the GPU
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     return model
 
 
@@ -86,6 +108,119 @@ def baseline_step(peft_model, optimizer, ids, prompt, sampled, advantages, devic
     optimizer.zero_grad(set_to_none=True)
 
 
+def make_sequences(args, vocab: int) -> tuple[list[TokenizedSequence], int]:
+    ids, prompt, sampled, advantages = make_batch(args, vocab)
+    return [
+        TokenizedSequence(ids[i].tolist(), [False] * prompt + [True] * (args.seq_len - prompt),
+                          [float("nan")] * prompt + sampled[i, prompt:].tolist(), advantage=float(advantages[i]),
+                          trajectory_index=i)
+        for i in range(args.num_seqs)
+    ], prompt
+
+
+def timed_steps(trainer: Trainer, sequences, config: TrainConfig, steps: int, device: torch.device) -> dict:
+    """Mean seconds of `steps` steps after a warm-up step, and this device's peak memory (GiB)."""
+    trainer.step(sequences, config)  # warm-up: captures the CUDA graphs
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.step(sequences, config)
+    sync(device)
+    out = {"s": (time.perf_counter() - start) / steps}
+    if device.type == "cuda":
+        out.update(peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+                   reserved_gib=round(torch.cuda.max_memory_reserved(device) / 2**30, 2),
+                   device_gib=round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1))
+    return out
+
+
+def data_parallel(args) -> None:
+    """`--gpus N`: the step on GPU 0 alone, then data-parallel over N processes (see the docstring).
+
+    Every process runs this function: rank 0 is the one the user started; ranks 1..N-1 are
+    started by it with torchrun's variables and take the `is_worker` branch.
+    """
+    import torch.distributed as dist
+
+    from tempering.parallel import Driver, join, serve
+    from tempering.training.data_parallel import DataParallel
+
+    is_worker = int(os.environ.get("RANK", "0")) > 0
+    device_type = torch.device(args.device).type
+    if is_worker:
+        info, conn = join(device_type=device_type, timeout_s=1800)
+        device = info.device
+    else:
+        device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gpus))
+    model = build_model(args, device)
+    sequences, prompt = make_sequences(args, model.config.vocab_size)
+    config = TrainConfig(learning_rate=1e-5, micro_batch_tokens=args.micro_batch_tokens or TrainConfig().micro_batch_tokens,
+                         gradient_checkpointing=not args.no_checkpointing, cuda_graphs=not args.no_cuda_graphs)
+    tokens = args.num_seqs * args.seq_len
+    lora = LoRAConfig(rank=8, alpha=16)
+    single = None
+    if not is_worker:
+        trainer = Trainer.new(model, lora)
+        if not args.skip_single:
+            single = timed_steps(trainer, sequences, config, args.steps, device)
+        peft_model = trainer.peft_model
+        del trainer  # its CUDA graphs and optimizer state: not part of the N-GPU figure
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        driver = Driver.start(args.gpus, device_type=device_type, command=[sys.executable, *sys.argv], timeout_s=1800)
+        trainer = Trainer(peft_model, lora, dp=DataParallel())  # the same LoRA tensors, now data-parallel
+    else:
+        trainer = Trainer.new(model, lora, dp=DataParallel())
+    multi = timed_steps(trainer, sequences, config, args.steps, device)
+    flat = torch.cat([p.detach().reshape(-1) for p in trainer.params])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    multi["adapter_equals_rank_0"] = bool(torch.equal(flat, reference))
+    multi["rank"] = dist.get_rank()
+    per_rank: list = [None] * args.gpus
+    dist.all_gather_object(per_rank, multi)
+    if is_worker:
+        serve(conn, None, rank=info.rank)  # nothing to serve: returns when rank 0 is done with us
+        dist.destroy_process_group()
+        return
+    driver.close()
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lora_" not in n)
+    if model.config.tie_word_embeddings:
+        matmul_params += model.get_input_embeddings().weight.numel()
+    gpu = device.type == "cuda"
+    record = {
+        "benchmark": "train_step_data_parallel",
+        "device": args.device,
+        "gpus": args.gpus,
+        "machine": torch.cuda.get_device_name(device) if gpu else f"{platform.machine()} x{torch.get_num_threads()} threads",
+        "model": f"Qwen2.5-{args.model}-shaped random bf16" if gpu else "SmolLM2-135M-Instruct fp32",
+        "lora": "r=8 alpha=16, q/k/v/o/gate/up/down",
+        "workload": f"{args.num_seqs} x {args.seq_len} tokens, {args.seq_len - prompt} trained per sequence",
+        "single_tok_per_s": round(tokens / single["s"], 1) if single else None,
+        "single_s": round(single["s"], 4) if single else None,
+        "single_peak_gib": single.get("peak_gib") if single else None,
+        "single_reserved_gib": single.get("reserved_gib") if single else None,
+        "multi_tok_per_s": round(tokens / per_rank[0]["s"], 1),
+        "multi_s": round(per_rank[0]["s"], 4),
+        "ratio": round(single["s"] / per_rank[0]["s"], 3) if single else None,
+        "multi_mfu": round(4 * matmul_params * tokens / per_rank[0]["s"] / (989e12 * args.gpus), 4) if gpu else None,
+        "per_gpu": [{k: v for k, v in r.items() if k != "s"} for r in per_rank],
+        "adapters_identical": all(r["adapter_equals_rank_0"] for r in per_rank),
+        "micro_batch_tokens": config.micro_batch_tokens,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "cuda_graphs": config.cuda_graphs and gpu,
+        "torch": torch.__version__,
+    }
+    print(json.dumps(record))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -104,6 +239,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one step of ours to stderr")
     parser.add_argument("--kernels", default=None,
                         help="override training.kernels.CUDA_KERNELS, e.g. rms_norm=triton,rotary=triton")
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel over this many GPUs, against one GPU")
+    parser.add_argument("--skip-single", action="store_true", help="with --gpus: skip the one-GPU figure")
     args = parser.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -111,6 +248,9 @@ def main() -> None:
         kernels.CUDA_KERNELS.update(dict(item.split("=") for item in args.kernels.split(",")))
     args.num_seqs = args.num_seqs or (16 if gpu else 8)
     args.seq_len = args.seq_len or (1024 if gpu else 256)
+    if args.gpus > 1:
+        data_parallel(args)
+        return
     micro = args.micro_batch_tokens or TrainConfig().micro_batch_tokens
 
     model = build_model(args, device)
@@ -122,12 +262,7 @@ def main() -> None:
     if args.hf_forward:
         trainer.decoder = None
     ids, prompt, sampled, advantages = make_batch(args, vocab)
-    sequences = [
-        TokenizedSequence(ids[i].tolist(), [False] * prompt + [True] * (args.seq_len - prompt),
-                          [float("nan")] * prompt + sampled[i, prompt:].tolist(), advantage=float(advantages[i]),
-                          trajectory_index=i)
-        for i in range(args.num_seqs)
-    ]
+    sequences, _ = make_sequences(args, vocab)
     config = TrainConfig(learning_rate=1e-5, micro_batch_tokens=micro, gradient_checkpointing=not args.no_checkpointing,
                          cuda_graphs=not args.no_cuda_graphs)
     tokens = args.num_seqs * args.seq_len

@@ -13,7 +13,7 @@ SRC = Path(tempering.__file__).parent
 RANK = {
     "errors": 0, "types": 0, "chat": 0,
     "storage": 1, "modeling": 1,
-    "engine": 2, "training": 2,
+    "engine": 2, "training": 2, "parallel": 2,
     "service": 3,
     "backends": 4,
     "tracking": 4.5, "progress": 4.5, "capture": 4.5,

@@ -73,15 +73,26 @@ def serve(
     device: Annotated[str | None, typer.Option(help="cpu, cuda, ... (default: cuda when available)")] = None,
     max_body_mb: Annotated[int, typer.Option(help="largest request body, in MiB")] = 64,
     insecure: Annotated[bool, typer.Option(help="allow no API key (loopback hosts only)")] = False,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs to serve and train on, one process each "
+                                      "(under torchrun: its processes)")] = 1,
 ) -> None:
-    """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port."""
+    """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port.
+
+    With --gpus N (or under `torchrun --nproc-per-node N -m tempering.cli serve ...`) every GPU
+    holds the model, an engine replica and a data-parallel trainer; this process is rank 0 and
+    serves HTTP. If a worker process dies, the server stops with its error (exit code 1).
+    """
     import ipaddress
+    import os
 
     import uvicorn
 
+    from .parallel import Driver
     from .service import create_app
     from .service.hub import ModelHub
     from .service.jobs import TrainJobs
+    from .service.worker import main as worker_main
+    from .service.worker import worker_command
 
     if api_key is None:
         try:
@@ -92,13 +103,41 @@ def serve(
             raise typer.BadParameter(
                 "no API key: pass --api-key or set TEMPERING_API_KEY (--insecure allows none, on a loopback host only)"
             )
-    hub = ModelHub(root, device=device)
-    application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)
-    typer.echo(f"tempering serving {root} on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1)")
+    device_type = "cpu" if device is not None and device.startswith("cpu") else "cuda"
+    driver = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: rank 0 serves, the others work
+        if int(os.environ["RANK"]) != 0:
+            worker_main(["--device-type", device_type])
+            return
+        driver = Driver.from_env(device_type=device_type)
+    elif gpus > 1:
+        driver = Driver.start(gpus, device_type=device_type, command=worker_command(device_type, 600.0))
     try:
-        uvicorn.run(application, host=host, port=port, log_level="warning")
+        hub = ModelHub(root, device=device, driver=driver)
+    except BaseException:
+        if driver is not None:
+            driver.close()
+        raise
+    application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)
+    server = uvicorn.Server(uvicorn.Config(application, host=host, port=port, log_level="warning"))
+    failures = []
+    if driver is not None:
+        def stop(error: Exception) -> None:
+            failures.append(error)
+            server.should_exit = True
+
+        driver.on_failure(stop)
+    on = f" on {driver.info.world_size} {'GPUs' if device_type == 'cuda' else 'CPU processes'}" if driver else ""
+    typer.echo(f"tempering serving {root}{on} on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1)")
+    try:
+        server.run()
     finally:
         hub.close()
+        if driver is not None:
+            driver.close()
+    if failures:
+        typer.echo(f"tempering serve stopped: {failures[0]}", err=True)
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ Every error subclasses `TemperingError` and the standard-library error it stands
     ├── CheckpointError(OSError)           a checkpoint that cannot be written or read
     ├── EngineError(RuntimeError)          the rollout engine failed or was closed
     ├── BackendError(RuntimeError)         a backend that is closed, unregistered or unreachable
+    │   └── DistributedError               a worker process (another GPU's rank) died, timed out or failed
     └── MissingDependencyError(ImportError) an optional package is not installed
 
 Messages name the problem and the fix.
@@ -23,6 +24,7 @@ __all__ = [
     "BackendError",
     "CheckpointError",
     "ConfigError",
+    "DistributedError",
     "EngineError",
     "MissingDependencyError",
     "TemperingError",
@@ -67,6 +69,10 @@ class EngineError(TemperingError, RuntimeError):
 
 class BackendError(TemperingError, RuntimeError):
     """A backend that is closed, not registered with a model, or unreachable."""
+
+
+class DistributedError(BackendError):
+    """A worker process of a multi-GPU run (another rank) died, timed out, or failed its part of a step."""
 
 
 class MissingDependencyError(TemperingError, ImportError):

@@ -4,6 +4,11 @@ Each registered `TrainableModel` gets a `ModelService` (weights, engine, trainer
 An OpenAI-compatible server (FastAPI + uvicorn) runs in a background thread on 127.0.0.1, on a
 free port, protected by a generated API key; `model.openai_client()` points at it. Training
 steps run in a worker thread, so the user's event loop keeps running.
+
+`LocalBackend(gpus=N)` runs on N GPUs: this process is rank 0 (GPU 0, the server) and starts one
+worker process per other GPU through torch.distributed (parallel/launch.py); each GPU holds the
+model, an engine replica and a data-parallel trainer. If a worker dies, the server stops and every
+later call raises its DistributedError.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..engine import EngineConfig
-from ..errors import BackendError, ConfigError
+from ..errors import BackendError, ConfigError, DistributedError
+from ..parallel import Driver
 from ..service import create_app
 from ..service.auth import generate_api_key
 from ..service.hub import ModelHub
 from ..service.server import ServerThread
+from ..service.worker import worker_command
 from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
 from .art_mapping import (
     ModelOptions,
@@ -37,11 +44,13 @@ __all__ = ["LocalBackend", "train_config_from_options"]
 
 
 class LocalBackend:
-    """Inference and training in this process (CPU or one GPU).
+    """Inference and training in this process (CPU or one GPU), or in one process per GPU.
 
     Args:
         path: storage root (default `./.tempering`); models live in `<path>/<project>/models/<name>`.
         device: "cpu", "cuda", ...; default CUDA when available.
+        gpus: GPUs to run on (one process each, this one on GPU 0); with `device="cpu"`, that
+            many CPU processes joined through gloo (for tests of the multi-GPU path).
         host, port: where the OpenAI-compatible server listens (default 127.0.0.1 and a free port).
         api_key: the server's key (default: a random one per backend).
         max_batch_size: most sequences the engine decodes together.
@@ -52,6 +61,7 @@ class LocalBackend:
 
     Raises:
         UnknownOptionError: an option ART's LocalBackend does not have either.
+        DistributedError: with `gpus` > 1, if a worker process fails to start.
     """
 
     def __init__(
@@ -59,6 +69,7 @@ class LocalBackend:
         *,
         path: str | Path | None = None,
         device: str | None = None,
+        gpus: int = 1,
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
@@ -72,13 +83,28 @@ class LocalBackend:
         if not enable_expert_replay:
             art_options["enable_expert_replay"] = enable_expert_replay
         check_backend_options(art_options)
+        if gpus < 1:
+            raise ConfigError(f"gpus must be at least 1, got {gpus}")
         self._model_options: dict[str, ModelOptions] = {}
         self.path = Path(path) if path is not None else Path(".tempering")
-        self.hub = ModelHub(self.path, device=device, engine_config=engine_config or EngineConfig(max_num_seqs=max_batch_size))
+        self._failure: DistributedError | None = None
+        self._driver = None
+        if gpus > 1:
+            device_type = "cpu" if device is not None and device.startswith("cpu") else "cuda"
+            self._driver = Driver.start(gpus, device_type=device_type, command=worker_command(device_type, 600.0))
+        try:
+            self.hub = ModelHub(self.path, device=device, driver=self._driver,
+                                engine_config=engine_config or EngineConfig(max_num_seqs=max_batch_size))
+        except BaseException:
+            if self._driver is not None:
+                self._driver.close()
+            raise
         self._host, self._port = host, port
         self._api_key = api_key or generate_api_key()
         self._server: ServerThread | None = None
         self._closed = False
+        if self._driver is not None:
+            self._driver.on_failure(self._worker_died)
 
     @property
     def _registry(self):
@@ -109,8 +135,18 @@ class LocalBackend:
         if self._server is not None:
             self._server.stop()
         self.hub.close()
+        if self._driver is not None:
+            self._driver.close()
+
+    def _worker_died(self, error: DistributedError) -> None:
+        """A worker process died: stop serving; every later call raises `error`."""
+        self._failure = error
+        if self._server is not None:
+            self._server.stop()
 
     def _check_open(self) -> None:
+        if self._failure is not None:
+            raise self._failure
         if self._closed:
             raise BackendError("this LocalBackend is closed; create a new one")
 

@@ -21,9 +21,17 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MissingDependencyError, UnknownModelError
+from ..errors import ConfigError, MissingDependencyError, UnknownModelError
 
-__all__ = ["DEFAULT_BASE_MODEL", "ResolvedBaseModel", "default_cache_dir", "default_model_dir", "resolve_base_model"]
+__all__ = [
+    "DEFAULT_BASE_MODEL",
+    "ResolvedBaseModel",
+    "check_fits_device",
+    "default_cache_dir",
+    "default_model_dir",
+    "resolve_base_model",
+    "weight_bytes",
+]
 
 DEFAULT_BASE_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_ALIASES = {"smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
@@ -85,6 +93,45 @@ def resolve_base_model(spec: str, *, cache_dir: Path | None = None, _depth: int 
         f"name could be found offline or on the Hugging Face hub. Use {DEFAULT_BASE_MODEL!r} (built in), "
         "the path of a local Hugging Face model directory, or a PEFT adapter directory"
     )
+
+
+def weight_bytes(model_ref: str, dtype) -> int:
+    """Bytes of the weights of `model_ref` (a model directory or hub id) in `dtype`, from its config
+    alone (the model is built on the meta device: nothing is loaded or allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_ref))
+    return sum(p.numel() for p in shell.parameters()) * torch.empty((), dtype=dtype).element_size()
+
+
+def check_fits_device(model_ref: str, dtype, device) -> None:
+    """Check, before loading, that the weights of `model_ref` in `dtype` fit the free memory of a
+    CUDA `device` (nothing to check on a CPU).
+
+    Every GPU holds a whole copy of the model: its engine replica and its trainer share it. A
+    model larger than one GPU would need tensor parallelism (one model split over several GPUs),
+    which tempering does not have yet.
+
+    Raises:
+        ConfigError: if the weights alone need more than 95% of the device's free memory.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    needed = weight_bytes(model_ref, dtype)
+    free, total = torch.cuda.mem_get_info(device)
+    if needed > 0.95 * free:
+        raise ConfigError(
+            f"{model_ref} needs {needed / 2**30:.1f} GiB for its weights in {dtype}, but {device} has "
+            f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB. Each GPU holds a whole copy of the model "
+            "(with several GPUs, one engine replica and one data-parallel trainer per GPU); tensor-parallel "
+            "serving, which would split one model over several GPUs, is not supported yet. Use GPUs with more "
+            "memory, or a smaller model"
+        )
 
 
 def _looks_like_hub_id(spec: str) -> bool:

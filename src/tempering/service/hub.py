@@ -3,6 +3,9 @@
 It registers models (loading a ModelService for trainable ones), trains them, logs metrics and
 trajectories, lists, deletes and forks checkpoints. All paths come from validated names under
 `root`, so nothing a caller sends can reach outside it.
+
+In a multi-GPU run the hub lives on rank 0 (the driver) and registers each trainable model on
+every worker rank too (service/worker.py), which load their own copy beside this one.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from ..engine import EngineConfig
 from ..engine.memory import release_free_memory
 from ..errors import ConfigError, UnknownModelError
+from ..parallel import Driver
 from ..storage import (
     ModelPaths,
     append_history,
@@ -29,6 +33,7 @@ from ..storage import (
     write_atomically,
     write_trajectories,
 )
+from ..training.data_parallel import DataParallel
 from ..types import LoRAConfig, TrainConfig, TrainResult, TrajectoryGroup
 from .registry import ServiceRegistry
 from .service import ModelService
@@ -43,11 +48,16 @@ class ModelHub:
         root: storage root (`<root>/<project>/models/<name>/`).
         device: where trainable models run (default CUDA when available, else CPU).
         engine_config: the engines' batching and KV-cache settings.
+        driver: in a multi-GPU run, rank 0's Driver (the workers); the models then run on every
+            rank, and `device` is the driver's.
     """
 
-    def __init__(self, root: Path, *, device: str | None = None, engine_config: EngineConfig | None = None) -> None:
+    def __init__(self, root: Path, *, device: str | None = None, engine_config: EngineConfig | None = None,
+                 driver: Driver | None = None) -> None:
         self.root = Path(root)
-        self.device = device
+        self.driver = driver
+        self.dp = DataParallel() if driver is not None else None
+        self.device = str(driver.device) if driver is not None else device
         self.engine_config = engine_config or EngineConfig()
         self.registry = ServiceRegistry()
         # every training call runs on this one thread: its memory stays in one allocator arena
@@ -85,8 +95,8 @@ class ModelHub:
             paths.model_dir.mkdir(parents=True, exist_ok=True)
             service = self.registry.get(name)
             if base_model is not None and service is None:  # loads the weights: fails for an unknown base model
-                service = ModelService(paths, base_model, lora=lora, device=self.device,
-                                       engine_config=engine_config or self.engine_config, max_seq_len=max_seq_len)
+                service = self._load(paths, base_model, lora=lora, engine_config=engine_config or self.engine_config,
+                                     max_seq_len=max_seq_len)
             _write_json_atomically(paths.model_json, model_json)
         except BaseException:
             # leave nothing behind: no model.json (nor directories) for a model that does not exist
@@ -101,6 +111,26 @@ class ModelHub:
         if self.registry.get(name) is None:
             self.registry.add(name, service)
         return service.step
+
+    def _load(self, paths: ModelPaths, base_model: str, **options: Any) -> ModelService:
+        """The model's service here, and (multi-GPU) on every worker, loading at the same time."""
+        links = self.driver.links if self.driver is not None else []
+        futures = [link.call("register", root=str(self.root.resolve()), project=paths.project, name=paths.name,
+                             base_model=base_model, **options) for link in links]
+        service = None
+        try:
+            service = ModelService(paths, base_model, device=self.device, dp=self.dp, workers=links, **options)
+        finally:
+            concurrent.futures.wait(futures)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors or service is None:  # leave no half-registered model on any rank
+                for link in links:
+                    link.call("unregister", name=paths.name)
+                if service is not None:
+                    service.close()
+        if errors:
+            raise errors[0]
+        return service
 
     def service(self, name: str) -> ModelService:
         service = self.registry.get(name)

@@ -12,12 +12,21 @@ sampled token. On CUDA the trainer runs on a stream of its own, ordered against 
 the gate's events. With a transformers fallback (the engine or the trainer of an architecture
 tempering has no model code for), which share module state with each other, a training step holds
 the gate from start to end instead, as before.
+
+In a multi-GPU run (one process per GPU) every rank holds a ModelService of the model: its own
+copy of the base weights, its engine replica and its trainer, whose adapters the data-parallel
+step keeps identical (training/data_parallel.py). Rank 0's service (the driver's) is the one the
+HTTP routes reach: it balances generation requests over the replicas (parallel/router.py), sends
+each training call to the other ranks' services (`follow_train`) before taking its own part, and
+alone writes checkpoints.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -31,9 +40,11 @@ from ..chat import ChatRenderer, TurnCache
 from ..engine import Engine, EngineConfig, HFEngine, Policy, SamplingParams, engine_model_for
 from ..engine.grammar import GrammarCompiler
 from ..engine.memory import release_free_memory
-from ..errors import ConfigError, TrajectoryError, UnknownModelError
+from ..errors import ConfigError, DistributedError, TrajectoryError, UnknownModelError
+from ..parallel import Router, WorkerLink
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
+from ..training.data_parallel import DataParallel
 from ..training.policy_age import policy_age_metrics
 from ..training.sft import sft_batches, sft_sequences
 from ..training.trainer import ADAPTER_NAME
@@ -46,7 +57,7 @@ from ..types import (
     check_reward,
     summarize_groups,
 )
-from .base_model import resolve_base_model
+from .base_model import check_fits_device, resolve_base_model
 from .policies import AdapterPolicy, LivePolicy, NoAdapterPolicy
 from .weights_gate import WeightsGate
 
@@ -72,9 +83,13 @@ class ModelService:
         engine_config: batching and KV-cache settings of the engine.
         max_seq_len: longest sequence (prompt + completion) served and trained, in tokens;
             default and upper bound: the model's context length.
+        dp: in a multi-GPU run, this rank's DataParallel group (every rank has a service).
+        workers: on rank 0 of a multi-GPU run, the channels to the other ranks, whose services
+            of the same name were registered with the same arguments.
 
     Raises:
         UnknownModelError: if `base_model` cannot be resolved.
+        ConfigError: if the weights do not fit the GPU (no tensor parallelism yet).
     """
 
     def __init__(
@@ -89,6 +104,8 @@ class ModelService:
         engine_config: EngineConfig | None = None,
         cache_dir: Path | None = None,
         max_seq_len: int | None = None,
+        dp: DataParallel | None = None,
+        workers: list[WorkerLink] | tuple[WorkerLink, ...] = (),
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,7 +116,11 @@ class ModelService:
         self.lora = lora or LoRAConfig()
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dp = dp
+        self.workers = list(workers)
+        self._writes_checkpoints = dp is None or dp.rank == 0
         resolved = resolve_base_model(base_model, cache_dir=cache_dir)
+        check_fits_device(resolved.model_ref, self.dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(resolved.model_ref)
         self.model = AutoModelForCausalLM.from_pretrained(resolved.model_ref, dtype=self.dtype).to(self.device)
         self.model.requires_grad_(False)
@@ -122,16 +143,20 @@ class ModelService:
         self._train_stream: torch.cuda.Stream | None = None  # the trainer's CUDA stream (made on first use)
         if self.step > 0 or (paths.checkpoint(0) / "adapter_config.json").is_file():
             checkpoint = paths.checkpoint(self.step)
-            self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate)
+            self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate, dp=dp)
             self.trainer.load_state(checkpoint)
         elif resolved.adapter_dir is not None:  # continue from a PEFT adapter: it is step 0
-            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate)
-            write_atomically(paths.checkpoint(0), lambda tmp: self.trainer.save(tmp, step=0))
+            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate, dp=dp)
+            if self._writes_checkpoints:
+                write_atomically(paths.checkpoint(0), lambda tmp: self.trainer.save(tmp, step=0))
         self._live = LivePolicy(lambda: self.trainer is not None, self.gate)
         self._step_adapters: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._step_adapters_lock = threading.Lock()
         self._max_step_adapters = 4
         self.engine = self._make_engine(engine_config or EngineConfig(max_num_seqs=max_batch_size))
+        # rank 0 of a multi-GPU run: requests balanced over its own engine and the other ranks'
+        remote = [lambda *a, link=link, **k: self._submit_remote(link, *a, **k) for link in self.workers]
+        self.router = Router([self._submit_local, *remote]) if remote else None
 
     def _make_engine(self, config: EngineConfig) -> Engine | HFEngine:
         """tempering's engine when it has model code for the architecture, else the transformers one."""
@@ -204,8 +229,27 @@ class ModelService:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, step: int | None = None,
                on_token: Any = None):
-        """Queue a generation; returns a concurrent Future of n Completions (see Engine.submit)."""
+        """Queue a generation; returns a concurrent Future of n Completions (see Engine.submit).
+
+        In a multi-GPU run the router picks the replica (this rank's engine or another rank's);
+        all n samples run on it.
+        """
+        if self.router is not None:
+            return self.router.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
+        return self._submit_local(prompt_ids, params, n=n, step=step, on_token=on_token)
+
+    def _submit_local(self, prompt_ids: list[int], params: SamplingParams, *, n: int, step: int | None,
+                      on_token: Any) -> concurrent.futures.Future:
         return self.engine.submit(prompt_ids, params, n=n, policy=self.policy(step), on_token=on_token)
+
+    def _submit_remote(self, link: WorkerLink, prompt_ids: list[int], params: SamplingParams, *, n: int,
+                       step: int | None, on_token: Any) -> concurrent.futures.Future:
+        """The request on another rank's replica; a grammar travels as its spec and is compiled there."""
+        grammar = params.grammar
+        if grammar is not None:
+            params = dataclasses.replace(params, grammar=None)
+        return link.submit({"name": self.paths.name, "prompt_ids": prompt_ids, "params": params, "n": n, "step": step,
+                            "grammar": grammar.spec if grammar is not None else None}, on_token)
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -226,31 +270,33 @@ class ModelService:
         emit({"type": "started", "num_sequences": len(sequences), "num_groups": num_groups,
               "num_groups_trainable": num_trainable})
         with self.train_lock:
-            trainer = self._ensure_trainer(config)
             data_step = self.step
             new_step = data_step + 1
             checkpoint = self.paths.checkpoint(new_step)
             ages = policy_age_metrics(groups, data_step)
+            # the other ranks take their part of the step (follow_train) while this one takes its own
+            with self._followed("follow_train", sequences=sequences, config=config, new_step=new_step):
+                trainer = self._prepare_trainer(config)
 
-            def commit() -> None:
-                if config.save_checkpoint:
-                    write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
-                    emit({"type": "checkpoint", "step": new_step})
+                def commit() -> None:
+                    if config.save_checkpoint:
+                        write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
+                        emit({"type": "checkpoint", "step": new_step})
 
-            with self._training(trainer):
-                if sequences:
-                    metrics = trainer.step(
-                        sequences, config, commit=commit, on_update=lambda info: emit({"type": "update", **info}),
-                        version=new_step,
-                    ).values
-                else:
-                    # the client reports it to the user (backends.base.report_nothing_learned); the
-                    # server's own log keeps a line at INFO
-                    log.info("step %d: none of the %d groups has reward spread; the adapter is unchanged",
-                             data_step, num_groups)
-                    metrics = {}
-                    commit()
-            self._publish(new_step)
+                with self._training(trainer):
+                    if sequences:
+                        metrics = trainer.step(
+                            sequences, config, commit=commit, on_update=lambda info: emit({"type": "update", **info}),
+                            version=new_step,
+                        ).values
+                    else:
+                        # the client reports it to the user (backends.base.report_nothing_learned); the
+                        # server's own log keeps a line at INFO
+                        log.info("step %d: none of the %d groups has reward spread; the adapter is unchanged",
+                                 data_step, num_groups)
+                        metrics = {}
+                        commit()
+                self._publish(new_step)
         release_free_memory()
         metrics.update(ages)
         metrics.update({
@@ -288,24 +334,81 @@ class ModelService:
             except TrajectoryError as exc:
                 raise TrajectoryError(f"trajectory {i}: {exc}") from None
         with self.train_lock:
-            trainer = self._ensure_trainer(TrainConfig())
-            batches = sft_batches(per_trajectory, config, trainer.rng)
-            emit({"type": "started", "num_trajectories": len(trajectories), "num_updates": len(batches)})
             data_step, new_step = self.step, self.step + 1
             checkpoint = self.paths.checkpoint(new_step)
+            with self._followed("follow_train_sft", per_trajectory=per_trajectory, config=config, new_step=new_step):
+                trainer = self._prepare_trainer(TrainConfig())
+                batches = sft_batches(per_trajectory, config, trainer.rng)  # the same on every rank: same RNG state
+                emit({"type": "started", "num_trajectories": len(trajectories), "num_updates": len(batches)})
 
-            def commit() -> None:
-                write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
-                emit({"type": "checkpoint", "step": new_step})
+                def commit() -> None:
+                    write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
+                    emit({"type": "checkpoint", "step": new_step})
 
-            with self._training(trainer):
-                metrics = trainer.sft_step(batches, config, commit=commit,
-                                           on_update=lambda info: emit({"type": "update", **info}), version=new_step).values
-            self._publish(new_step)
+                with self._training(trainer):
+                    metrics = trainer.sft_step(batches, config, commit=commit,
+                                               on_update=lambda info: emit({"type": "update", **info}),
+                                               version=new_step).values
+                self._publish(new_step)
         release_free_memory()
         metrics["time/step_wall_s"] = time.perf_counter() - start
         append_history(self.paths.history, {"step": data_step, **metrics})
         return TrainResult(step=new_step, metrics={k: float(v) for k, v in metrics.items()}, checkpoint_path=str(checkpoint))
+
+    # ---- the other ranks' part of a training call (multi-GPU) --------------------------------
+
+    def follow_train(self, sequences: list[TokenizedSequence], config: TrainConfig, new_step: int) -> None:
+        """On a rank other than 0: this rank's part of rank 0's `train` call (the same sequences,
+        already tokenized, with advantages); rank 0 writes the checkpoint."""
+        with self.train_lock:
+            trainer = self._prepare_trainer(config)
+            if sequences:
+                with self._training(trainer):
+                    trainer.step(sequences, config, version=new_step)
+            self._publish(new_step)
+        release_free_memory()
+
+    def follow_train_sft(self, per_trajectory: list, config: TrainSFTConfig, new_step: int) -> None:
+        """On a rank other than 0: this rank's part of rank 0's `train_sft` call."""
+        with self.train_lock:
+            trainer = self._prepare_trainer(TrainConfig())
+            batches = sft_batches(per_trajectory, config, trainer.rng)
+            with self._training(trainer):
+                trainer.sft_step(batches, config, version=new_step)
+            self._publish(new_step)
+        release_free_memory()
+
+    @contextlib.contextmanager
+    def _followed(self, method: str, **kwargs: Any):
+        """Send `method(**kwargs)` to the other ranks' services (none without workers), run the
+        block, then wait for them. A dead worker's DistributedError wins (the block then fails
+        with a collective's error that names no rank), then the block's error, then a worker's."""
+        futures = [link.call(method, name=self.paths.name, **kwargs) for link in self.workers]
+        try:
+            yield
+        except BaseException as exc:
+            concurrent.futures.wait(futures)  # a dead worker fails its futures at once (parallel/channel.py)
+            dead = next((link.error for link in self.workers if link.error is not None), None)
+            if dead is not None and exc is not dead:
+                raise dead from exc
+            raise
+        concurrent.futures.wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+
+    def _prepare_trainer(self, config: TrainConfig) -> Trainer:
+        """`_ensure_trainer` on every rank at once: every rank gets its trainer, or every rank raises."""
+        error = None
+        try:
+            trainer = self._ensure_trainer(config)
+        except Exception as exc:
+            error = exc
+        if self.dp is not None and not self.dp.agree(error is None, self.device):
+            raise error or DistributedError("another rank could not set up its trainer; see its log")
+        if error is not None:
+            raise error
+        return trainer
 
     def _prepare(self, groups: list[TrajectoryGroup], config: TrainConfig) -> tuple[list[TokenizedSequence], int, int]:
         """Validate and tokenize; returns (sequences with advantages, trainable groups, groups)."""
@@ -375,7 +478,7 @@ class ModelService:
                 k: v for k, v in (("rank", config.lora_rank), ("alpha", config.lora_alpha)) if v is not None
             })
             with self.gate:  # injecting the LoRA layers changes the module tree an engine step reads
-                self.trainer = Trainer.new(self.model, lora, gate=self.gate)
+                self.trainer = Trainer.new(self.model, lora, gate=self.gate, dp=self.dp)
             return self.trainer
         for key, wanted in (("rank", config.lora_rank), ("alpha", config.lora_alpha)):
             have = getattr(self.trainer.lora, key)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .batching import MicroBatch, Row, RowShape
+from .data_parallel import flat_buffers
 
 __all__ = ["RowGraphs"]
 
@@ -58,7 +59,8 @@ class RowGraphs:
         self.params = params
         self.device = device
         self.max_graphs = max_graphs
-        self.grads = [torch.zeros_like(p) for p in params]
+        # views of one flat buffer per dtype: data parallelism all-reduces the buffers in one call each
+        self.grad_buffers, self.grads = flat_buffers(params)
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
         self._pool = None
         self.capture_error: str | None = None  # set when a capture failed: rows then run eagerly
@@ -67,7 +69,8 @@ class RowGraphs:
 
     def begin_update(self) -> None:
         """Zero the gradient accumulators (before the first row of an optimizer update)."""
-        torch._foreach_zero_(self.grads)
+        for buffer in self.grad_buffers:
+            buffer.zero_()
 
     def install_grads(self) -> None:
         """Point each parameter's `.grad` at its accumulator, for clipping and the optimizer step."""

@@ -18,12 +18,18 @@ The adapter's tensors are shared with the rollout engine, which keeps sampling w
 after a failure) happens inside the owner's `gate` (a lock that the engine's steps also take; on
 CUDA it also orders the two streams), and the step's last update sets `gate.version`, so each
 sampled token is stamped with the version of the weights that sampled it.
+
+With a `DataParallel` (data_parallel.py; one process per GPU, every rank calling `step` with the
+same sequences) each update's mini-batch is split between the ranks and the LoRA gradients are
+summed over them before the identical optimizer step on every rank; the first step makes every
+rank's adapter rank 0's. A step that fails on any rank is undone on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import random
 import time
@@ -35,11 +41,12 @@ from typing import Any, Self
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, DistributedError
 from ..types import LoRAConfig, TrainConfig
 from .attention import use_packed_attention, varlen_attn
 from .batching import MicroBatch, Row, pack_sequences
 from .cuda_graphs import RowGraphs
+from .data_parallel import DataParallel
 from .decoder import PackedDecoder
 from .logprobs import selective_logprobs
 from .objective import STATS, rl_objective
@@ -48,6 +55,8 @@ from .tokenize import TokenizedSequence
 __all__ = ["ADAPTER_NAME", "StepMetrics", "Trainer"]
 
 ADAPTER_NAME = "default"
+
+log = logging.getLogger("tempering")
 
 
 @contextlib.contextmanager
@@ -79,6 +88,16 @@ class StepMetrics:
 _MAX = STATS.index("ratio_max")
 
 
+def _combine(total: torch.Tensor | None, stats: torch.Tensor, max_index: int | None = _MAX) -> torch.Tensor:
+    """`total + stats` for statistics vectors (entry `max_index`: the max), on the device; None + stats is a copy."""
+    if total is None:
+        return stats.clone()
+    out = total + stats
+    if max_index is not None:
+        out[max_index] = torch.maximum(total[max_index], stats[max_index])  # no host value reaches the device
+    return out
+
+
 @dataclass(slots=True)
 class _Totals:
     """A step's statistics: device-side sums of the objective's STATS vectors, read at the end."""
@@ -90,16 +109,10 @@ class _Totals:
     _read: dict[str, float] | None = None
 
     def add(self, stats: torch.Tensor) -> None:
-        def combined(total: torch.Tensor | None) -> torch.Tensor:
-            if total is None:
-                return stats.clone()
-            out = total + stats
-            out[_MAX] = torch.maximum(total[_MAX], stats[_MAX])  # no host value reaches the device
-            return out
-
-        self.sums = combined(self.sums)
+        """Add one update's statistics (before its grad norm is appended)."""
+        self.sums = _combine(self.sums, stats)
         if not self.grad_norms:
-            self.first_update = combined(self.first_update)
+            self.first_update = _combine(self.first_update, stats)
 
     def values(self) -> dict[str, float]:
         """The sums as floats (reads the device once; call after the last `add`)."""
@@ -143,10 +156,15 @@ class Trainer:
 
     `gate` (keyword): a re-entrant context manager with an int `version` attribute, held around
     every in-place write to the adapter (the service's WeightsGate); by default nothing is shared.
+    `dp` (keyword): train data-parallel with the other ranks of this DataParallel group; every
+    rank must then make the same calls (`step`, `sft_step`) with the same arguments.
     """
 
-    def __init__(self, peft_model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None) -> None:
+    def __init__(self, peft_model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None,
+                 dp: DataParallel | None = None) -> None:
         self.gate = gate if gate is not None else _NoGate()
+        self.dp = dp
+        self._is_synced = dp is None  # every rank's adapter equals rank 0's (made so by the first step)
         self.peft_model = peft_model
         self.lora = lora
         self.model = peft_model.get_base_model()  # the transformers model with LoRA layers inside
@@ -168,7 +186,8 @@ class Trainer:
     # ---- construction ---------------------------------------------------------------------
 
     @classmethod
-    def new(cls, model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None) -> Trainer:
+    def new(cls, model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None,
+            dp: DataParallel | None = None) -> Trainer:
         from peft import LoraConfig, get_peft_model
 
         targets = [m for m in lora.target_modules if any(n.endswith(m) for n, _ in model.named_modules())]
@@ -181,10 +200,10 @@ class Trainer:
         with torch.random.fork_rng(devices=[]), _quiet_peft():
             torch.manual_seed(seed)  # reproducible A init (B starts at 0)
             peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
-        return cls(peft_model, lora, seed=seed, gate=gate)
+        return cls(peft_model, lora, seed=seed, gate=gate, dp=dp)
 
     @classmethod
-    def from_adapter(cls, model: Any, adapter_dir: Path, *, gate: Any = None) -> Trainer:
+    def from_adapter(cls, model: Any, adapter_dir: Path, *, gate: Any = None, dp: DataParallel | None = None) -> Trainer:
         from peft import PeftModel
 
         try:
@@ -195,7 +214,7 @@ class Trainer:
         config = peft_model.peft_config[ADAPTER_NAME]
         targets = sorted(config.target_modules) if not isinstance(config.target_modules, str) else [config.target_modules]
         lora = LoRAConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout, target_modules=targets)
-        return cls(peft_model, lora, gate=gate)
+        return cls(peft_model, lora, gate=gate, dp=dp)
 
     # ---- saving ---------------------------------------------------------------------------
 
@@ -265,17 +284,37 @@ class Trainer:
 
         The RNG states are saved now; the adapter and optimizer tensors only before the first
         optimizer update changes them (`_apply_update`), so that on a GPU their copy is queued
-        behind the first forward/backward instead of delaying it.
+        behind the first forward/backward instead of delaying it. With data parallelism the ranks
+        vote at the end: the step stands only where it succeeded on every rank.
+
+        Raises:
+            DistributedError: when another rank's part of the step failed (this rank undid it too).
         """
         self._undo = _Undo(self.num_updates, self.rng.getstate(), torch.get_rng_state(), self.gate.version)
         try:
+            if not self._is_synced:
+                self.dp.broadcast_(self.params)  # the LoRA init or loaded adapter: rank 0's on every rank
+                self._is_synced = True
             metrics = run()
             if commit is not None:
                 commit()
-            return metrics
+        except Exception:
+            if self.dp is not None:
+                try:  # the vote that every rank casts at the end of a step, failed or not
+                    self.dp.agree(False, self.params[0].device)
+                except Exception as vote_error:  # a dead rank: the error raised below says what went wrong here
+                    log.debug("the failed step's vote failed too: %r", vote_error)
+            self._restore(self._undo)
+            raise
         except BaseException:
             self._restore(self._undo)
             raise
+        else:
+            if self.dp is not None and not self.dp.agree(True, self.params[0].device):
+                self._restore(self._undo)
+                raise DistributedError("another rank failed its part of this training step (see its log); "
+                                       "the step was undone on every rank")
+            return metrics
         finally:
             self._undo = None
 
@@ -353,22 +392,67 @@ class Trainer:
                config.importance_ratio_mask, config.kl_penalty_coef, config.kl_estimator, config.logprob_chunk_size,
                self._checkpointing)
         objective = lambda row: rl_objective(self._row_logprobs, row, config)
+        failure: Exception | None = None  # of this rank, carried to the next collective (data_parallel.py)
         for index, minibatch in enumerate(minibatches):
             weights = token_weights(minibatch, config.aggregation, config.dr_grpo_normalizer)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.rows.begin_update()
-            for micro in pack_sequences(minibatch, max_tokens=config.micro_batch_tokens, weights=weights):
-                totals.tokens += micro.num_tokens
-                if not micro.loss_mask[0, 1:].any():
-                    continue  # nothing trained in this row
-                totals.add(self.rows.run(micro, objective, key, capture=capture))
-            self.rows.install_grads()
-            grad_norm = self._apply_update(config.max_grad_norm, publish=version if index == len(minibatches) - 1 else None)
-            totals.grad_norms.append(grad_norm)
-            if on_update is not None:
-                loss = float(totals.sums[STATS.index("loss")]) if totals.sums is not None else 0.0
-                on_update({"update": index + 1, "num_updates": len(minibatches), "grad_norm": float(grad_norm),
-                           "loss": loss})
+            totals.tokens += sum(len(s) for s in minibatch)
+            stats = self._accumulate(minibatch, weights, config.micro_batch_tokens, objective, key, capture=capture,
+                                     failure=failure, num_stats=len(STATS), max_index=_MAX)
+            if stats is not None:
+                totals.add(stats)
+            try:
+                grad_norm = self._apply_update(config.max_grad_norm,
+                                               publish=version if index == len(minibatches) - 1 else None)
+                totals.grad_norms.append(grad_norm)
+                if on_update is not None:
+                    loss = float(totals.sums[STATS.index("loss")]) if totals.sums is not None else 0.0
+                    on_update({"update": index + 1, "num_updates": len(minibatches), "grad_norm": float(grad_norm),
+                               "loss": loss})
+            except Exception as exc:
+                if self.dp is None:
+                    raise
+                failure = exc  # raised at the next collective (the next update's, or the step's vote)
+        if failure is not None:
+            raise failure
+
+    def _accumulate(self, sequences: list[TokenizedSequence], weights: list[float], max_tokens: int,
+                    objective: Callable[[Row], tuple[torch.Tensor, torch.Tensor]], key: Any, *, capture: bool,
+                    failure: Exception | None, num_stats: int, max_index: int | None) -> torch.Tensor | None:
+        """One update's gradient of `sequences` into the accumulators, installed as the parameters'
+        `.grad`; returns the update's statistics ([num_stats] sums; None: no row trained anything).
+
+        With data parallelism this rank runs only its share of the sequences and the gradients and
+        statistics are summed over the ranks (`max_index`: the statistic that is a max); a failure
+        on any rank (`failure`, this rank's from earlier in the step, or one raised here) is then
+        raised on every rank, as DistributedError on the others. Without, errors propagate.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        self.rows.begin_update()
+        stats = None
+        if self.dp is not None:
+            mine = self.dp.shard([len(s) for s in sequences])
+            sequences, weights = [sequences[i] for i in mine], [weights[i] for i in mine]
+        try:
+            if failure is None:
+                for micro in pack_sequences(sequences, max_tokens=max_tokens, weights=weights):
+                    if not micro.loss_mask[0, 1:].any():
+                        continue  # nothing trained in this row
+                    stats = _combine(stats, self.rows.run(micro, objective, key, capture=capture), max_index)
+        except Exception as exc:
+            if self.dp is None:
+                raise
+            failure = exc
+        if self.dp is not None:
+            local = stats if stats is not None else torch.zeros(num_stats, device=self.params[0].device)
+            stats, num_failed = self.dp.reduce_update(self.rows.grad_buffers, local, failed=failure is not None,
+                                                      max_index=max_index)
+            if failure is not None:
+                raise failure
+            if num_failed:
+                raise DistributedError(f"{num_failed} other rank(s) failed their part of this training step "
+                                       "(see their log); the step was undone on every rank")
+        self.rows.install_grads()
+        return stats
 
     def _can_capture(self, config: TrainConfig) -> bool:
         """CUDA graphs for the rows: on CUDA, with tempering's own forward, PyTorch's varlen attention
@@ -394,8 +478,14 @@ class Trainer:
         start = time.perf_counter()
         if not self.model.training:
             self.model.train()
-        device = self.params[0].device
+
+        def objective(row: Row) -> tuple[torch.Tensor, torch.Tensor]:
+            logprobs, _ = self._row_logprobs(row)
+            loss = -(logprobs * row.weights).sum()
+            return loss, torch.stack([loss.detach(), loss.new_tensor(float(logprobs.numel()))])
+
         losses, grad_norms, tokens, trained = [], [], 0, 0
+        failure: Exception | None = None
         try:
             with self._forward_mode(config.gradient_checkpointing):
                 for index, (batch, learning_rate) in enumerate(batches):
@@ -403,23 +493,25 @@ class Trainer:
                         group["lr"] = learning_rate
                         group["weight_decay"] = 0.0
                     weights = token_weights(batch, "token_mean", None)
-                    self.optimizer.zero_grad(set_to_none=True)
-                    batch_loss = 0.0
-                    for micro in pack_sequences(batch, max_tokens=config.micro_batch_tokens, weights=weights):
-                        row = micro.row().to(device)
-                        logprobs, _ = self._row_logprobs(row)
-                        loss = -(logprobs * row.weights).sum()
-                        loss.backward()
-                        batch_loss += float(loss.detach())
-                        tokens += micro.num_tokens
-                        trained += int(logprobs.numel())
-                    grad_norm = self._apply_update(config.max_grad_norm,
-                                                   publish=version if index == len(batches) - 1 else None)
-                    losses.append(batch_loss)
-                    grad_norms.append(grad_norm)
-                    if on_update is not None:
-                        on_update({"update": index + 1, "num_updates": len(batches), "loss": batch_loss,
-                                   "grad_norm": float(grad_norm)})
+                    tokens += sum(len(s) for s in batch)
+                    stats = self._accumulate(batch, weights, config.micro_batch_tokens, objective, "sft", capture=False,
+                                             failure=failure, num_stats=2, max_index=None)
+                    batch_loss, batch_trained = stats.tolist() if stats is not None else (0.0, 0.0)
+                    trained += int(batch_trained)
+                    try:
+                        grad_norm = self._apply_update(config.max_grad_norm,
+                                                       publish=version if index == len(batches) - 1 else None)
+                        losses.append(batch_loss)
+                        grad_norms.append(grad_norm)
+                        if on_update is not None:
+                            on_update({"update": index + 1, "num_updates": len(batches), "loss": batch_loss,
+                                       "grad_norm": float(grad_norm)})
+                    except Exception as exc:
+                        if self.dp is None:
+                            raise
+                        failure = exc  # raised at the next collective (see _run_minibatches)
+            if failure is not None:
+                raise failure
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start

@@ -1,0 +1,241 @@
+"""The control channel between the driver (rank 0) and each worker process.
+
+Tensors that every rank must agree on (gradients, the adapter) travel through torch.distributed
+collectives. What is addressed to one rank travels here: commands ("register this model",
+"take this training step") and generation requests with their results. A channel is an
+authenticated `multiprocessing.connection` socket carrying pickled tuples:
+
+    driver → worker   ("call", id, method, kwargs)    run in arrival order on the worker's call thread
+                      ("submit", id, kwargs, stream)  a generation, answered when it completes
+                      ("shutdown",)
+    worker → driver   ("done", id, result) | ("error", id, exception)
+                      ("token", id, sample_index, token_id, logprob, top)   streamed tokens
+
+Calls run one at a time, in order, on every worker, so that collective operations inside them
+(a training step) happen in the same order on every rank. Generations run beside them.
+
+A channel that breaks (its worker died) fails every pending and later request of it with
+DistributedError at once; the driver never waits on a dead worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import pickle
+import queue
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..errors import DistributedError
+
+__all__ = ["WorkerLink", "serve"]
+
+log = logging.getLogger("tempering")
+
+TokenCallback = Callable[[int, int, float, list], None]
+
+
+class WorkerLink:
+    """The driver's end of one worker's channel.
+
+    Args:
+        rank: the worker's rank.
+        conn: the connection to it.
+        process: the worker process, when the driver started it (for its exit code in errors).
+        on_failure: called once, from the reader thread, with the DistributedError when the
+            channel breaks (not after `close`).
+    """
+
+    def __init__(self, rank: int, conn: Connection, *, process: subprocess.Popen | None = None,
+                 on_failure: Callable[[DistributedError], None] | None = None) -> None:
+        self.rank = rank
+        self.process = process
+        self._conn = conn
+        self._on_failure = on_failure
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[concurrent.futures.Future, TokenCallback | None]] = {}
+        self._lock = threading.Lock()  # guards _pending, _error and sending
+        self._error: DistributedError | None = None
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name=f"tempering-link-{rank}", daemon=True)
+        self._reader.start()
+
+    @property
+    def error(self) -> DistributedError | None:
+        """Why the channel broke, or None while it works."""
+        return self._error
+
+    def call(self, method: str, **kwargs: Any) -> concurrent.futures.Future:
+        """Run `method(**kwargs)` on the worker's call thread (after the calls sent before it);
+        a Future of its result. Fails with DistributedError if the worker is gone."""
+        return self._send(lambda i: ("call", i, method, kwargs), None)
+
+    def submit(self, kwargs: dict[str, Any], on_token: TokenCallback | None = None) -> concurrent.futures.Future:
+        """A generation on the worker (its handler's `submit(**kwargs)`); `on_token` receives its
+        streamed tokens on the reader thread. A Future of the completions."""
+        return self._send(lambda i: ("submit", i, kwargs, on_token is not None), on_token)
+
+    def _send(self, message: Callable[[int], tuple], on_token: TokenCallback | None) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._error is not None:
+                future.set_exception(self._error)
+                return future
+            request_id = next(self._ids)
+            self._pending[request_id] = (future, on_token)
+            try:
+                self._conn.send(message(request_id))
+            except (OSError, ValueError) as exc:  # broken pipe; the reader reports the worker's fate
+                self._pending.pop(request_id, None)
+                future.set_exception(DistributedError(f"could not reach worker rank {self.rank}: {exc}"))
+        return future
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask the worker to exit and wait up to `timeout_s` for it; then kill it (if started here)."""
+        with self._lock:
+            self._closing = True
+            try:
+                self._conn.send(("shutdown",))
+            except (OSError, ValueError):
+                pass
+        if self.process is not None:
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("worker rank %d did not exit within %.0f s; killing it", self.rank, timeout_s)
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(timeout_s)
+        self._conn.close()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as exc:  # an unpicklable reply: fail that request, keep the channel
+                log.error("worker rank %d sent a message that cannot be read: %r", self.rank, exc)
+                continue
+            kind, request_id = message[0], message[1]
+            if kind == "token":
+                entry = self._pending.get(request_id)
+                if entry is not None and entry[1] is not None:
+                    entry[1](*message[2:])
+                continue
+            with self._lock:
+                entry = self._pending.pop(request_id, None)
+            if entry is None:
+                continue
+            if kind == "done":
+                entry[0].set_result(message[2])
+            else:
+                entry[0].set_exception(message[2])
+        self._fail(DistributedError(self._death_reason()))
+
+    def _death_reason(self) -> str:
+        if self._closing:
+            return f"worker rank {self.rank} was shut down"
+        code = None
+        if self.process is not None:
+            try:
+                code = self.process.wait(2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        how = "its connection to the driver broke"
+        if code is not None:
+            how = f"it exited with code {code}"
+            if code < 0:
+                how += f" ({signal.Signals(-code).name})"
+        pid = f" (pid {self.process.pid})" if self.process is not None else ""
+        return (f"worker rank {self.rank}{pid} of this multi-GPU run died: {how}. Every rank holds part of each "
+                "training step and one engine replica, so the run cannot go on; see the worker's output above, "
+                "then start the server (or the LocalBackend) again: it resumes from the last checkpoint")
+
+    def _fail(self, error: DistributedError) -> None:
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+            pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
+            if not future.done():
+                future.set_exception(error)
+        if not self._closing and self._on_failure is not None:
+            self._on_failure(error)
+
+
+def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
+    """Serve the driver on a worker: run its calls on `handler` and its generations through
+    `handler.submit(**kwargs, on_token=...)` (which returns a concurrent Future), until it sends
+    "shutdown" (returns True) or goes away (returns False).
+
+    Exceptions are sent back to the driver, which raises them there; one that cannot be pickled
+    is sent as a DistributedError with its text.
+    """
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        try:
+            payload = pickle.dumps(message)
+        except Exception as exc:  # the driver must hear back about every request, also then
+            if message[0] == "token":
+                return
+            what = "result" if message[0] == "done" else f"error {message[2]!r:.1000}"
+            payload = pickle.dumps(("error", message[1], DistributedError(
+                f"worker rank {rank} could not send back its {what}: {type(exc).__name__}: {exc}")))
+        with send_lock:
+            try:
+                conn.send_bytes(payload)
+            except (OSError, ValueError):
+                pass  # the driver is gone: the receive loop ends
+
+    def reply(request_id: int, future: concurrent.futures.Future) -> None:
+        exc = future.exception()
+        send(("error", request_id, _noted(exc, rank)) if exc is not None else ("done", request_id, future.result()))
+
+    calls: queue.Queue = queue.Queue()
+
+    def run_calls() -> None:
+        while (item := calls.get()) is not None:
+            request_id, method, kwargs = item
+            try:
+                result = getattr(handler, method)(**kwargs)
+            except Exception as exc:
+                send(("error", request_id, _noted(exc, rank)))
+            else:
+                send(("done", request_id, result))
+
+    # a daemon: a call blocked in a collective with a dead rank must not keep the process alive
+    threading.Thread(target=run_calls, name="tempering-calls", daemon=True).start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return False
+        kind = message[0]
+        if kind == "shutdown":
+            calls.put(None)
+            return True
+        if kind == "call":
+            calls.put(message[1:])
+        elif kind == "submit":
+            request_id, kwargs, stream = message[1:]
+            on_token = (lambda *token, i=request_id: send(("token", i, *token))) if stream else None
+            try:
+                future = handler.submit(**kwargs, on_token=on_token)
+            except Exception as exc:
+                send(("error", request_id, _noted(exc, rank)))
+                continue
+            future.add_done_callback(lambda f, i=request_id: reply(i, f))
+
+
+def _noted(exc: BaseException, rank: int) -> BaseException:
+    exc.add_note(f"(raised on worker rank {rank})")
+    return exc

@@ -1,0 +1,135 @@
+"""A worker process of a multi-GPU run (ranks 1..N-1): `worker_command()` starts one.
+
+The driver (rank 0: `tempering serve --gpus N` or `LocalBackend(gpus=N)`) starts one per extra
+GPU (or torchrun does, with `--device-type` and `--timeout-s` as the driver's). A worker joins
+the run (parallel/launch.py) and serves the driver's channel (parallel/channel.py) with a
+`WorkerHub`: for every model the driver registers it loads a ModelService of its own (weights,
+engine replica, data-parallel trainer) on its GPU, runs its part of each training call, and
+serves the generations the driver's router sends it. It exits when the driver shuts it down or
+goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine import EngineConfig, SamplingParams
+from ..engine.grammar import GrammarSpec
+from ..errors import UnknownModelError
+from ..parallel import RankInfo, join, serve
+from ..storage import ModelPaths
+from ..training.data_parallel import DataParallel
+from ..types import LoRAConfig, TrainConfig, TrainSFTConfig
+from .service import ModelService
+
+__all__ = ["WorkerHub", "main", "worker_command"]
+
+log = logging.getLogger("tempering")
+
+
+def worker_command(device_type: str, timeout_s: float) -> list[str]:
+    """The argv that starts a worker of a run on `device_type` ("cuda" or "cpu").
+
+    `-c`, not `-m`: importing tempering imports this module, which `-m` would then run a second time.
+    """
+    return [sys.executable, "-c", "from tempering.service.worker import main; main()",
+            "--device-type", device_type, "--timeout-s", str(timeout_s)]
+
+
+class WorkerHub:
+    """The models of one worker rank, driven by rank 0's ModelHub and services.
+
+    Args:
+        info: this rank's place in the run (its device).
+    """
+
+    def __init__(self, info: RankInfo) -> None:
+        self.info = info
+        self.dp = DataParallel()
+        self.services: dict[str, ModelService] = {}
+        # for requests that may block (see submit)
+        self._helpers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tempering-submit")
+
+    def register(self, *, root: str, project: str, name: str, base_model: str, lora: LoRAConfig | None,
+                 engine_config: EngineConfig | None, max_seq_len: int | None) -> int:
+        """Load this rank's service of a model rank 0 registers (same arguments); its step."""
+        if name not in self.services:
+            self.services[name] = ModelService(ModelPaths(Path(root), project, name), base_model, lora=lora,
+                                               device=self.info.device, engine_config=engine_config,
+                                               max_seq_len=max_seq_len, dp=self.dp)
+        return self.services[name].step
+
+    def unregister(self, *, name: str) -> None:
+        service = self.services.pop(name, None)
+        if service is not None:
+            service.close()
+
+    def follow_train(self, *, name: str, sequences: list, config: TrainConfig, new_step: int) -> None:
+        self._service(name).follow_train(sequences, config, new_step)
+
+    def follow_train_sft(self, *, name: str, per_trajectory: list, config: TrainSFTConfig, new_step: int) -> None:
+        self._service(name).follow_train_sft(per_trajectory, config, new_step)
+
+    def submit(self, *, name: str, prompt_ids: list[int], params: SamplingParams, n: int, step: int | None,
+               grammar: GrammarSpec | None, on_token: Any = None) -> concurrent.futures.Future:
+        """A generation the driver's router sent here; a Future of its completions.
+
+        A request that may block (a grammar to compile, a saved step's adapter to load, which
+        waits for a running training step) is queued on a helper thread: the thread that reads
+        the driver's messages never waits.
+        """
+        service = self._service(name)
+        if grammar is None and step is None:
+            return service.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+
+        def prepare_and_submit() -> None:
+            try:
+                if grammar is not None:
+                    params.grammar = service.grammars.compile(grammar)
+                inner = service.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
+            except Exception as exc:
+                outer.set_exception(exc)
+                return
+            inner.add_done_callback(lambda f: outer.set_exception(f.exception()) if f.exception() is not None
+                                    else outer.set_result(f.result()))
+
+        self._helpers.submit(prepare_and_submit)
+        return outer
+
+    def _service(self, name: str) -> ModelService:
+        service = self.services.get(name)
+        if service is None:
+            raise UnknownModelError(f"worker rank {self.info.rank} has no model {name!r}")
+        return service
+
+    def close(self) -> None:
+        for name in list(self.services):
+            self.unregister(name=name)
+        self._helpers.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tempering-worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--device-type", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="how long a collective waits for another rank")
+    args = parser.parse_args(argv)
+    info, conn = join(device_type=args.device_type, timeout_s=args.timeout_s)
+    logging.basicConfig(level=logging.INFO, format=f"[rank {info.rank}] %(levelname)s %(name)s: %(message)s")
+    if info.device.type == "cpu":  # the ranks share the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+    hub = WorkerHub(info)
+    if not serve(conn, hub, rank=info.rank):
+        log.error("the driver (rank 0) went away; exiting")
+        os._exit(1)  # a call may be blocked in a collective with it: do not wait for it
+    hub.close()
+    dist.destroy_process_group()

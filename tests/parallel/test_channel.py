@@ -1,0 +1,106 @@
+"""The driver–worker channel over a pipe to a forked worker process: calls in order, generations
+with streamed tokens, errors carried back, and a killed worker failing every request at once."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tempering.errors import ConfigError, DistributedError
+from tempering.parallel import WorkerLink, serve
+
+
+class Handler:
+    """A worker's handler: records calls; `submit` streams `n` tokens from a thread."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def record(self, *, value: int, delay_s: float = 0.0) -> list[int]:
+        time.sleep(delay_s)
+        self.calls.append(value)
+        return list(self.calls)
+
+    def bad_config(self) -> None:
+        raise ConfigError("lora rank 8 differs from the adapter's 4")
+
+    def unpicklable(self) -> object:
+        return threading.Lock()
+
+    def submit(self, *, prompt_ids, n, on_token=None):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            for i in range(n):
+                if on_token is not None:
+                    on_token(0, prompt_ids[0] + i, -0.5, [])
+            future.set_result([prompt_ids[0] + i for i in range(n)])
+
+        threading.Thread(target=run).start()
+        return future
+
+
+def run_worker(conn) -> None:
+    os._exit(0 if serve(conn, Handler(), rank=1) else 1)
+
+
+@pytest.fixture
+def channel():
+    driver_end, worker_end = multiprocessing.Pipe()
+    worker = multiprocessing.get_context("fork").Process(target=run_worker, args=(worker_end,), daemon=True)
+    worker.start()
+    worker_end.close()
+    failures: list[DistributedError] = []
+    link = WorkerLink(1, driver_end, on_failure=failures.append)
+    yield link, worker, failures
+    if link.error is None:
+        link.close(timeout_s=5)
+    worker.join(5)
+
+
+def test_calls_run_in_the_order_sent_and_return_their_results(channel):
+    link, *_ = channel
+    futures = [link.call("record", value=1, delay_s=0.05), link.call("record", value=2), link.call("record", value=3)]
+    assert [f.result(timeout=10) for f in futures] == [[1], [1, 2], [1, 2, 3]]
+
+
+def test_a_worker_error_comes_back_with_its_type_and_rank(channel):
+    link, *_ = channel
+    with pytest.raises(ConfigError, match="differs") as info:
+        link.call("bad_config").result(timeout=10)
+    assert "(raised on worker rank 1)" in info.value.__notes__
+    with pytest.raises(DistributedError, match="could not send back its result"):
+        link.call("unpicklable").result(timeout=10)
+    assert link.call("record", value=4).result(timeout=10) == [4]  # the channel still works
+
+
+def test_a_generation_streams_its_tokens_then_resolves(channel):
+    link, *_ = channel
+    tokens = []
+    future = link.submit({"prompt_ids": [100], "n": 3}, on_token=lambda *t: tokens.append(t))
+    assert future.result(timeout=10) == [100, 101, 102]
+    assert [t[1] for t in tokens] == [100, 101, 102]
+
+
+def test_a_killed_worker_fails_pending_and_later_requests_at_once(channel):
+    link, worker, failures = channel
+    pending = link.call("record", value=5, delay_s=30.0)
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(DistributedError, match="worker rank 1 .*died"):
+        pending.result(timeout=10)
+    with pytest.raises(DistributedError):
+        link.submit({"prompt_ids": [1], "n": 1}).result(timeout=1)
+    assert len(failures) == 1 and failures[0] is link.error
+
+
+def test_shutdown_ends_the_worker_loop_cleanly(channel):
+    link, worker, failures = channel
+    link.close(timeout_s=5)
+    worker.join(5)
+    assert worker.exitcode == 0 and not failures

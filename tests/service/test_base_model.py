@@ -1,0 +1,40 @@
+"""Sizing a base model before loading it, and refusing one that does not fit a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tempering.errors import ConfigError
+from tempering.service.base_model import check_fits_device, weight_bytes
+
+
+def save_llama(path, **shape):
+    import transformers
+
+    config = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                                      max_position_embeddings=128, **shape)
+    config.save_pretrained(path)
+    return config
+
+
+def test_the_weight_size_comes_from_the_config_and_counts_tied_embeddings_once(tmp_path):
+    import transformers
+
+    config = save_llama(tmp_path, hidden_size=64, intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    expected = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    assert weight_bytes(str(tmp_path), torch.bfloat16) == 2 * expected
+    assert weight_bytes(str(tmp_path), torch.float32) == 4 * expected
+
+
+def test_nothing_is_checked_on_a_cpu(tmp_path):
+    save_llama(tmp_path, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    check_fits_device(str(tmp_path), torch.float32, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_model_larger_than_the_gpu_is_refused_naming_tensor_parallelism(tmp_path):
+    save_llama(tmp_path, hidden_size=16384, intermediate_size=53248, num_hidden_layers=256)  # ~0.9T parameters
+    with pytest.raises(ConfigError, match="tensor-parallel serving.*is not supported yet"):
+        check_fits_device(str(tmp_path), torch.bfloat16, "cuda:0")

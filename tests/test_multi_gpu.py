@@ -1,0 +1,261 @@
+"""The multi-GPU path on two CPU processes (gloo): LocalBackend(gpus=2) and `tempering serve --gpus 2`;
+the backend tests also on two GPUs (NCCL) where there are two (skipped otherwise).
+
+A tiny random Llama with the default model's tokenizer keeps each process quick. What is checked:
+requests spread over both engine replicas, a training step reaches both (their greedy logprobs
+agree before and after it, and change with it), the checkpoint is written once, a new backend
+resumes from it on both ranks, and a killed worker stops the server with a DistributedError
+instead of a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import tempering as art
+from tempering.engine import EngineConfig, SamplingParams
+from tempering.engine.grammar import GrammarSpec
+from tempering.errors import DistributedError
+
+ENGINE = EngineConfig(cpu_kv_cache_bytes=16 << 20, max_num_seqs=32)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"))]
+PROMPTS = ["Say a number.", "Name a color.", "Pick a letter."]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    """A 2-layer, 64-wide random Llama with SmolLM2's tokenizer, chat template and stop ids."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    base = LlamaConfig.from_pretrained(default_model_dir)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=base.vocab_size, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig.from_pretrained(default_model_dir)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
+    return out
+
+
+def backend(path: Path, device: str) -> art.LocalBackend:
+    if device == "cpu":
+        return art.LocalBackend(path=path, device="cpu", gpus=2, engine_config=ENGINE)
+    return art.LocalBackend(path=path, gpus=2, engine_config=EngineConfig(num_kv_blocks=2048, max_num_seqs=32))
+
+
+async def groups_from_rollouts(model: art.TrainableModel) -> list[art.TrajectoryGroup]:
+    client = model.openai_client()
+
+    async def group(prompt: str) -> art.TrajectoryGroup:
+        messages = [{"role": "user", "content": prompt}]
+        completion = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=8, n=4,
+                                                          temperature=1.0)
+        trajectories = []
+        for choice in completion.choices:
+            logprobs = [c.logprob for c in choice.logprobs.content]
+            trajectories.append(art.Trajectory(messages_and_choices=[*messages, choice],
+                                               reward=math.exp(sum(logprobs) / len(logprobs))))
+        return art.TrajectoryGroup(trajectories)
+
+    return list(await asyncio.gather(*[group(p) for p in PROMPTS]))
+
+
+def replica_probes(service) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and logprobs of one prompt on each replica: rank 0's engine, then rank 1's."""
+    prompt = service.renderer.render_prompt([{"role": "user", "content": "Tell me a story."}])
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    futures = [service._submit_local(prompt, greedy, n=1, step=None, on_token=None),
+               service._submit_remote(service.workers[0], prompt, greedy, n=1, step=None, on_token=None)]
+    return [(f.result(60)[0].token_ids, f.result(60)[0].logprobs) for f in futures]
+
+
+def assert_same(a, b, tol=1e-5):
+    assert a[0] == b[0]
+    assert max(abs(x - y) for x, y in zip(a[1], b[1])) < tol
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(request, tiny_model_dir, tmp_path_factory):
+    """One step on two processes; what the test functions check, gathered while the backend ran."""
+    path = tmp_path_factory.mktemp("store")
+    device = request.param
+
+    async def run() -> dict:
+        b = backend(path, device)
+        try:
+            model = art.TrainableModel(name="tiny", project="mgpu", base_model=str(tiny_model_dir))
+            await model.register(b)
+            service = b.hub.service("tiny")
+            seen: dict = {"before": replica_probes(service)}
+            groups = await groups_from_rollouts(model)
+            seen["requests_per_replica"] = list(service.router.num_requests)
+            seen["result"] = await model.train(groups, config=art.TrainConfig(learning_rate=5e-2))
+            seen["after"] = replica_probes(service)
+            seen["step"] = await model.get_step()
+            # on rank 1's replica: a grammar (compiled there) and a saved step (loaded there)
+            prompt = service.renderer.render_prompt([{"role": "user", "content": "Pick."}])
+            choice = service.grammars.compile(GrammarSpec.choice(["red apple", "blue sky"]))
+            link = service.workers[0]
+            constrained = service._submit_remote(link, prompt, SamplingParams(max_tokens=12, grammar=choice), n=3,
+                                                 step=None, on_token=None)
+            seen["constrained"] = [c.text for c in constrained.result(60)]
+            streamed: list = []
+            sampled = service._submit_remote(link, prompt, SamplingParams(max_tokens=7, ignore_eos=True), n=2, step=None,
+                                             on_token=lambda *token: streamed.append(token))
+            seen["streamed"] = (streamed, [(c.token_ids, c.logprobs) for c in sampled.result(60)])
+            greedy = SamplingParams(max_tokens=6, temperature=0.0)
+            seen["saved_steps"] = [f.result(60)[0].logprobs for f in (
+                service._submit_remote(link, prompt, greedy, n=1, step=0, on_token=None),
+                service._submit_remote(link, prompt, greedy, n=1, step=1, on_token=None),
+                service._submit_local(prompt, greedy, n=1, step=None, on_token=None))]
+            return seen
+        finally:
+            await b.close()
+
+    return asyncio.run(run()), path, device
+
+
+def test_requests_are_served_by_both_processes(trained):
+    seen, _, _ = trained
+    assert len(seen["requests_per_replica"]) == 2 and min(seen["requests_per_replica"]) >= 1
+
+
+def test_a_training_step_reaches_the_engine_replicas_of_both_processes(trained):
+    seen, path, _ = trained
+    assert seen["step"] == 1 and seen["result"].metrics["loss/grad_norm"] > 0
+    rank0_before, rank1_before = seen["before"]
+    rank0_after, rank1_after = seen["after"]
+    assert_same(rank0_before, rank1_before)
+    assert_same(rank0_after, rank1_after)
+    assert max(abs(x - y) for x, y in zip(rank0_before[1], rank0_after[1])) > 1e-3  # the step changed the policy
+    checkpoints = path / "mgpu" / "models" / "tiny" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["0001"]  # written once, no temporary left
+
+
+def test_rank_1_serves_grammars_saved_steps_and_streams_too(trained):
+    seen, _, _ = trained
+    streamed, completions = seen["streamed"]
+    for i, (ids, logprobs) in enumerate(completions):  # every token arrived, in order, before the result
+        assert [(t[1], t[2]) for t in streamed if t[0] == i] == list(zip(ids, logprobs))
+    assert seen["constrained"] and all(text in ("red apple", "blue sky") for text in seen["constrained"])
+    step_0, step_1, live = seen["saved_steps"]  # step 1's checkpoint, loaded on rank 1, is the live policy
+    assert max(abs(a - b) for a, b in zip(step_1, live)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(step_0, live)) > 1e-3  # the base model is not
+
+
+def test_a_new_two_process_backend_resumes_from_the_checkpoint_on_both_ranks(trained, tiny_model_dir):
+    seen, path, device = trained
+
+    async def run():
+        b = backend(path, device)
+        try:
+            model = art.TrainableModel(name="tiny", project="mgpu", base_model=str(tiny_model_dir))
+            await model.register(b)
+            assert await model.get_step() == 1
+            probes = replica_probes(b.hub.service("tiny"))
+            await model.train(await groups_from_rollouts(model), config=art.TrainConfig(learning_rate=5e-2))
+            return probes, await model.get_step()
+        finally:
+            await b.close()
+
+    (rank0, rank1), step = asyncio.run(run())
+    assert_same(rank0, seen["after"][0])
+    assert_same(rank1, seen["after"][1])
+    assert step == 2
+
+
+async def server_stops(base_url: str, *, within_s: float) -> bool:
+    """Whether the server stops answering within `within_s` (it shuts down gracefully)."""
+    deadline = time.monotonic() + within_s
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            try:
+                await client.get(f"{base_url}/models", timeout=2)
+            except httpx.TransportError:
+                return True
+            await asyncio.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_worker_killed_during_a_step_fails_it_and_stops_the_backend_with_a_clear_error(device, tiny_model_dir,
+                                                                                         tmp_path):
+    async def run():
+        b = backend(tmp_path, device)
+        try:
+            model = art.TrainableModel(name="tiny", project="mgpu", base_model=str(tiny_model_dir))
+            await model.register(b)
+            groups = await groups_from_rollouts(model)
+            service = b.hub.service("tiny")
+            prompt = service.renderer.render_prompt([{"role": "user", "content": "Go on forever."}])
+            long = service._submit_remote(service.workers[0], prompt, SamplingParams(max_tokens=900, ignore_eos=True),
+                                          n=4, step=None, on_token=None)
+            base_url = b.base_url
+            worker = service.workers[0].process
+            os.kill(worker.pid, signal.SIGSTOP)  # frozen: rank 0's step waits for it in a collective
+            step = asyncio.ensure_future(model.train(groups, config=art.TrainConfig(learning_rate=1e-3)))
+            await asyncio.sleep(2)
+            assert not step.done()
+            os.kill(worker.pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(DistributedError, match=r"worker rank 1 \(pid \d+\).*SIGKILL"):
+                await asyncio.wait_for(step, 60)
+            with pytest.raises(DistributedError, match="rank 1"):
+                long.result(30)
+            with pytest.raises(DistributedError, match="rank 1"):  # and every later call
+                await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
+            elapsed = time.monotonic() - start
+            assert await server_stops(base_url, within_s=15)
+            return elapsed
+        finally:
+            await b.close()
+
+    assert asyncio.run(run()) < 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_with_two_processes_exits_with_the_error_when_a_worker_dies(tmp_path):
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "tempering.cli", "serve", "--gpus", "2", "--device", "cpu",
+                              "--insecure", "--port", str(port), "--root", str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert serve.poll() is None, serve.communicate()[1][-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "tempering serve --gpus 2 did not come up"
+            time.sleep(0.5)
+        children = Path(f"/proc/{serve.pid}/task/{serve.pid}/children").read_text().split()
+        assert len(children) == 1  # one worker: rank 1
+        os.kill(int(children[0]), signal.SIGKILL)
+        _, err = serve.communicate(timeout=60)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert serve.returncode == 1
+    assert "tempering serve stopped: worker rank 1" in err and "SIGKILL" in err

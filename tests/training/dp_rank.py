@@ -1,0 +1,100 @@
+"""One rank of the data-parallel trainer tests (run by test_data_parallel.py with torchrun's env vars).
+
+    python dp_rank.py SCENARIO OUT_DIR [cpu|cuda]
+
+"train": two RL steps from a tiny random Llama whose adapter differs per rank (the first step
+must make it rank 0's everywhere), a checkpoint after the first written by rank 0, a fresh
+trainer restored from it on every rank taking the second step again, and an SFT step.
+"faults": a step in which rank 1 raises, a step after it, then rank 1 exits and rank 0 steps.
+Each rank saves what it saw to OUT_DIR/rank{RANK}.pt (tensors on the CPU). On "cuda" rank r
+computes on cuda:r and the ranks talk through NCCL; on "cpu" through gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dp_data import config, make_trainer, sequences, sft_batches
+
+from tempering.storage import write_atomically
+from tempering.training.data_parallel import DataParallel
+
+
+def params(trainer) -> list[torch.Tensor]:
+    return [p.detach().cpu().clone() for p in trainer.params]
+
+
+def attempt(result: dict, key: str, fn) -> None:
+    try:
+        fn()
+        result[key] = None
+    except Exception as exc:
+        result[key] = f"{type(exc).__name__}: {exc}"
+
+
+def train(rank: int, dp: DataParallel, out: Path, result: dict, device: torch.device) -> None:
+    trainer = make_trainer(seed=rank, dp=dp, device=device)
+    result["metrics"] = trainer.step(sequences(1), config()).values
+    result["after_1"] = params(trainer)
+    checkpoint = out / "checkpoint"
+    if rank == 0:  # written once, atomically
+        write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=1))
+    dist.barrier()
+    trainer.step(sequences(2), config())
+    result["after_2"] = params(trainer)
+    resumed = make_trainer(seed=100 + rank, dp=dp, adapter=checkpoint, device=device)
+    resumed.load_state(checkpoint)
+    resumed.step(sequences(2), config())
+    result["resumed_2"] = params(resumed)
+    sft = make_trainer(seed=rank, dp=dp, device=device)
+    result["sft_metrics"] = sft.sft_step(sft_batches(), config()).values
+    result["after_sft"] = params(sft)
+
+
+def faults(rank: int, dp: DataParallel, out: Path, result: dict, device: torch.device) -> None:
+    trainer = make_trainer(seed=rank, dp=dp, device=device)
+    trainer.step(sequences(1), config())
+    before = params(trainer)
+    rows_run = trainer.rows.run
+    if rank == 1:  # a fault in rank 1's part of the next step
+        trainer.rows.run = lambda *a, **k: (_ for _ in ()).throw(MemoryError("rank 1 ran out of memory"))
+    attempt(result, "fail_error", lambda: trainer.step(sequences(2), config()))
+    result["fail_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params(trainer)))
+    trainer.rows.run = rows_run
+    trainer.step(sequences(2), config())  # the group still works
+    result["after_retry"] = params(trainer)
+    torch.save(result, out / f"rank{rank}.pt")
+    if rank == 1:
+        os._exit(3)  # dies: rank 0's next step must fail, not hang
+    before = params(trainer)
+    attempt(result, "dead_error", lambda: trainer.step(sequences(3), config()))
+    result["dead_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params(trainer)))
+    torch.save(result, out / f"rank{rank}.pt")
+    os._exit(0)  # the group is broken: skip its teardown
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    device_type = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=30),
+                            device_id=device if device.type == "cuda" else None)
+    result: dict = {}
+    {"train": train, "faults": faults}[scenario](rank, DataParallel(), out, result, device)
+    torch.save(result, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
