@@ -3,7 +3,8 @@
 Tools: `convert(value, from_unit, to_unit)` for lengths and masses, `list_units(kind)`,
 `save_conversion` / `get_conversion(conversion_id)` (ids are 8 random hex digits, so a made-up id is
 always rejected), `wait(seconds)` (a slow tool), and `shutdown`, which ends the process at once (a
-server that dies mid-rollout).
+server that dies mid-rollout). With `--no-hazards` the server leaves out `wait` and `shutdown`, so
+a model free to call any tool (tool_choice="required", sampled) cannot stall or kill it.
 Resource: `units://table`, every unit with its factor.
 
 Every tool's schema says `additionalProperties: false` and bounds its strings, so a call forced by
@@ -83,7 +84,8 @@ def strict(fn) -> Tool:
 
 
 server = MCPServer("unit-converter", instructions="Converts lengths and masses.", log_level="WARNING",
-                   tools=[strict(f) for f in (convert, list_units, save_conversion, get_conversion, wait, shutdown)])
+                   tools=[strict(f) for f in (convert, list_units, save_conversion, get_conversion)
+                          + ((wait, shutdown) if "--no-hazards" not in sys.argv else ())])
 
 
 @server.resource("units://table")
@@ -93,7 +95,7 @@ def table() -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["http"]:
+    if sys.argv[1:2] == ["http"]:  # http PORT
         server.run("streamable-http", port=int(sys.argv[2]))
     else:
         server.run()

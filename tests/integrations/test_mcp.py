@@ -25,6 +25,7 @@ from tempering.integrations.mcp.rollout import _call
 from tempering.rewards import ruler_score_group
 
 SERVER = [sys.executable, str(Path(__file__).with_name("mcp_unit_server.py"))]
+SAFE_SERVER = [*SERVER, "--no-hazards"]  # no shutdown/wait: for rollouts where the model picks the tool
 PROBE = [{"role": "user", "content": "How many meters are in a kilometer?"}]
 
 
@@ -254,7 +255,7 @@ def test_mcp_rl_trains_one_step_on_rollouts_through_the_server_scored_by_ruler(l
 
     async def main():
         before = await probe(model)
-        async with tm.connect(SERVER) as server:
+        async with tm.connect(SAFE_SERVER) as server:
             groups = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(tm.rollout(model, s, server, max_turns=1, max_tokens=64, tool_choice="required")
                                      for _ in range(3)) for s in scenarios),
