@@ -22,7 +22,7 @@ async def validate(model: art.TrainableModel, args) -> dict[str, float]:
         [art.TrajectoryGroup([rollout(model, seed, target=args.target, max_moves=args.max_moves)]) for seed in seeds], pbar_desc="validate")
     metrics = await model.log(groups, split="val")
     print(f"  step {await model.get_step()}: average max tile {metrics['val/max_tile']:.1f}  reached {args.target} "
-          f"{metrics['val/reached_target']:.3f}  moves down/left/right/up {metrics['val/share_down']:.2f}/"
+          f"{metrics['val/reached_target']:.3f}  illegal {metrics['val/illegal']:.3f}  moves down/left/right/up {metrics['val/share_down']:.2f}/"
           f"{metrics['val/share_left']:.2f}/{metrics['val/share_right']:.2f}/{metrics['val/share_up']:.2f}", flush=True)
     return metrics
 
@@ -40,7 +40,8 @@ async def main(args) -> None:
              for seed in seeds), pbar_desc=f"step {step + 1}/{args.steps}")
         result = await model.train(groups, config=art.TrainConfig(learning_rate=args.learning_rate))
         print(f"step {step + 1}: train/reward {result.metrics['train/reward']:.3f}  max tile "
-              f"{result.metrics['train/max_tile']:.1f}  {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+              f"{result.metrics['train/max_tile']:.1f}  illegal {result.metrics['train/illegal']:.3f}  "
+              f"{(time.perf_counter() - start) / 60:.1f} min", flush=True)
         if args.val_every and (step + 1) % args.val_every == 0 and step + 1 < args.steps:
             await validate(model, args)
     after = await validate(model, args)
@@ -51,9 +52,9 @@ async def main(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--groups-per-step", type=int, default=3)
+    parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--target", type=int, default=64)
     parser.add_argument("--max-moves", type=int, default=60)
     parser.add_argument("--num-val", type=int, default=32)

@@ -1,6 +1,6 @@
 """Train SmolLM2-135M-Instruct to play tic-tac-toe against a random opponent (CPU is enough).
 
-    python examples/tic_tac_toe/train.py [--steps 12] [--seed 0]
+    python examples/tic_tac_toe/train.py [--steps 10] [--seed 0]
 
 Prints the validation win+draw rate (fixed games) before training, every few steps and after.
 """
@@ -50,13 +50,13 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--groups-per-step", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--group-size", type=int, default=6)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--opponent", choices=["random", "blocking"], default="random")
     parser.add_argument("--num-val", type=int, default=64)
-    parser.add_argument("--val-every", type=int, default=4)
+    parser.add_argument("--val-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=None)
     parser.add_argument("--path", default=".tempering")

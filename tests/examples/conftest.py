@@ -18,6 +18,7 @@ def load_module(relative_path: str, name: str):
     """examples/<relative_path> imported under `name` (the recipes' own module names collide)."""
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / relative_path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

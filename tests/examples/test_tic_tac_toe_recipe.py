@@ -24,7 +24,7 @@ def test_render_numbers_the_empty_cells_and_free_cells_agrees():
     board = game.new_board()
     board[0], board[4] = "X", "O"
     assert game.render(board) == "X | 2 | 3\n4 | O | 6\n7 | 8 | 9"
-    assert game.free_cells(board) == [2, 3, 6, 7, 8, 9]
+    assert game.free_cells(board) == [2, 3, 4, 6, 7, 8, 9]
 
 
 def test_blocking_opponent_wins_first_then_blocks():
