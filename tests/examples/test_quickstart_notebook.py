@@ -1,0 +1,23 @@
+"""examples/notebooks/quickstart.ipynb runs top to bottom (nbclient, CPU, one small step) so it never rots."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import EXAMPLES
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+
+def test_quickstart_notebook_trains_one_step_and_plots(tmp_path):
+    notebook = nbformat.read(EXAMPLES / "notebooks" / "quickstart.ipynb", as_version=4)
+    (parameters,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+    parameters.source += f"\nSTEPS, GROUPS_PER_STEP, GROUP_SIZE, NUM_VAL, PATH = 1, 2, 4, 4, {str(tmp_path / 'runs')!r}"
+    nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "validation reward before training" in text and "validation reward:" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs if o.output_type == "display_data")
+    assert list((tmp_path / "runs" / "quickstart" / "models").glob("quickstart-*/checkpoints/0001/adapter_config.json"))
