@@ -31,8 +31,8 @@ def test_recipe_trains_one_step(tmp_path):
                      "--num-val", "2", "--val-samples", "1", "--name", "smoke", "--path", str(tmp_path / "runs"))
     assert "accuracy" in out and "->" in out
     rows = history(tmp_path / "runs", "email-agent", "smoke")
-    (train,) = [r for r in rows if "train/reward" in r]
-    assert train["step"] == 1 and train["train/num_trajectories"] == 2
+    (train,) = [r for r in rows if "train/reward" in r]  # logged at the step of the policy that played
+    assert train["step"] == 0 and train["train/num_trajectories"] == 2
     assert train["train/answered"] == 1.0  # the last turn is a forced return_final_answer call
     assert [r["step"] for r in rows if "val/correct" in r] == [0, 1]
     assert (tmp_path / "runs/email-agent/models/smoke/checkpoints/0001/adapter_model.safetensors").is_file()

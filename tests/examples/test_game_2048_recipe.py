@@ -37,8 +37,8 @@ def test_recipe_trains_one_step(tmp_path):
                      "--num-val", "2", "--max-moves", "6", "--name", "smoke", "--path", str(tmp_path / "runs"))
     assert "average max tile" in out
     rows = history(tmp_path / "runs", "game-2048", "smoke")
-    (train,) = [r for r in rows if "train/reward" in r]
-    assert train["step"] == 1 and train["train/num_trajectories"] == 2
+    (train,) = [r for r in rows if "train/reward" in r]  # logged at the step of the policy that played
+    assert train["step"] == 0 and train["train/num_trajectories"] == 2
     assert 0 <= train["train/num_moves"] <= 6 and 0 <= train["train/illegal"] <= 1
     val = [r for r in rows if "val/max_tile" in r]
     assert [r["step"] for r in val] == [0, 1] and all(4 <= r["val/max_tile"] <= 32 for r in val)

@@ -40,7 +40,7 @@ def test_recipe_trains_one_step(tmp_path):
                      "--num-val", "2", "--name", "smoke", "--path", str(tmp_path / "runs"))
     assert "win+draw" in out and "->" in out
     rows = history(tmp_path / "runs", "tic-tac-toe", "smoke")
-    (train,) = [r for r in rows if "train/reward" in r]
-    assert train["step"] == 1 and train["train/num_trajectories"] == 4
+    (train,) = [r for r in rows if "train/reward" in r]  # logged at the step of the policy that played
+    assert train["step"] == 0 and train["train/num_trajectories"] == 4
     assert [r["step"] for r in rows if "val/win_or_draw" in r] == [0, 1]
     assert (tmp_path / "runs/tic-tac-toe/models/smoke/checkpoints/0001/adapter_model.safetensors").is_file()
