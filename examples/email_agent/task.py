@@ -5,8 +5,8 @@ be `search_inbox` (one to four keywords), turn 2 any tool (search again, read an
 answer), turn 3 `return_final_answer` (a one-word answer). So the format is given, and what is
 learned is the search and the answer: which keywords find the email (the model likes to mangle
 names, "Tunisian" for "Tunis"), and which string in the results is the answer (the other
-results are look-alike emails with other codes). A worked example (one question, its search and
-its answer) comes before the real question.
+results are look-alike emails with other codes). Two worked examples (a question, its search and
+its answer) come before the real question.
 
 Reward: 1 for the exact answer (case and surrounding punctuation ignored); otherwise 0.25 if the
 right email came back from a tool (partial credit for finding it), else 0. `--reward ruler` scores
@@ -45,15 +45,22 @@ def _call(call_id: str, name: str, arguments: dict) -> dict:
         {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
 
 
-# One worked example before the real question (a one-shot demonstration: the 135M model imitates
-# an example far better than it follows a description). These turns are context, not trained.
-EXAMPLE = [
-    {"role": "user", "content": "What is the tracking number of my Acme order?"},
-    _call("call_1", "search_inbox", {"keywords": "Acme order"}),
-    {"role": "tool", "tool_call_id": "call_1", "content": "[12] Your Acme order has shipped: ...your Acme order is on its "
-     "way. Tracking number: KX12345. It should...\n[40] Acme spring sale: Everything at Acme is 20% off this week."},
+# Two worked examples before the real question (the 135M model imitates an example far better
+# than it follows a description). Their names (Contoso, Madrid) are in no email, so an example's
+# answer is never right for a real question. These turns are context, not trained.
+EXAMPLES = [
+    {"role": "user", "content": "What is the tracking number of my Contoso order?"},
+    _call("call_1", "search_inbox", {"keywords": "Contoso order"}),
+    {"role": "tool", "tool_call_id": "call_1", "content": "[12] Your Contoso order has shipped: ...your Contoso order is "
+     "on its way. Tracking number: KX12345. It should...\n[40] Contoso spring sale: Everything at Contoso is 20% off this week."},
     _call("call_2", "return_final_answer", {"answer": "KX12345", "sources": [12]}),
     {"role": "tool", "tool_call_id": "call_2", "content": "ok"},
+    {"role": "user", "content": "What is the confirmation code of my flight to Madrid?"},
+    _call("call_3", "search_inbox", {"keywords": "flight Madrid"}),
+    {"role": "tool", "tool_call_id": "call_3", "content": "[7] Deals to Madrid: Fly to Madrid from $199. Book by Friday."
+     "\n[31] Flight to Madrid confirmed: Your flight to Madrid on Monday is booked. Confirmation code: TRQWZA."},
+    _call("call_4", "return_final_answer", {"answer": "TRQWZA", "sources": [31]}),
+    {"role": "tool", "tool_call_id": "call_4", "content": "ok"},
 ]
 SEARCH = {"type": "function", "function": {"name": "search_inbox"}}
 FINAL = {"type": "function", "function": {"name": "return_final_answer"}}
@@ -65,7 +72,7 @@ def normalize(text: str) -> str:
 
 async def rollout(model: art.Model, db: sqlite3.Connection, question: Question, *, max_turns: int = 3,
                   temperature: float = 0.7) -> art.Trajectory:
-    traj = art.Trajectory(messages_and_choices=[{"role": "system", "content": SYSTEM}, *EXAMPLE,
+    traj = art.Trajectory(messages_and_choices=[{"role": "system", "content": SYSTEM}, *EXAMPLES,
                                                 {"role": "user", "content": question.question}],
                           tools=TOOLS, metadata={"email_id": question.email_id})
     answer, sources, seen = None, [], set()

@@ -59,7 +59,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--groups-per-step", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--learning-rate", type=float, default=5e-4)
     parser.add_argument("--reward", choices=["exact", "ruler"], default="exact")
     parser.add_argument("--num-val", type=int, default=24)
     parser.add_argument("--val-samples", type=int, default=2)
