@@ -39,8 +39,8 @@ def _fact(kind: str, rng: random.Random) -> tuple[str, str, str, str, str]:
     if kind == "shipment":
         company, code = rng.choice(COMPANIES), _code(rng, 2, 5)
         return (f"orders@{company.lower()}.com", f"Your {company} order has shipped",
-                f"Good news: your {company} order is on its way. Tracking number: {code}. It should arrive by "
-                f"{rng.choice(DAYS)}.", f"What is the tracking number of my {company} order?", code)
+                (f"Good news: your {company} order is on its way. Tracking number: {code}. It should arrive by "
+                f"{rng.choice(DAYS)}."), f"What is the tracking number of my {company} order?", code)
     if kind == "flight":
         city, code = rng.choice(CITIES), _code(rng, 6, 0)
         return ("bookings@skyways.com", f"Flight to {city} confirmed",
@@ -61,13 +61,13 @@ def _filler(rng: random.Random) -> tuple[str, str, str]:
     """(sender, subject, body) of an email that answers no question but shares its words."""
     company, city, project = rng.choice(COMPANIES), rng.choice(CITIES), rng.choice(PROJECTS)
     return rng.choice([
-        (f"news@{company.lower()}.com", f"{company} spring sale", f"Everything at {company} is 20% off this week. "
-         f"Free shipping on orders over $50."),
+        (f"news@{company.lower()}.com", f"{company} spring sale", (f"Everything at {company} is 20% off this week. "
+         f"Free shipping on orders over $50.")),
         ("travel@skyways.com", f"Deals to {city}", f"Fly to {city} from $199. Book by {rng.choice(DAYS)}."),
         (f"{rng.choice(PEOPLE).split()[0].lower()}@work.com", f"Notes on {project}",
          f"Thanks for the {project} discussion. I will send the slides before {rng.choice(DAYS)}."),
-        ("it@work.com", f"{city} office closed on {rng.choice(DAYS)}", f"The {city} office is closed for maintenance. "
-         f"Please work from home."),
+        ("it@work.com", f"{city} office closed on {rng.choice(DAYS)}", (f"The {city} office is closed for maintenance. "
+         f"Please work from home.")),
     ])
 
 

@@ -40,27 +40,34 @@ TOOLS = [
 SYSTEM = "Answer the question from the user's emails: search for the name in it, then answer with the code you find."
 
 
-def _call(call_id: str, name: str, arguments: dict) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+def _worked_example(n: int, question: str, keywords: str, results: str, answer: str, source: int) -> list[dict]:
+    """The five messages of worked example `n` (0, 1, ...): the question, a search, its results, the answer."""
+    search_id, answer_id = f"call_{2 * n + 1}", f"call_{2 * n + 2}"
+
+    def call(call_id: str, name: str, arguments: dict) -> dict:
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+    return [
+        {"role": "user", "content": question},
+        call(search_id, "search_inbox", {"keywords": keywords}),
+        {"role": "tool", "tool_call_id": search_id, "content": results},
+        call(answer_id, "return_final_answer", {"answer": answer, "sources": [source]}),
+        {"role": "tool", "tool_call_id": answer_id, "content": "ok"},
+    ]
 
 
 # Two worked examples before the real question (the 135M model imitates an example far better
 # than it follows a description). Their names (Contoso, Madrid) are in no email, so an example's
 # answer is never right for a real question. These turns are context, not trained.
 EXAMPLES = [
-    {"role": "user", "content": "What is the tracking number of my Contoso order?"},
-    _call("call_1", "search_inbox", {"keywords": "Contoso order"}),
-    {"role": "tool", "tool_call_id": "call_1", "content": "[12] Your Contoso order has shipped: ...your Contoso order is "
-     "on its way. Tracking number: KX12345. It should...\n[40] Contoso spring sale: Everything at Contoso is 20% off this week."},
-    _call("call_2", "return_final_answer", {"answer": "KX12345", "sources": [12]}),
-    {"role": "tool", "tool_call_id": "call_2", "content": "ok"},
-    {"role": "user", "content": "What is the confirmation code of my flight to Madrid?"},
-    _call("call_3", "search_inbox", {"keywords": "flight Madrid"}),
-    {"role": "tool", "tool_call_id": "call_3", "content": "[7] Deals to Madrid: Fly to Madrid from $199. Book by Friday."
-     "\n[31] Flight to Madrid confirmed: Your flight to Madrid on Monday is booked. Confirmation code: TRQWZA."},
-    _call("call_4", "return_final_answer", {"answer": "TRQWZA", "sources": [31]}),
-    {"role": "tool", "tool_call_id": "call_4", "content": "ok"},
+    *_worked_example(0, "What is the tracking number of my Contoso order?", "Contoso order",
+                     "[12] Your Contoso order has shipped: ...your Contoso order is on its way. Tracking number: "
+                     "KX12345. It should...\n[40] Contoso spring sale: Everything at Contoso is 20% off this week.",
+                     "KX12345", 12),
+    *_worked_example(1, "What is the confirmation code of my flight to Madrid?", "flight Madrid",
+                     "[7] Deals to Madrid: Fly to Madrid from $199. Book by Friday.\n[31] Flight to Madrid confirmed: "
+                     "Your flight to Madrid on Monday is booked. Confirmation code: TRQWZA.", "TRQWZA", 31),
 ]
 SEARCH = {"type": "function", "function": {"name": "search_inbox"}}
 FINAL = {"type": "function", "function": {"name": "return_final_answer"}}

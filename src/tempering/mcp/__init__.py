@@ -4,34 +4,5 @@ Needs the MCP SDK 2.x (`pip install "tempering[mcp]"`); without it, importing th
 MissingDependencyError naming that command.
 """
 
-from ..integrations.mcp import (
-    DEFAULT_SYSTEM_PROMPT,
-    GeneratedScenario,
-    GeneratedScenarioCollection,
-    MCPConnection,
-    MCPConnectionError,
-    MCPResource,
-    MCPTool,
-    MCPToolError,
-    ToolResult,
-    complete_task_tool,
-    connect,
-    generate_scenarios,
-    rollout,
-)
-
-__all__ = [
-    "DEFAULT_SYSTEM_PROMPT",
-    "GeneratedScenario",
-    "GeneratedScenarioCollection",
-    "MCPConnection",
-    "MCPConnectionError",
-    "MCPResource",
-    "MCPTool",
-    "MCPToolError",
-    "ToolResult",
-    "complete_task_tool",
-    "connect",
-    "generate_scenarios",
-    "rollout",
-]
+from ..integrations.mcp import *  # the public names are the implementation's __all__
+from ..integrations.mcp import __all__  # noqa: F401
