@@ -28,14 +28,16 @@ def _tool(name: str, description: str, properties: dict, required: list[str]) ->
         "type": "object", "properties": properties, "required": required, "additionalProperties": False}}}
 
 
-WORDS = "^[A-Za-z0-9-]+( [A-Za-z0-9-]+){0,3}$"  # one to four words: a search is a few keywords
+# Every string and list is bounded so that each forced call can close within max_tokens (an
+# unbounded string let the sampled model run on, e.g. "A-Za-z0-9-A-Za-...", until the call was cut).
+WORDS = "^[A-Za-z0-9-]{1,20}( [A-Za-z0-9-]{1,20}){0,3}$"  # one to four words: a search is a few keywords
 TOOLS = [
     _tool("search_inbox", "Find emails containing any of the keywords.",
           {"keywords": {"type": "string", "pattern": WORDS}}, ["keywords"]),
     _tool("read_email", "Read one email.", {"email_id": {"type": "integer"}}, ["email_id"]),
     _tool("return_final_answer", "Give the answer (one word) and the ids of the emails it comes from.",
-          {"answer": {"type": "string", "pattern": "^[A-Za-z0-9-]+$"},
-           "sources": {"type": "array", "items": {"type": "integer"}}}, ["answer", "sources"]),
+          {"answer": {"type": "string", "pattern": "^[A-Za-z0-9-]{1,20}$"},
+           "sources": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}}, ["answer", "sources"]),
 ]
 SYSTEM = "Answer the question from the user's emails: search for the name in it, then answer with the code you find."
 
@@ -85,7 +87,7 @@ async def rollout(model: art.Model, db: sqlite3.Connection, question: Question, 
     answer, sources, seen = None, [], set()
     for turn in range(max_turns):
         completion = await model.openai_client().chat.completions.create(
-            model=model.get_inference_name(), messages=traj.messages(), tools=TOOLS, max_tokens=48,
+            model=model.get_inference_name(), messages=traj.messages(), tools=TOOLS, max_tokens=128,
             tool_choice=SEARCH if turn == 0 else FINAL if turn == max_turns - 1 else "required", temperature=temperature)
         choice = completion.choices[0]
         traj.messages_and_choices.append(choice)
