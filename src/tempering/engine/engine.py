@@ -9,8 +9,9 @@ tokens of step t, so on a GPU the host work of a step (scheduling, building inpu
 tokens back, stop checks) runs while the device computes. A sequence whose token is still being
 sampled holds a `PENDING` placeholder, which the next step reads on the device; a sample that
 turns out to have ended (a stop token) drops the one extra token computed for it. A step with
-rows under a grammar (structured outputs) is launched up to its logits and sampled after step t
-was collected and its tokens advanced the grammars' matchers (their bitmasks need them).
+rows under a grammar (structured outputs) is launched up to its logits and sampled once the
+previous step's tokens advanced the grammars' matchers (their bitmasks need them); a helper
+thread fills the bitmasks while the worker prepares the step after (`_step`).
 
 Launching a step holds `lock`, which the trainer takes while it changes weights; a launch sees
 either the old weights or the new ones, and the device runs the work in launch order. A sequence
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import random
 import threading
@@ -32,6 +34,7 @@ from typing import Any
 from ..errors import EngineError
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .grammar import GrammarMask, MaskWorker
 from .grammar import advance as advance_grammars
 from .lora import EngineAdapter, collect_adapter
 from .memory import release_free_memory
@@ -101,7 +104,10 @@ class Engine:
         self._cond = threading.Condition()
         self._closed = False
         self._rng = random.Random()
-        self._in_flight: LaunchedStep | None = None
+        self._in_flight: LaunchedStep | None = None  # the newest launched step
+        self._to_collect: LaunchedStep | None = None  # the step launched before it, not yet collected
+        self._masks: MaskWorker | None = None
+        self.mask_thread = True  # fill grammar bitmasks on a helper thread (else on this one)
         self.stats = EngineStats()
         self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
         self._thread.start()
@@ -139,6 +145,8 @@ class Engine:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
+        if self._masks is not None:
+            self._masks.close()
         error = EngineError("the engine was closed before this request finished")
         for request in list(self._inbox):
             request.future.set_exception(error)
@@ -175,10 +183,10 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                idle = not self._inbox and not self.scheduler.has_work and self._in_flight is None
+                idle = not self._inbox and not self.scheduler.has_work and not self._launched
                 if idle and self.stats.num_steps and self.device.type == "cpu":
                     release_free_memory()  # going idle: hand the step's temporaries back to the OS
-                while not self._inbox and not self.scheduler.has_work and self._in_flight is None and not self._closed:
+                while not self._inbox and not self.scheduler.has_work and not self._launched and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
@@ -186,13 +194,18 @@ class Engine:
                 self._inbox.clear()
             for request in arrivals:
                 self._admit(request)
-            if not self.scheduler.has_work and self._in_flight is None:
+            if not self.scheduler.has_work and not self._launched:
                 continue
             try:
                 self._step()
             except BaseException as exc:  # never let the worker die: fail what was running
                 log.exception("engine step failed")
                 self._fail_all(EngineError(f"generation failed: {exc!r}"))
+
+    @property
+    def _launched(self) -> bool:
+        """Whether a launched step is still to be collected."""
+        return self._in_flight is not None or self._to_collect is not None
 
     def _admit(self, request: GenerationRequest) -> None:
         if not request.future.set_running_or_notify_cancel():
@@ -208,12 +221,41 @@ class Engine:
             self.scheduler.add(seq)
 
     def _step(self) -> None:
-        """Launch the next step, then collect the one launched before it."""
+        """One turn of the pipeline: collect the older launched step, launch the next one.
+
+        With t+1 the newest launched step (its sampling deferred when it has grammar rows) and t
+        the one before it (sampled, not collected):
+        1. collect t's tokens (sampled before t+1's forward was queued, so this rarely waits);
+        2. when t+1 waits for grammar masks, the matchers consume t's tokens and a helper thread
+           fills t+1's bitmasks (llguidance works without the GIL), while this thread
+        3. processes t's tokens (stops, completions), schedules t+2 and prepares its inputs
+           (sending them to the device);
+        4. samples t+1 with the masks, then launches t+2's forward, which queues right behind.
+        So the host work of a step overlaps the device's forward also under structured outputs.
+        """
+        older, newest = self._to_collect, self._in_flight
+        sampled = self.runner.collect(older) if older is not None else None
+        if sampled is not None:
+            advance_grammars([(seq.grammar, token_id) for seq, token_id in zip(sampled.seqs, sampled.token_ids)
+                              if seq.grammar is not None and not seq.is_finished])
+        masks = None
+        if newest is not None and newest.deferred is not None:
+            matchers = [None if s.is_finished else s.grammar for s in newest.seqs]
+            if self.mask_thread:
+                masks = self._mask_worker().submit(matchers, pinned=self.runner.is_cuda)
+            else:
+                masks = concurrent.futures.Future()
+                masks.set_result(GrammarMask.compute(matchers, pinned=self.runner.is_cuda))
+        if sampled is not None:
+            self._process(sampled)
         batch = self.scheduler.schedule()
+        prepared = self.runner.prepare(batch, newest) if batch else None
+        if masks is not None:  # t+1's sampling goes in the device's queue before t+2's forward, which reads it
+            self.runner.sample_deferred(newest, GrammarMask.to_device(masks.result(), len(newest.seqs), self.device))
         launched = None
-        if batch:
+        if prepared is not None:
             with self.lock:
-                launched = self.runner.launch(batch, self._in_flight)
+                launched = self.runner.launch(prepared, newest)
                 if launched is not None:  # the version of the weights this step reads, stamped on its tokens
                     launched.versions = [s.request.policy.version for s in launched.seqs]
             stats = self.stats
@@ -231,19 +273,19 @@ class Engine:
                     launched.indices.append(len(seq.token_ids))
                     seq.token_ids.append(PENDING)
                     seq.num_pending += 1
-        elif self._in_flight is None:
+        elif newest is None and older is None:
             raise EngineError("the scheduler could not place any request (KV cache too small?)")
-        previous, self._in_flight = self._in_flight, launched
-        if previous is not None:
-            self._process(self.runner.collect(previous))
-        if launched is not None and launched.deferred is not None:  # grammar rows: their matchers now hold previous's tokens
-            self.runner.sample_deferred(launched)
+        self._to_collect, self._in_flight = newest, launched
+
+    def _mask_worker(self) -> MaskWorker:
+        """The helper thread that fills grammar bitmasks (started on first use)."""
+        if self._masks is None:
+            self._masks = MaskWorker()
+        return self._masks
 
     def _process(self, sampled: SampledTokens) -> None:
         """Fill in a collected step's tokens; finish the samples that end with them."""
         tops = sampled.top
-        advance_grammars([(seq.grammar, token_id) for seq, token_id in zip(sampled.seqs, sampled.token_ids)
-                          if seq.grammar is not None and not seq.is_finished])
         for j, seq in enumerate(sampled.seqs):
             if seq.is_finished:  # ended at an earlier token; this one was computed for nothing
                 continue
@@ -281,7 +323,7 @@ class Engine:
         request.future.set_result(completions)
 
     def _fail_all(self, error: EngineError) -> None:
-        self._in_flight = None
+        self._in_flight = self._to_collect = None
         for seqs in list(self._pending.values()):
             for seq in seqs:
                 if not seq.is_finished:
@@ -291,3 +333,4 @@ class Engine:
                 seqs[0].request.future.set_exception(error)
         self._pending.clear()
         self.blocks.forget_cached()  # blocks of the failed step may hold garbage
+

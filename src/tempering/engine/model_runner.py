@@ -1,17 +1,18 @@
 """How a scheduled batch reaches the model and comes back as sampled tokens.
 
-`launch()` flattens the batch (decode rows first, then prefill chunks) into token ids, positions
-and cache slots, runs the decoder, computes logits only at the rows that sample (each decode
-row and each prefill chunk that reaches the end of its prompt), samples, and starts copying the
-sampled ids and logprobs to the host. It does not wait: on a GPU the engine schedules and
-launches the next step while this one runs (one step of lookahead, as vLLM's asynchronous
-scheduler and SGLang's overlap scheduler do). A decode row whose previous token is still on its
-way reads it straight from the previous step's sampled ids on the device. `collect()` waits for
-a launched step and returns its tokens: the step's one device→host synchronization.
+`prepare()` flattens the batch (decode rows first, then prefill chunks) into token ids,
+positions and cache slots and sends them over; `launch()` runs the decoder, computes
+logits only at the rows that sample (each decode row and each prefill chunk that reaches the end
+of its prompt), samples, and starts copying the sampled ids and logprobs to the host. Neither
+waits: on a GPU the engine schedules and prepares the next step while this one runs (one step of
+lookahead, as vLLM's asynchronous scheduler and SGLang's overlap scheduler do). A decode row
+whose previous token is still on its way reads it straight from the previous step's sampled ids
+on the device. `collect()` waits for a launched step and returns its tokens: the step's one
+device→host synchronization.
 
-Structured outputs: when a sampling row follows a grammar, `launch()` stops after the logits
-and `sample_deferred()` samples later, once the engine has advanced the matchers with the
-previous step's tokens; the host fills the grammar bitmasks while the device runs the forward.
+Structured outputs: when a sampling row follows a grammar, `launch()` stops after the logits and
+`sample_deferred()` samples later with the grammar bitmasks, which the engine fills once the
+matchers consumed the previous step's tokens, while the device runs the forward.
 
 Each running sequence owns a row of a host block table that grows as the block manager hands
 it blocks, so a step copies its rows with one numpy gather instead of rebuilding Python lists.
@@ -35,7 +36,7 @@ from .sampler import SamplingTensors, sample, sampling_flags
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
-__all__ = ["LaunchedStep", "ModelRunner", "SampledTokens"]
+__all__ = ["LaunchedStep", "ModelRunner", "PreparedStep", "SampledTokens"]
 
 HAS_TRITON = paged_decode_attention is not None
 try:
@@ -86,6 +87,32 @@ class LaunchedStep:
     deferred: tuple[torch.Tensor, SamplingTensors] | None = None
     grammar_mask: GrammarMask | None = None
     versions: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step's inputs, built and sent to the device by `ModelRunner.prepare`, before the forward.
+
+    Attributes:
+        batch: the scheduled batch.
+        seqs: the rows that sample, in row order.
+        ids: [T] int64 input token ids (0 where a decode row's token is still being sampled).
+        sources: [D] int64: for each decode row, its row in the previous step's sampled ids, or
+            -1 when its newest token is known; None when no row waits for one.
+        positions: [T] int64 positions.
+        ctx: the attention metadata.
+        sample_rows: [S] int64 rows of the flat batch whose logits are sampled.
+        options: the sampling rows' options.
+    """
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]
+    ids: torch.Tensor
+    sources: torch.Tensor | None
+    positions: torch.Tensor
+    ctx: StepContext
+    sample_rows: torch.Tensor
+    options: SamplingTensors
 
 
 class ModelRunner:
@@ -166,11 +193,14 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep | None:
-        """Start computing one step; returns its sampling rows (None if no sequence samples).
+    def prepare(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> PreparedStep:
+        """The first half of a step: flatten `batch` into ids, positions, cache slots and sampling
+        options, and start copying them to the device (two transfers). Reads no weights and no
+        sampled token, so it may run before `previous` is sampled.
 
         `previous` is the step launched before this one, not yet collected: decode rows whose
-        newest token it sampled read that token from its device tensor.
+        newest token it samples read that token from its device tensor at `launch`. Its sampling
+        may still be deferred (structured outputs): `prepare` needs only its rows.
         """
         ints, floats = _Pack(), _Pack()  # every host array of the step goes over in two transfers
         input_ids, positions, slots, sources = [], [], [], []
@@ -224,10 +254,6 @@ class ModelRunner:
         i = ints.send(torch.long, self.device, self.is_cuda)
         f = floats.send(torch.float32, self.device, self.is_cuda)
 
-        ids = i(f_ids)
-        if has_sources:  # the newest token of these rows is still on the device: read it there
-            src = i(f_src)
-            ids[: len(sources)] = torch.where(src >= 0, previous.token_ids[src.clamp(min=0)], ids[: len(sources)])
         ctx = StepContext(slot_mapping=i(f_slots), num_decode=len(batch.decode), prefill=spans)
         for span, t in zip(spans, tables):
             span.block_table = i(t)
@@ -239,45 +265,59 @@ class ModelRunner:
             cu = i(f_cu).to(torch.int32)
             ctx.cu_q, ctx.cu_k = cu[: len(cu_q)], cu[len(cu_q):]
             ctx.max_q, ctx.max_k = max(s.num_new for s in spans), max(s.context_len for s in spans)
-
-        lora = self._lora_segments(batch)
-        if lora:  # the spare-rows LoRA path: refresh the copy of A if the trainer changed it
-            self.model.bind_lora(lora, len(input_ids))
-        if self._graphable(batch, lora):
-            hidden = self.graphs.run(
-                ids, i(f_pos), ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_context_lens,
-                lora[0].adapter if lora else None,
-            )
-        else:
-            hidden = self.model.forward(ids, i(f_pos), ctx, self.kv_cache, lora)
-        if not samplers:
-            return None
-        logits = self.model.logits(hidden[i(f_rows)])  # [S, V]
         options = SamplingTensors(
             temperature=f(f_temp), top_k=i(f_top_k), top_p=f(f_top_p), seeds=i(f_seeds), counters=i(f_counters),
             **sampling_flags(params),
         )
+        return PreparedStep(batch, seqs, i(f_ids), i(f_src) if has_sources else None, i(f_pos), ctx, i(f_rows), options)
+
+    @torch.inference_mode()
+    def launch(self, prepared: PreparedStep, previous: LaunchedStep | None) -> LaunchedStep | None:
+        """Run a prepared step's forward and sampling; returns its sampling rows (None if no
+        sequence samples). Does not wait for the device.
+
+        `previous` is the step the batch was prepared against; its sampling must have been
+        launched (its `token_ids` on the device), since decode rows read their newest token there.
+        """
+        batch, seqs, ids, ctx = prepared.batch, prepared.seqs, prepared.ids, prepared.ctx
+        if prepared.sources is not None:  # the newest token of these rows is still on the device: read it there
+            src, n = prepared.sources, len(batch.decode)
+            ids[:n] = torch.where(src >= 0, previous.token_ids[src.clamp(min=0)], ids[:n])
+        lora = self._lora_segments(batch)
+        if lora:  # the spare-rows LoRA path: refresh the copy of A if the trainer changed it
+            self.model.bind_lora(lora, len(ids))
+        if self._graphable(batch, lora):
+            hidden = self.graphs.run(
+                ids, prepared.positions, ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_context_lens,
+                lora[0].adapter if lora else None,
+            )
+        else:
+            hidden = self.model.forward(ids, prepared.positions, ctx, self.kv_cache, lora)
+        if not seqs:
+            return None
+        logits = self.model.logits(hidden[prepared.sample_rows])  # [S, V]
         step = LaunchedStep(seqs, [], None, {s.seq_id: j for j, s in enumerate(seqs)})
         if any(s.grammar is not None for s in seqs):  # structured outputs: sampled by sample_deferred()
-            step.deferred = (logits, options)
+            step.deferred = (logits, prepared.options)
             return step
-        self._sample(step, logits, options)
+        self._sample(step, logits, prepared.options)
         return step
 
-    def sample_deferred(self, step: LaunchedStep) -> None:
-        """Sample a step that has grammar rows, once their matchers hold the previous step's tokens.
-
-        The bitmasks are filled on the host while the device still runs the step's forward;
-        rows whose sample ended meanwhile are sampled free (their token is dropped anyway).
-        """
+    def sample_deferred(self, step: LaunchedStep, grammar_mask: GrammarMask | None) -> None:
+        """Sample a step that has grammar rows, with bitmasks filled after the matchers consumed
+        the previous step's tokens (`GrammarMask.compute`, on the host while the device runs the
+        step's forward). Rows whose sample ended meanwhile may be sampled free: their token is
+        dropped anyway."""
         logits, options = step.deferred
         step.deferred = None
-        step.grammar_mask = GrammarMask.fill([None if s.is_finished else s.grammar for s in step.seqs], self.device)
+        step.grammar_mask = grammar_mask
         self._sample(step, logits, options)
 
     def _sample(self, step: LaunchedStep, logits: torch.Tensor, options: SamplingTensors) -> None:
         """Sample `step` and start copying its tokens to the host."""
         out = sample(logits, options, step.grammar_mask)
+        if step.grammar_mask is not None:
+            step.grammar_mask.counts_to_host()
         step.token_ids = out.token_ids
         step.host_ids, step.host_logprobs, step.host_top_ids, step.host_top_logprobs = (
             _to_host(t, self.is_cuda) for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs))

@@ -6,7 +6,7 @@ and `advance` (mask.py describes the order).
 """
 
 from .compiler import CompiledGrammar, GrammarCompiler, GrammarMatcher, import_llguidance, llguidance_installed
-from .mask import GrammarMask, advance
+from .mask import GrammarMask, MaskWorker, advance
 from .spec import GrammarSpec
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "GrammarCompiler",
     "GrammarMask",
     "GrammarMatcher",
+    "MaskWorker",
     "GrammarSpec",
     "advance",
     "import_llguidance",

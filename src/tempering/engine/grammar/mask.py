@@ -4,15 +4,18 @@ Per step, in this order:
 1. `GrammarMask.fill(matchers, device)` (host): llguidance's thread pool writes each constrained
    row's allowed-token bitmask (bit t % 32 of int32 word t // 32 set = token t allowed) into a
    pinned buffer, which is copied to the device without blocking. Call it after the forward pass
-   was launched, so that on a GPU the host work overlaps the device's.
+   was launched, so that on a GPU the host work overlaps the device's. The engine runs its two
+   halves apart: `compute` on a helper thread (beside the engine thread's own host work for the
+   next step), `to_device` on the engine thread.
 2. `mask.apply(logprobs)` (device, inside `sampler.sample`): the constrained rows' disallowed
    tokens become -inf (and the rows are renormalized when top-p needs it); the sampler draws (and
    takes the argmax) from the result. The caller keeps the unmasked logprobs: the logprob
    returned for a sampled token is the model's own, before the mask, which is what the trainer
    recomputes. On a GPU the fused sampler (`layers/triton_sampler.py`) reads the packed words
    directly instead, when no row needs top-k/top-p or top logprobs.
-3. `mask.forced()` (host, after the step's device→host sync): per batch row, whether the grammar
-   allowed exactly one token (the token was forced, not chosen).
+3. `mask.counts_to_host()` right after sampling, then `mask.forced()` (host, after the step's
+   device→host sync): per batch row, whether the grammar allowed exactly one token (the token
+   was forced, not chosen).
 4. `advance(pairs)` (host): each matcher consumes its row's sampled token.
 
 A row whose matcher is in an error state (it cannot be, unless a token was appended outside the
@@ -21,14 +24,18 @@ mask) is allowed only the stop tokens, so its sample ends instead of failing the
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
+import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from .compiler import GrammarMatcher
 
-__all__ = ["GrammarMask", "advance", "unpack_bitmask"]
+__all__ = ["GrammarMask", "MaskWorker", "advance", "unpack_bitmask"]
 
 log = logging.getLogger("tempering")
 
@@ -89,26 +96,46 @@ class GrammarMask:
             None when no row follows a grammar (free batches pay nothing), else the mask, with
             its bitmask on its way to `device`.
         """
+        return cls.to_device(cls.compute(matchers, pinned=device.type == "cuda"), len(matchers), device)
+
+    @staticmethod
+    def compute(matchers: list[GrammarMatcher | None], *, pinned: bool = False,
+                on_start: Callable[[], None] | None = None) -> tuple[list[int], torch.Tensor] | None:
+        """The host half of `fill`: (constrained rows, their [C, W] int32 bitmasks), or None if no row
+        follows a grammar. Touches only these matchers and a new buffer, so another thread may run
+        it (`MaskWorker`) while the engine thread prepares the next step; `on_start` is called just
+        before llguidance starts filling (it runs without the GIL)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
         active = [matchers[i] for i in rows]
         compiler = active[0].compiler
-        pinned = device.type == "cuda"
         host = torch.empty((len(rows), compiler.num_mask_words), dtype=torch.int32, pin_memory=pinned)  # [C, W]
         import llguidance.torch as llt
 
-        llt.fill_next_token_bitmask_par(compiler.executor, [(m.inner, i) for i, m in enumerate(active)], host)
+        jobs = [(m.inner, i) for i, m in enumerate(active)]
+        if on_start is not None:
+            on_start()
+        llt.fill_next_token_bitmask_par(compiler.executor, jobs, host)
         for i, m in enumerate(active):
             if m.is_error:
                 log.warning("a grammar-constrained sample hit a parser error and is ended: %s", m.error[:500])
                 host[i] = 0
                 for t in compiler.stop_token_ids:
                     host[i, t // 32] |= _bit(t)
+        return rows, host
+
+    @classmethod
+    def to_device(cls, computed: tuple[list[int], torch.Tensor] | None, num_rows: int, device: torch.device) -> GrammarMask | None:
+        """The mask of `compute`'s result for a batch of `num_rows` rows, its bitmask on its way to
+        `device` (a non-blocking copy from pinned memory on a GPU). Call it on the thread that
+        launches the device work."""
+        if computed is None:
+            return None
+        rows, host = computed
         if device.type == "cpu":
-            num_allowed = _popcount_rows(host.numpy())
-            return cls(rows, host, len(matchers), num_allowed)
-        return cls(rows, host.to(device, non_blocking=pinned), len(matchers))
+            return cls(rows, host, num_rows, _popcount_rows(host.numpy()))
+        return cls(rows, host.to(device, non_blocking=host.is_pinned()), num_rows)
 
     def apply(self, logprobs: torch.Tensor, *, renormalize: bool = True) -> torch.Tensor:
         """`logprobs` [B, V] (float32, log-softmaxed) with each constrained row restricted to its
@@ -130,15 +157,62 @@ class GrammarMask:
             sub = torch.log_softmax(sub, dim=-1)  # top-p compares against the constrained mass
         return sub if everyone else logprobs.index_copy(0, self.rows, sub)
 
+    def counts_to_host(self) -> None:
+        """Start copying the allowed-token counts to pinned host memory (call after `apply` or the
+        fused sampler, before recording the step's event), so that `forced` reads them after the
+        step's one synchronization instead of synchronizing the device, which would also wait
+        for the next step's forward queued behind this one."""
+        counts = self._num_allowed
+        if isinstance(counts, torch.Tensor) and counts.is_cuda:
+            self._num_allowed = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True).copy_(counts, non_blocking=True)
+
     def forced(self) -> list[bool]:
-        """Per batch row [B]: whether its grammar allowed exactly one token (call after `apply`;
-        reads a [C] tensor from the device, so call it after the step's sync)."""
+        """Per batch row [B]: whether its grammar allowed exactly one token (call after the step's
+        sync, and after `counts_to_host` on a GPU)."""
         assert self._num_allowed is not None, "apply() first"
         counts = self._num_allowed if isinstance(self._num_allowed, list) else self._num_allowed.tolist()
         out = [False] * self.num_rows
         for row, n in zip(self._host_rows, counts):
             out[row] = n == 1
         return out
+
+
+class MaskWorker:
+    """A helper thread that computes a step's grammar bitmasks (`GrammarMask.compute`) while the
+    engine thread does the rest of its host work (collecting tokens, scheduling, preparing the
+    next step's inputs).
+
+    llguidance fills masks without the GIL, but a Python thread needs the GIL to get there: a
+    thread woken while the engine thread runs Python would wait for the interpreter's switch
+    interval (5 ms), longer than the work. So `submit` hands the GIL over and returns only once
+    the helper is inside llguidance.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tempering-grammar", daemon=True)
+        self._thread.start()
+
+    def submit(self, matchers: list[GrammarMatcher | None], *, pinned: bool) -> concurrent.futures.Future:
+        """Start computing the masks of `matchers` (see `GrammarMask.compute`); a Future of its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        started = threading.Event()
+        self._jobs.put((matchers, pinned, future, started))
+        started.wait()
+        return future
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            matchers, pinned, future, started = job
+            try:
+                future.set_result(GrammarMask.compute(matchers, pinned=pinned, on_start=started.set))
+            except BaseException as exc:  # handed to the engine thread, which fails the step
+                future.set_exception(exc)
+            finally:
+                started.set()
 
 
 def advance(pairs: list[tuple[GrammarMatcher, int]]) -> None:
