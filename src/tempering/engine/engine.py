@@ -74,6 +74,10 @@ class Engine:
         config: batching and cache settings.
         max_seq_len: the model's context length.
         peft_model: returns the PEFT model whose adapters requests name (None before training).
+
+    Attributes:
+        mask_thread: fill grammar bitmasks on a helper thread while this engine's worker prepares
+            the next step (default); False fills them on the worker itself (for measurements).
     """
 
     def __init__(
@@ -107,7 +111,7 @@ class Engine:
         self._in_flight: LaunchedStep | None = None  # the newest launched step
         self._to_collect: LaunchedStep | None = None  # the step launched before it, not yet collected
         self._masks: MaskWorker | None = None
-        self.mask_thread = True  # fill grammar bitmasks on a helper thread (else on this one)
+        self.mask_thread = True
         self.stats = EngineStats()
         self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
         self._thread.start()
