@@ -37,12 +37,12 @@ def _code(rng: random.Random, letters: int, digits: int) -> str:
 def _fact(kind: str, rng: random.Random) -> tuple[str, str, str, str, str]:
     """(sender, subject, body, question, answer) of one fact email."""
     if kind == "shipment":
-        company, code = rng.choice(COMPANIES), _code(rng, 2, 5)
+        company, code = rng.choice(COMPANIES), _code(rng, 2, 3)
         return (f"orders@{company.lower()}.com", f"Your {company} order has shipped",
                 (f"Good news: your {company} order is on its way. Tracking number: {code}. It should arrive by "
                 f"{rng.choice(DAYS)}."), f"What is the tracking number of my {company} order?", code)
     if kind == "flight":
-        city, code = rng.choice(CITIES), _code(rng, 6, 0)
+        city, code = rng.choice(CITIES), _code(rng, 4, 0)
         return ("bookings@skyways.com", f"Flight to {city} confirmed",
                 f"Your flight to {city} on {rng.choice(DAYS)} is booked. Confirmation code: {code}.",
                 f"What is the confirmation code of my flight to {city}?", code)
@@ -103,7 +103,7 @@ def build_inbox(*, num_facts: int = 60, num_filler: int = 240, seed: int = 0) ->
     return db, [Question(q, a, new_id[i]) for q, a, i in questions]
 
 
-def search(db: sqlite3.Connection, keywords: str, *, limit: int = 3) -> list[dict]:
+def search(db: sqlite3.Connection, keywords: str, *, limit: int = 2) -> list[dict]:
     """The best `limit` emails matching any of the words in `keywords` (BM25 ranking)."""
     words = re.findall(r"[A-Za-z0-9]+", keywords)
     if not words:

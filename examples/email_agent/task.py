@@ -65,11 +65,11 @@ def _worked_example(n: int, question: str, keywords: str, results: str, answer: 
 EXAMPLES = [
     *_worked_example(0, "What is the tracking number of my Contoso order?", "Contoso order",
                      "[12] Your Contoso order has shipped: ...your Contoso order is on its way. Tracking number: "
-                     "KX12345. It should...\n[40] Contoso spring sale: Everything at Contoso is 20% off this week.",
-                     "KX12345", 12),
+                     "KX123. It should...\n[40] Contoso spring sale: Everything at Contoso is 20% off this week.",
+                     "KX123", 12),
     *_worked_example(1, "What is the confirmation code of my flight to Madrid?", "flight Madrid",
                      "[7] Deals to Madrid: Fly to Madrid from $199. Book by Friday.\n[31] Flight to Madrid confirmed: "
-                     "Your flight to Madrid on Monday is booked. Confirmation code: TRQWZA.", "TRQWZA", 31),
+                     "Your flight to Madrid on Monday is booked. Confirmation code: TRQW.", "TRQW", 31),
 ]
 SEARCH = {"type": "function", "function": {"name": "search_inbox"}}
 FINAL = {"type": "function", "function": {"name": "return_final_answer"}}
