@@ -38,12 +38,11 @@ from .grammar import GrammarMask, MaskWorker
 from .grammar import advance as advance_grammars
 from .lora import EngineAdapter, collect_adapter
 from .memory import release_free_memory
-from .model_runner import ModelRunner
+from .model_runner import LaunchedStep, ModelRunner, SampledTokens
 from .models import LlamaFamilyModel
 from .request import Completion, GenerationRequest, Policy, TokenCallback, new_request
 from .sampling_params import SamplingParams, row_seed
 from .scheduler import Scheduler
-from .model_runner import LaunchedStep, SampledTokens
 from .sequence import PENDING, Sequence
 from .stopping import completion_of, finish_reason_at
 
@@ -337,4 +336,3 @@ class Engine:
                 seqs[0].request.future.set_exception(error)
         self._pending.clear()
         self.blocks.forget_cached()  # blocks of the failed step may hold garbage
-

@@ -135,7 +135,7 @@ class GrammarMask:
         rows, host = computed
         if device.type == "cpu":
             return cls(rows, host, num_rows, _popcount_rows(host.numpy()))
-        return cls(rows, host.to(device, non_blocking=host.is_pinned()), num_rows)
+        return cls(rows, host.to(device, non_blocking=True), num_rows)  # async from pinned memory, staged if not
 
     def apply(self, logprobs: torch.Tensor, *, renormalize: bool = True) -> torch.Tensor:
         """`logprobs` [B, V] (float32, log-softmaxed) with each constrained row restricted to its
@@ -209,7 +209,7 @@ class MaskWorker:
             matchers, pinned, future, started = job
             try:
                 future.set_result(GrammarMask.compute(matchers, pinned=pinned, on_start=started.set))
-            except BaseException as exc:  # handed to the engine thread, which fails the step
+            except BaseException as exc:  # noqa: BLE001 - handed to the engine thread, which fails the step
                 future.set_exception(exc)
             finally:
                 started.set()
