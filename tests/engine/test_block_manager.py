@@ -107,3 +107,30 @@ def test_ref_counts_return_to_zero_after_random_workloads():
         bm.free(s)
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert bm.num_free_blocks == 63
+
+
+def test_free_blocks_are_reused_least_recently_freed_first_and_cache_hits_leave_no_double_entry():
+    bm = BlockManager(6, 4)  # blocks 1..5
+    a, b = seq(range(8)), seq(range(100, 108))
+    prefill(bm, a)
+    prefill(bm, b)
+    first, second = list(a.block_table), list(b.block_table)
+    bm.free(a)
+    bm.free(b)  # free order: 5, then a's blocks (reversed), then b's blocks (reversed)
+    again = seq(list(range(8)) + [9])  # a cache hit takes a's blocks back from the free queue
+    bm.allocate_prefix(again)
+    assert again.block_table == first and bm.num_free_blocks == 3
+    taken = [bm._take_free().block_id for _ in range(3)]
+    assert taken == [5, *reversed(second)]  # a's stale entries were skipped
+    assert bm.num_free_blocks == 0
+
+
+def test_the_free_queue_stays_bounded_when_cache_hits_keep_reviving_free_blocks():
+    bm = BlockManager(8, 4)
+    for _ in range(200):  # the same prompt again and again: every block comes back from the cache
+        s = seq(range(9))
+        prefill(bm, s)
+        bm.free(s)
+    assert len(bm._free_queue) <= 2 * len(bm.blocks)
+    assert bm.num_free_blocks == 7
+    assert sorted(bm._take_free().block_id for _ in range(7)) == list(range(1, 8))

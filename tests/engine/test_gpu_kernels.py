@@ -93,6 +93,29 @@ def test_fused_elementwise_kernels_match_their_pytorch_twins():
     assert (act.float() - act_ref.float()).abs().max() <= 2e-2 * act_ref.float().abs().max()
 
 
+def test_fused_rotary_and_kv_store_equals_rotary_then_store_kv():
+    from tempering.engine.layers import ops, triton_ops
+
+    torch.manual_seed(0)
+    N, heads, kv_heads, D, blocks, page = 37, 12, 2, 128, 16, 16
+    for _ in range(2):  # fresh inputs each time; a poisoned cache shows unwritten slots
+        qkv = torch.randn(N, (heads + 2 * kv_heads) * D + 8, device="cuda", dtype=torch.bfloat16)[:, :-8]  # strided rows
+        views = [qkv[:, a * D:b * D].view(N, b - a, D) for a, b in ((0, heads), (heads, heads + kv_heads),
+                                                                     (heads + kv_heads, heads + 2 * kv_heads))]
+        cos, sin = (torch.randn(N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        slots = torch.randperm(blocks * page, device="cuda")[:N]
+        results = []
+        for fn in (triton_ops.rotary_and_store_, ops.rotary_and_store_):
+            q, k, v = (t.clone() for t in views)
+            caches = [torch.full((blocks, page, kv_heads, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            fn(q, k, v, cos, sin, *caches, slots)
+            results.append((q, *caches))
+        for fused, twin in zip(*results):
+            written = ~torch.isnan(twin)
+            assert torch.equal(torch.isnan(fused), torch.isnan(twin))  # exactly the same slots written
+            assert (fused[written].float() - twin[written].float()).abs().max() <= 2e-2 * twin[written].float().abs().max()
+
+
 def test_fused_sampler_draws_the_same_tokens_as_its_pytorch_twin():
     from tempering.engine.layers.triton_sampler import gumbel_sample
     from tempering.engine.sampler import gumbel_sample_reference

@@ -209,6 +209,38 @@ def test_one_batch_mixing_base_live_and_older_adapters_gives_each_row_its_policy
         engine.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "live-lora"])
+def test_sampling_inside_the_decode_graph_draws_what_the_eager_step_draws(lora):
+    """A decode graph that samples (the RL case) gives the seeded tokens and logprobs of an eager
+    step; so does a graph that leaves top-p sampling to the runner. Pending tokens flow through
+    `last_tokens` from prefill (eager) steps into graph steps and back."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (9, 33, 50)]
+    outputs = {}
+    for use_graphs in (True, False):
+        model = tiny("qwen2", "cuda", torch.bfloat16)
+        peft_model = with_lora(model, ALL) if lora else None
+        engine = Engine(engine_model_for(model, 512), NullTokenizer(), stop_token_ids=[0], lock=threading.RLock(),
+                        config=EngineConfig(num_kv_blocks=64, block_size=16, use_cuda_graphs=use_graphs), max_seq_len=512,
+                        peft_model=lambda peft_model=peft_model: peft_model)
+        policy = AdapterPolicy("default") if lora else BasePolicy()
+        try:
+            free = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+            nucleus = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=8, ignore_eos=True)
+            outputs[use_graphs] = [[c for r in (engine.submit(p, params, n=4, policy=policy) for p in prompts)
+                                    for c in r.result(timeout=300)] for params in (free, nucleus)]  # n=4: one graph bucket, eager shapes alike
+            if use_graphs:
+                kinds = {key[2] for key, captured in engine.runner.graphs.graphs.items() if captured is not None}
+                assert kinds == {True, False}  # graphs that sample and graphs that leave it to the runner ran
+        finally:
+            engine.close()
+    for graphed, eager in zip(outputs[True], outputs[False]):
+        for a, b in zip(graphed, eager):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
 def test_unsupported_architectures_fall_back_with_a_log_line(caplog):
     import transformers
 

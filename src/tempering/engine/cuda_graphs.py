@@ -4,9 +4,15 @@ A decode-only batch of B sequences is padded to the smallest captured bucket >= 
 (1, 2, 4, 8, then every 16) and replayed from static input buffers: token ids, positions, cache
 slots, block tables and context lengths. Padding rows write their K/V to the scratch block 0
 and have context length 0, so the attention kernel skips them. Graphs are captured on first use
-of a (bucket, adapter) pair, and share one memory pool; the LoRA tensors a graph reads are the
-trainer's, updated in place, so a training step needs no recapture. Logits and sampling run
-outside the graph. Pattern after nano-vllm's model runner.
+of a (bucket, adapter, sampling) triple, and share one memory pool; the LoRA tensors a graph
+reads are the trainer's, updated in place, so a training step needs no recapture.
+
+A decode row whose newest token the previous step is still sampling reads it inside the graph
+from `last_tokens` (the runner's buffer of the newest step's sampled ids). When every row samples
+with the fused Gumbel-max sampler (no top-k/top-p, no top logprobs, no grammar: the RL rollout
+case), the graph also computes the logits and samples, writing the ids to `last_tokens` and their
+logprobs to `logprobs`: a step is then a few input copies and one launch on the host. Otherwise
+the graph returns the hidden states and the runner samples. Pattern after nano-vllm's model runner.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 import torch
 
 from .context import StepContext
+from .layers.triton_sampler import gumbel_sample
 from .lora import EngineAdapter, LoRASegment
 
 __all__ = ["DecodeGraphs"]
@@ -28,7 +35,7 @@ log = logging.getLogger("tempering")
 @dataclass(slots=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    hidden: torch.Tensor  # [bucket, H], written by each replay
+    hidden: torch.Tensor | None  # [bucket, H], written by each replay (None when the graph samples)
     adapter: EngineAdapter | None  # kept alive: the graph reads its tensors' addresses
 
 
@@ -40,20 +47,30 @@ class DecodeGraphs:
         kv_cache: the cache tensor the graphs read and write.
         max_batch_size: largest bucket.
         max_blocks_per_seq: width of the static block table.
+        last_tokens: [>= max_batch_size] int64, the newest step's sampled ids (read by rows whose
+            token is pending; written by graphs that sample).
     """
 
-    def __init__(self, model: Any, kv_cache: torch.Tensor, *, max_batch_size: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, model: Any, kv_cache: torch.Tensor, *, max_batch_size: int, max_blocks_per_seq: int,
+                 last_tokens: torch.Tensor) -> None:
         self.model = model
         self.kv_cache = kv_cache
         device = kv_cache.device
         self.buckets = [b for b in (1, 2, 4, 8) if b <= max_batch_size] + list(range(16, max_batch_size + 1, 16))
         self.max_batch_size = self.buckets[-1]
-        self.input_ids = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(self.max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, int], _Captured | None] = {}  # None: capture failed, run eagerly
+        size = self.max_batch_size
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.sources = torch.full((size,), -1, dtype=torch.long, device=device)  # row of last_tokens, or -1
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(size, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(size, dtype=torch.int32, device=device)
+        self.temperature = torch.ones(size, dtype=torch.float32, device=device)  # sampling graphs' options
+        self.seeds = torch.zeros(size, dtype=torch.long, device=device)
+        self.counters = torch.zeros(size, dtype=torch.long, device=device)
+        self.last_tokens = last_tokens
+        self.logprobs = torch.zeros(size, dtype=torch.float32, device=device)  # written by sampling graphs
+        self.graphs: dict[tuple[int, int, bool], _Captured | None] = {}  # None: capture failed, run eagerly
         self.pool = None
         self.stream = torch.cuda.Stream(device)  # warm-up and capture on the same stream
 
@@ -63,16 +80,35 @@ class DecodeGraphs:
     def run(
         self,
         input_ids: torch.Tensor,
+        sources: torch.Tensor | None,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         adapter: EngineAdapter | None,
-    ) -> torch.Tensor:
-        """Hidden states [B, H] of a decode-only batch (all tensors already on the device)."""
+        sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
+        """Replay the decode step of a decode-only batch (all tensors already on the device).
+
+        Args:
+            input_ids: [B] int64 (any value where `sources` points to a pending token).
+            sources: [B] int64 row of `last_tokens` holding the row's newest token, or -1; None: all known.
+            positions, slot_mapping: [B] int64; block_tables: [B, width] int; context_lens: [B] int.
+            adapter: the LoRA of every row, or None.
+            sampling: (temperature [B] float32, seeds [B] int64, counters [B] int64) to sample
+                inside the graph (fused Gumbel-max); the ids land in `last_tokens[:B]` and their
+                logprobs in `logprobs[:B]`.
+
+        Returns:
+            the hidden states [B, H], or None when the graph sampled.
+        """
         B, width = block_tables.shape
         bucket = self.bucket_for(B)
         self.input_ids[:B].copy_(input_ids)
+        if sources is not None:
+            self.sources[:B].copy_(sources)
+        else:
+            self.sources[:B].fill_(-1)
         self.positions[:B].copy_(positions)
         self.slot_mapping[:B].copy_(slot_mapping)
         self.block_tables[:B, :width].copy_(block_tables)
@@ -80,16 +116,21 @@ class DecodeGraphs:
         if bucket > B:  # padding rows: scratch slot, no keys
             self.slot_mapping[B:bucket].zero_()
             self.context_lens[B:bucket].zero_()
-        key = (bucket, id(adapter) if adapter is not None else 0)
+            self.sources[B:bucket].fill_(-1)
+        if sampling is not None:
+            for static, values in zip((self.temperature, self.seeds, self.counters), sampling):
+                static[:B].copy_(values)
+        key = (bucket, id(adapter) if adapter is not None else 0, sampling is not None)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, adapter)
+            self.graphs[key] = self._capture(bucket, adapter, sampling is not None)
         captured = self.graphs[key]
         if captured is None:
-            return self._forward(bucket, adapter)[:B]
+            hidden = self._forward(bucket, adapter, sampling is not None)
+            return hidden[:B] if hidden is not None else None
         captured.graph.replay()
-        return captured.hidden[:B]
+        return captured.hidden[:B] if captured.hidden is not None else None
 
-    def _forward(self, bucket: int, adapter: EngineAdapter | None) -> torch.Tensor:
+    def _forward(self, bucket: int, adapter: EngineAdapter | None, sample: bool) -> torch.Tensor | None:
         ctx = StepContext(
             slot_mapping=self.slot_mapping[:bucket],
             num_decode=bucket,
@@ -97,24 +138,37 @@ class DecodeGraphs:
             decode_context_lens=self.context_lens[:bucket],
         )
         lora = [LoRASegment(0, bucket, adapter)] if adapter is not None else []
-        return self.model.forward(self.input_ids[:bucket], self.positions[:bucket], ctx, self.kv_cache, lora)
+        sources = self.sources[:bucket]
+        ids = torch.where(sources >= 0, self.last_tokens[sources.clamp(min=0)], self.input_ids[:bucket])
+        hidden = self.model.forward(ids, self.positions[:bucket], ctx, self.kv_cache, lora)
+        if not sample:
+            return hidden
+        token_ids, logprobs, _ = gumbel_sample(self.model.logits(hidden), self.temperature[:bucket],
+                                               self.seeds[:bucket], self.counters[:bucket])
+        self.last_tokens[:bucket].copy_(token_ids)
+        self.logprobs[:bucket].copy_(logprobs)
+        return None
 
-    def _capture(self, bucket: int, adapter: EngineAdapter | None) -> _Captured | None:
+    def _capture(self, bucket: int, adapter: EngineAdapter | None, sample: bool) -> _Captured | None:
         """Capture a graph; on failure log it and return None (that bucket then runs eagerly)."""
+        # the warm-up runs sample too: keep the newest step's ids, which this step's rows read
+        saved = self.last_tokens.clone()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(2):  # warm up (Triton JIT, cuBLAS workspaces) on the capture stream
-                self._forward(bucket, adapter)
+                self._forward(bucket, adapter, sample)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: CUDA work of other threads (the trainer, user code) cannot break the capture
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                hidden = self._forward(bucket, adapter)
+                hidden = self._forward(bucket, adapter, sample)
         except RuntimeError as exc:  # includes torch.AcceleratorError
             log.warning("CUDA graph capture of decode bucket %d failed (%s); running it eagerly", bucket, exc)
             torch.cuda.synchronize()
+            self.last_tokens.copy_(saved)
             return None
         torch.cuda.current_stream().wait_stream(self.stream)
+        self.last_tokens.copy_(saved)
         if self.pool is None:
             self.pool = graph.pool()
         return _Captured(graph, hidden, adapter)

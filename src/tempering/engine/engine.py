@@ -50,6 +50,8 @@ __all__ = ["Engine", "EngineStats"]
 
 log = logging.getLogger("tempering")
 
+_NO_TOP: tuple = ()  # the top logprobs of a token when none were asked for: one shared object, not a list per token
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -258,7 +260,7 @@ class Engine:
         launched = None
         if prepared is not None:
             with self.lock:
-                launched = self.runner.launch(prepared, newest)
+                launched = self.runner.launch(prepared)
                 if launched is not None:  # the version of the weights this step reads, stamped on its tokens
                     launched.versions = [s.request.policy.version for s in launched.seqs]
             stats = self.stats
@@ -293,7 +295,7 @@ class Engine:
             if seq.is_finished:  # ended at an earlier token; this one was computed for nothing
                 continue
             index, token_id, logprob = sampled.indices[j], sampled.token_ids[j], sampled.logprobs[j]
-            top = tops[j] if tops is not None else []
+            top = tops[j] if tops is not None else _NO_TOP
             seq.token_ids[index] = token_id
             seq.num_pending -= 1
             seq.logprobs.append(logprob)

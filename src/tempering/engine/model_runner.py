@@ -65,7 +65,8 @@ class LaunchedStep:
     Attributes:
         seqs: the sequences that sample, in row order.
         indices: where each one's token goes in its `token_ids` (set by the engine).
-        token_ids: [S] int64 sampled ids on the device (the next step's decode inputs).
+        token_ids: [S] int64 sampled ids on the device: a view of the runner's `last_tokens`,
+            valid until the next step samples (the next step's decode inputs read it).
         rows: seq_id → row of `token_ids`.
         host_ids, host_logprobs: [S] pinned host copies being filled.
         host_top_ids, host_top_logprobs: [S, K] when some row asked for top logprobs.
@@ -145,6 +146,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_seq_len // self.block_size)
         self.tables = np.zeros((64, self.max_blocks_per_seq), dtype=np.int32)  # row per live sequence
         self.free_rows = list(range(63, -1, -1))
+        # the newest step's sampled ids: decode rows whose token is still pending read it here
+        self.last_tokens = torch.zeros(max(config.max_num_seqs, config.max_graph_batch_size), dtype=torch.long,
+                                       device=self.device)
+        self._host_ring = _HostRing(self.last_tokens.shape[0]) if self.is_cuda else None
+        self._staging = (_Staging(torch.long), _Staging(torch.float32)) if self.is_cuda else (None, None)
         self.graphs = None
         if self.is_cuda and config.use_cuda_graphs and HAS_TRITON:
             from .cuda_graphs import DecodeGraphs
@@ -152,7 +158,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, self.kv_cache,
                 max_batch_size=min(config.max_graph_batch_size, config.max_num_seqs),
-                max_blocks_per_seq=self.max_blocks_per_seq,
+                max_blocks_per_seq=self.max_blocks_per_seq, last_tokens=self.last_tokens,
             )
 
     @property
@@ -251,8 +257,8 @@ class ModelRunner:
             f_lens = ints.add([len(s) for s in batch.decode])
         if self.use_varlen and spans:
             f_keys, f_cu = ints.add(np.concatenate(key_slots)), ints.add(cu_q + cu_k)
-        i = ints.send(torch.long, self.device, self.is_cuda)
-        f = floats.send(torch.float32, self.device, self.is_cuda)
+        i = ints.send(torch.long, self.device, self._staging[0])
+        f = floats.send(torch.float32, self.device, self._staging[1])
 
         ctx = StepContext(slot_mapping=i(f_slots), num_decode=len(batch.decode), prefill=spans)
         for span, t in zip(spans, tables):
@@ -272,35 +278,43 @@ class ModelRunner:
         return PreparedStep(batch, seqs, i(f_ids), i(f_src) if has_sources else None, i(f_pos), ctx, i(f_rows), options)
 
     @torch.inference_mode()
-    def launch(self, prepared: PreparedStep, previous: LaunchedStep | None) -> LaunchedStep | None:
+    def launch(self, prepared: PreparedStep) -> LaunchedStep | None:
         """Run a prepared step's forward and sampling; returns its sampling rows (None if no
         sequence samples). Does not wait for the device.
 
-        `previous` is the step the batch was prepared against; its sampling must have been
-        launched (its `token_ids` on the device), since decode rows read their newest token there.
+        The step the batch was prepared against must have been sampled (launched, or
+        `sample_deferred`): decode rows read their pending newest token from `last_tokens`.
         """
-        batch, seqs, ids, ctx = prepared.batch, prepared.seqs, prepared.ids, prepared.ctx
-        if prepared.sources is not None:  # the newest token of these rows is still on the device: read it there
-            src, n = prepared.sources, len(batch.decode)
-            ids[:n] = torch.where(src >= 0, previous.token_ids[src.clamp(min=0)], ids[:n])
+        batch, seqs, ids, ctx, options = prepared.batch, prepared.seqs, prepared.ids, prepared.ctx, prepared.options
         lora = self._lora_segments(batch)
         if lora:  # the spare-rows LoRA path: refresh the copy of A if the trainer changed it
             self.model.bind_lora(lora, len(ids))
+        has_grammar = any(s.grammar is not None for s in seqs)
         if self._graphable(batch, lora):
+            # the RL rollout case samples inside the graph: no top-k/top-p, no top logprobs, no grammar
+            in_graph = not (options.needs_truncation or options.num_top_logprobs or has_grammar)
             hidden = self.graphs.run(
-                ids, prepared.positions, ctx.slot_mapping, ctx.decode_block_tables, ctx.decode_context_lens,
-                lora[0].adapter if lora else None,
+                ids, prepared.sources, prepared.positions, ctx.slot_mapping, ctx.decode_block_tables,
+                ctx.decode_context_lens, lora[0].adapter if lora else None,
+                (options.temperature, options.seeds, options.counters) if in_graph else None,
             )
+            if in_graph:
+                step = LaunchedStep(seqs, [], self.last_tokens[:len(seqs)], {s.seq_id: j for j, s in enumerate(seqs)})
+                self._copy_to_host(step, self.graphs.logprobs[:len(seqs)])
+                return step
         else:
+            if prepared.sources is not None:  # these rows' newest token is still on the device: read it there
+                src, n = prepared.sources, len(batch.decode)
+                ids[:n] = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids[:n])
             hidden = self.model.forward(ids, prepared.positions, ctx, self.kv_cache, lora)
         if not seqs:
             return None
         logits = self.model.logits(hidden[prepared.sample_rows])  # [S, V]
         step = LaunchedStep(seqs, [], None, {s.seq_id: j for j, s in enumerate(seqs)})
-        if any(s.grammar is not None for s in seqs):  # structured outputs: sampled by sample_deferred()
-            step.deferred = (logits, prepared.options)
+        if has_grammar:  # structured outputs: sampled by sample_deferred()
+            step.deferred = (logits, options)
             return step
-        self._sample(step, logits, prepared.options)
+        self._sample(step, logits, options)
         return step
 
     def sample_deferred(self, step: LaunchedStep, grammar_mask: GrammarMask | None) -> None:
@@ -318,12 +332,20 @@ class ModelRunner:
         out = sample(logits, options, step.grammar_mask)
         if step.grammar_mask is not None:
             step.grammar_mask.counts_to_host()
-        step.token_ids = out.token_ids
-        step.host_ids, step.host_logprobs, step.host_top_ids, step.host_top_logprobs = (
-            _to_host(t, self.is_cuda) for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs))
-        if self.is_cuda:
-            step.done = torch.cuda.Event()
-            step.done.record()
+        num_rows = out.token_ids.shape[0]
+        self.last_tokens[:num_rows].copy_(out.token_ids)
+        step.token_ids = self.last_tokens[:num_rows]
+        step.host_top_ids, step.host_top_logprobs = (_to_host(t, self.is_cuda) for t in (out.top_ids, out.top_logprobs))
+        self._copy_to_host(step, out.logprobs)
+
+    def _copy_to_host(self, step: LaunchedStep, logprobs: torch.Tensor) -> None:
+        """Start copying a sampled step's ids (`step.token_ids`) and `logprobs` to the host."""
+        if not self.is_cuda:
+            step.host_ids, step.host_logprobs = step.token_ids.clone(), logprobs
+            return
+        step.host_ids, step.host_logprobs = self._host_ring.copy(step.token_ids, logprobs)
+        step.done = torch.cuda.Event()
+        step.done.record()
 
     def collect(self, step: LaunchedStep) -> SampledTokens:
         """Wait for a launched step and return its sampled tokens, in row order."""
@@ -367,6 +389,30 @@ class ModelRunner:
         return [LoRASegment(s.start, s.end, self.adapter_weights(s.adapter_name)) for s in segments if s.adapter_name]
 
 
+class _HostRing:
+    """Pinned host buffers that sampled ids and logprobs are copied into, reused in turn.
+
+    A step's buffers are read when the step is collected; the engine collects a step before it
+    launches the second step after it, so four slots are never overwritten while still unread.
+    """
+
+    SLOTS = 4
+
+    def __init__(self, rows: int) -> None:
+        self.ids = torch.empty(self.SLOTS, rows, dtype=torch.long, pin_memory=True)
+        self.logprobs = torch.empty(self.SLOTS, rows, dtype=torch.float32, pin_memory=True)
+        self.next = 0
+
+    def copy(self, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start copying ids [S] int64 and logprobs [S] float32 (S <= rows) to the next slot; returns its views."""
+        slot, n = self.next, ids.shape[0]
+        self.next = (slot + 1) % self.SLOTS
+        host_ids, host_logprobs = self.ids[slot, :n], self.logprobs[slot, :n]
+        host_ids.copy_(ids, non_blocking=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
+        return host_ids, host_logprobs
+
+
 def _to_host(t: torch.Tensor | None, is_cuda: bool) -> torch.Tensor | None:
     """Start copying t to (pinned) host memory; on CPU, t itself."""
     if t is None or not is_cuda:
@@ -395,11 +441,47 @@ class _Pack:
         self.size += len(values)
         return start, len(values)
 
-    def send(self, dtype: torch.dtype, device: torch.device, pinned: bool):
-        """Copy to `device`; returns a function from an `add` handle to its device slice."""
+    def send(self, dtype: torch.dtype, device: torch.device, staging: _Staging | None):
+        """Copy to `device` (through `staging`'s pinned memory on a GPU); returns a function from an
+        `add` handle to its device slice."""
         np_dtype = np.int64 if dtype == torch.long else np.float32
-        values = np.concatenate([np.asarray(p, dtype=np_dtype) for p in self.parts]) if self.parts else np.zeros(0, np_dtype)
-        buffer = torch.from_numpy(values)
-        if pinned:
-            buffer = buffer.pin_memory().to(device, non_blocking=True)
+        arrays = [np.asarray(p, dtype=np_dtype) for p in self.parts]
+        if staging is None:
+            values = np.concatenate(arrays) if arrays else np.zeros(0, np_dtype)
+            buffer = torch.from_numpy(values).to(device)
+        else:
+            host = staging.take(self.size)
+            if arrays:
+                np.concatenate(arrays, out=host.numpy())
+            buffer = host.to(device, non_blocking=True)
+            staging.sent()
         return lambda handle: buffer[handle[0]:handle[0] + handle[1]]
+
+
+class _Staging:
+    """Pinned host buffers that a step's inputs are packed into for one asynchronous copy, used
+    in turn; a buffer is reused once the copy out of it has finished (long since, in practice:
+    the engine collects a step before it prepares the second step after it)."""
+
+    SLOTS = 3
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.buffers: list[torch.Tensor | None] = [None] * self.SLOTS
+        self.events: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self.slot = 0
+
+    def take(self, size: int) -> torch.Tensor:
+        """The next pinned buffer, [size] of this dtype, free to overwrite."""
+        self.slot = (self.slot + 1) % self.SLOTS
+        if self.events[self.slot] is not None:
+            self.events[self.slot].synchronize()
+        buffer = self.buffers[self.slot]
+        if buffer is None or buffer.numel() < size:
+            buffer = self.buffers[self.slot] = torch.empty(max(size, 1 << 16), dtype=self.dtype, pin_memory=True)
+        return buffer[:size]
+
+    def sent(self) -> None:
+        """Mark the copy out of the current buffer as queued."""
+        event = self.events[self.slot] = torch.cuda.Event()
+        event.record()

@@ -51,7 +51,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,7 +74,7 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
     offsets = tl.arange(0, BLOCK_N)
     table = BlockTables + b * stride_bt
-    for tile in tl.range(tile_start, tile_end, num_stages=2):
+    for tile in tl.range(tile_start, tile_end, num_stages=STAGES):
         tokens = tile * BLOCK_N + offsets  # BLOCK_N tokens over BLOCK_N // PAGE pages
         valid = tokens < context_len
         block = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
@@ -102,7 +102,8 @@ def _decode_split_kernel(
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None, block_n: int = 64,
+    num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """One query per row against its paged keys.
 
@@ -116,6 +117,8 @@ def paged_decode_attention(
         block_tables: [B, max_blocks] int (rows may be wider than needed).
         context_lens: [B] int; 0 for padding rows (their output is 0).
         scale: softmax scale.
+        num_splits, block_n, num_warps, num_stages: the kernel's tiling (defaults: the split
+            count of `num_splits(B, Hkv)`, 64 keys per tile, 4 warps, 2 pipeline stages).
 
     Returns:
         [B, Hq, D] in q's dtype.
@@ -123,8 +126,8 @@ def paged_decode_attention(
     B, Hq, D = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = Hq // num_kv_heads
-    S = num_splits(B, num_kv_heads)
-    block_n = max(64, page)
+    S = num_splits if num_splits is not None else _num_splits(B, num_kv_heads)
+    block_n = max(block_n, page)
     out_partial = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
     lse_partial = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, num_kv_heads, S)](
@@ -137,7 +140,7 @@ def paged_decode_attention(
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, NUM_SPLITS=S,
-        BLOCK_N=block_n, num_warps=4,
+        BLOCK_N=block_n, STAGES=num_stages, num_warps=num_warps,
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     _merge_splits_kernel[(B, Hq)](  # the splits, weighted by their log-sum-exp
@@ -147,6 +150,9 @@ def paged_decode_attention(
         D=D, S=S,
     )
     return out
+
+
+_num_splits = num_splits  # the default, under a name the keyword argument does not shadow
 
 
 def varlen_prefill_attention(

@@ -7,6 +7,8 @@ These kernels do each job in one launch and round exactly where Hugging Face's m
 - `add_rms_norm`: residual = x + residual (in the model dtype), then RMSNorm of it.
 - `rms_norm`: RMSNorm over the last dim (also used per head for Qwen3's q/k norm).
 - `rotary_`: rotates q and k in place by the cos/sin of their positions ("rotate half" layout).
+- `rotary_and_store_`: rotary on q (in place) and k, and k and v written to their KV-cache slots,
+  in one launch per layer instead of four (two rotations, two indexed copies).
 - `silu_and_mul`: silu(gate) * up of a fused gate/up projection.
 """
 
@@ -16,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["add_rms_norm", "rms_norm", "rotary_", "silu_and_mul"]
+__all__ = ["add_rms_norm", "rms_norm", "rotary_", "rotary_and_store_", "silu_and_mul"]
 
 
 @triton.jit
@@ -83,6 +85,62 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     _rotary_kernel[(N,)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads,
                          HALF=D // 2, BLOCK_H=triton.next_power_of_2(heads))
     return x
+
+
+@triton.jit
+def _rotate(base, cos1, cos2, sin1, sin2, d, hmask, HALF: tl.constexpr):
+    """The rotated halves of the heads at `base` ([heads, 1] pointers), rounded as HF rounds."""
+    x1 = tl.load(base + d[None, :], mask=hmask[:, None], other=0.0)
+    x2 = tl.load(base + HALF + d[None, :], mask=hmask[:, None], other=0.0)
+    o1 = ((x1 * cos1).to(x1.dtype) + (-x2 * sin1).to(x1.dtype)).to(x1.dtype)
+    o2 = ((x2 * cos2).to(x1.dtype) + (x1 * sin2).to(x1.dtype)).to(x1.dtype)
+    return o1, o2
+
+
+@triton.jit
+def _rotary_store_kernel(Q, K, V, Cos, Sin, KCache, VCache, Slots, stride_qt, stride_qh, stride_kt, stride_kh,
+                         stride_vt, stride_vh, stride_c, stride_cs, stride_ch, num_heads, num_kv_heads,
+                         HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.arange(0, HALF)
+    cos1 = tl.load(Cos + t * stride_c + d)[None, :]
+    cos2 = tl.load(Cos + t * stride_c + HALF + d)[None, :]
+    sin1 = tl.load(Sin + t * stride_c + d)[None, :]
+    sin2 = tl.load(Sin + t * stride_c + HALF + d)[None, :]
+    qh = tl.arange(0, BLOCK_Q)
+    qmask = qh < num_heads
+    q = Q + t * stride_qt + qh[:, None] * stride_qh
+    o1, o2 = _rotate(q, cos1, cos2, sin1, sin2, d, qmask, HALF)
+    tl.store(q + d[None, :], o1, mask=qmask[:, None])
+    tl.store(q + HALF + d[None, :], o2, mask=qmask[:, None])
+    kh = tl.arange(0, BLOCK_KV)
+    kmask = kh < num_kv_heads
+    slot = tl.load(Slots + t).to(tl.int64)
+    k1, k2 = _rotate(K + t * stride_kt + kh[:, None] * stride_kh, cos1, cos2, sin1, sin2, d, kmask, HALF)
+    kc = KCache + slot * stride_cs + kh[:, None] * stride_ch
+    tl.store(kc + d[None, :], k1, mask=kmask[:, None])
+    tl.store(kc + HALF + d[None, :], k2, mask=kmask[:, None])
+    v = V + t * stride_vt + kh[:, None] * stride_vh
+    vc = VCache + slot * stride_cs + kh[:, None] * stride_ch
+    tl.store(vc + d[None, :], tl.load(v + d[None, :], mask=kmask[:, None], other=0.0), mask=kmask[:, None])
+    tl.store(vc + HALF + d[None, :], tl.load(v + HALF + d[None, :], mask=kmask[:, None], other=0.0), mask=kmask[:, None])
+
+
+def rotary_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate q [N, Hq, D] in place and k [N, Hkv, D] by cos/sin [N, D]; write the rotated k and v
+    [N, Hkv, D] to the caches [num_blocks, block_size, Hkv, D] at `slot_mapping` [N] int64.
+
+    q, k and v may be strided views of one fused projection (unit stride in D); k itself is not
+    changed (only the cache is read afterwards). Equals `rotary_` on q and k, then `store_kv`.
+    """
+    N, heads, D = q.shape
+    kv_heads = k.shape[1]
+    cache_k = k_cache.view(-1, kv_heads, D)
+    _rotary_store_kernel[(N,)](q, k, v, cos, sin, cache_k, v_cache.view(-1, kv_heads, D), slot_mapping,
+                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               cos.stride(0), cache_k.stride(0), cache_k.stride(1), heads, kv_heads,
+                               HALF=D // 2, BLOCK_Q=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads))
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ...modeling import SUPPORTED_ARCHITECTURES
 from ...modeling.weights import base_layer, extend_linear, full_rows, fuse_linears
 from ..context import StepContext
-from ..layers import RotaryTable, ops_for, paged_attention, store_kv
+from ..layers import RotaryTable, ops_for, paged_attention
 from ..lora import (
     EngineAdapter,
     LoRASegment,
@@ -186,10 +186,8 @@ class LlamaFamilyModel:
             if layer.q_norm is not None:  # Qwen3: RMSNorm of each head before the rotation
                 q = ops.rms_norm(q, layer.q_norm, self.eps)
                 k = ops.rms_norm(k, layer.k_norm, self.eps)
-            ops.rotary_(q, cos, sin)
-            ops.rotary_(k, cos, sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
+            ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)  # [N, Hq D]
             attn_out = F.linear(o, layer.o)
             if lora:
@@ -224,10 +222,8 @@ class LlamaFamilyModel:
             if layer.q_norm is not None:
                 q = ops.rms_norm(q, layer.q_norm, self.eps)
                 k = ops.rms_norm(k, layer.k_norm, self.eps)
-            ops.rotary_(q, cos, sin)
-            ops.rotary_(k, cos, sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
+            ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
             attn_out = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"])
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
