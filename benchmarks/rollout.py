@@ -12,7 +12,9 @@ logprob of every sampled token returned):
 Each workload runs with the base weights and with a live LoRA adapter (rank 8, alpha 16, on
 q/k/v/o/gate/up/down, A and B non-zero: the trainer's tensors, as every rollout after step 0
 uses). Both are warmed up with the same prompts and shapes, the CUDA graphs of every decode
-batch size are captured first, and the prefix cache is emptied before timing. `model.generate` is timed on R after a full-length
+batch size are captured first, and the prefix cache is emptied before timing. The modes
+alternate, base, lora, then lora, base (`--rounds`), and each reports its mean: a GPU's clock
+drifts as it heats, which favoured whichever mode ran first. `model.generate` is timed on R after a full-length
 warm-up call. Also reported: logprob error against a transformers(+PEFT) forward, the adapter
 switch time after a training step, and with `--profile` the fraction of a decode step the GPU is
 busy. `--vllm` runs the same workloads through vLLM (with and without a rank-8 LoRA) in a
@@ -53,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -288,8 +291,11 @@ def structured_grammar(args, tokenizer, vocab_size: int):
     return "guided_choice", compiler.compile(GrammarSpec.choice(choices))
 
 
-def run_vllm(workloads: dict, names: list[str]) -> dict:
-    """The same workloads through vLLM in a subprocess (before this process touches the GPU)."""
+def run_vllm(workloads: dict, names: list[str], path: str | None = None) -> dict:
+    """The same workloads through vLLM in a subprocess (before this process touches the GPU).
+
+    `path`: directories put first on the subprocess's PYTHONPATH (vLLM pins its own versions of
+    packages tempering also uses, e.g. llguidance < 1.4 against tempering's >= 1.9)."""
     with tempfile.TemporaryDirectory() as tmp:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -312,8 +318,11 @@ def run_vllm(workloads: dict, names: list[str]) -> dict:
         spec = json.dumps({n: workloads[n] for n in names})
         merged: dict = {"workloads": {}}
         for adapter in ("-", str(lora_dir)):  # one process per mode: each vLLM instance gets the whole GPU
+            env = dict(os.environ)
+            if path:
+                env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
             out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_rollout.py")), str(model_dir), adapter, spec],
-                                 capture_output=True, text=True, timeout=3000)
+                                 capture_output=True, text=True, timeout=3000, env=env)
             lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
             if out.returncode != 0 or not lines:
                 merged.setdefault("error", []).append((out.stderr or out.stdout)[-1500:])
@@ -478,11 +487,13 @@ def main() -> None:
     parser.add_argument("--skip-lora", action="store_true")
     parser.add_argument("--profile", action="store_true", help="GPU busy fraction during R with the live adapter")
     parser.add_argument("--vllm", action="store_true", help="also run the workloads through vLLM (subprocess)")
+    parser.add_argument("--vllm-path", default=None, help="directories first on the vLLM subprocess's PYTHONPATH")
     parser.add_argument("--cpu-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--response-format", choices=["json_schema"], default=None,
                         help="also run R with the live adapter under a JSON schema (RULER's score list)")
     parser.add_argument("--guided-choice", action="store_true", help="also run R with the live adapter under a guided choice")
     parser.add_argument("--qwen-tiktoken", default=None, help="GPU structured outputs: dashscope's resources/qwen.tiktoken")
+    parser.add_argument("--rounds", type=int, default=2, help="timed runs of each workload and mode (modes alternate)")
     parser.add_argument("--gpus", type=int, default=1, help="engine replicas on this many GPUs, against one GPU")
     parser.add_argument("--model", default="1.5b", choices=sorted(SHAPES), help="GPU model shape")
     parser.add_argument("--modes", default="lora", help="with --gpus: base, lora or base,lora")
@@ -495,7 +506,7 @@ def main() -> None:
     workloads = GPU_WORKLOADS if gpu else CPU_WORKLOADS
     names = args.workloads.split(",") if args.workloads else (list(workloads) if gpu else ["R"])
 
-    vllm = run_vllm(workloads, names) if args.vllm else None
+    vllm = run_vllm(workloads, names, args.vllm_path) if args.vllm else None
     model, tokenizer = build_gpu_model(device, args.model) if gpu else load_cpu_model(getattr(torch, args.cpu_dtype))
     vocab = model.config.vocab_size
 
@@ -520,36 +531,52 @@ def main() -> None:
                     "model": "Qwen2.5-1.5B-shaped random bf16" if gpu else f"SmolLM2-135M-Instruct {args.cpu_dtype}",
                     "engine_returns_logprobs": True, "torch": torch.__version__, "workloads": {}}
     trainer = None
-    for mode in ["base"] + ([] if args.skip_lora else ["lora"]):
-        if mode == "lora":
-            from tempering.service.policies import AdapterPolicy
+    policies = {"base": BasePolicy()}
+    if not args.skip_lora:
+        from tempering.service.policies import AdapterPolicy
 
-            trainer = add_live_adapter(model)
-            holder["peft"] = trainer.peft_model
-            policy = AdapterPolicy(trainer.peft_model, "default", 1)
-        else:
-            policy = BasePolicy()
-        for k, name in enumerate(names):
-            work = workloads[name]
-            prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k + (mode == "lora"))
-            seconds, results = time_engine(engine, prompts, work, policy)
-            tokens = work["num_prompts"] * work["n"] * work["max_new"]
-            entry = record["workloads"].setdefault(name, {"shape": work})
-            entry[f"{mode}_tok_per_s"] = round(tokens / seconds, 1)
+        trainer = add_live_adapter(model)
+        holder["peft"] = trainer.peft_model
+        policies["lora"] = AdapterPolicy(trainer.peft_model, "default", 1)
+    modes = list(policies)
+    for k, name in enumerate(names):
+        work = workloads[name]
+        tokens = work["num_prompts"] * work["n"] * work["max_new"]
+        entry = record["workloads"].setdefault(name, {"shape": work})
+        runs: dict[str, list[float]] = {mode: [] for mode in modes}
+        # modes alternate (base, lora, then lora, base, ...): a GPU's clock drifts as it heats, so
+        # running one mode after the other would favour the first
+        for r in range(args.rounds):
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k + (mode == "lora"))
+                seconds, results = time_engine(engine, prompts, work, policies[mode])
+                runs[mode].append(tokens / seconds)
+                if r == 0 and k == 0:  # the base reference with the adapter (injected into the model) turned off
+                    off = trainer.peft_model.disable_adapter() if trainer is not None and mode == "base" else nullcontext()
+                    with off:
+                        forward = trainer.peft_model if trainer is not None else model
+                        record[f"{mode}_logprob_abs_err_mean_max"] = logprob_error(forward, prompts, results, device)
+                if r == 0 and mode == "lora" and k == 0:
+                    switch_results = results
+        for mode in modes:
+            entry[f"{mode}_tok_per_s"] = round(sum(runs[mode]) / len(runs[mode]), 1)
+            entry[f"{mode}_tok_per_s_runs"] = [round(x, 1) for x in runs[mode]]
             if args.profile and gpu and name == "R":
-                entry[f"{mode}_gpu_busy_fraction"] = gpu_busy_fraction(engine, prompts, work, policy)
-            if k == 0:
-                forward = trainer.peft_model if mode == "lora" else model
-                record[f"{mode}_logprob_abs_err_mean_max"] = logprob_error(forward, prompts, results, device)
-            if mode == "lora" and name == names[0]:
-                switch_results = results
+                prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k + (mode == "lora"))
+                entry[f"{mode}_gpu_busy_fraction"] = gpu_busy_fraction(engine, prompts, work, policies[mode])
     if (args.response_format or args.guided_choice) and trainer is not None and "R" in names:
         kind, grammar = structured_grammar(args, tokenizer, vocab)
         work, entry = workloads["R"], record["workloads"]["R"]
         prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=1)  # the prompts of R's live-adapter run
-        seconds, _ = time_engine(engine, prompts, work, policy, grammar=grammar)
-        entry[f"lora_{kind}_tok_per_s"] = round(work["num_prompts"] * work["n"] * work["max_new"] / seconds, 1)
-        entry[f"lora_{kind}_vs_free"] = round(entry[f"lora_{kind}_tok_per_s"] / entry["lora_tok_per_s"], 3)
+        tokens = work["num_prompts"] * work["n"] * work["max_new"]
+        runs = {"free": [], kind: []}
+        for label in ("free", kind, kind, "free"):  # interleaved, as above
+            seconds, _ = time_engine(engine, prompts, work, policies["lora"], grammar=grammar if label == kind else None)
+            runs[label].append(tokens / seconds)
+        constrained, free = (sum(runs[x]) / 2 for x in (kind, "free"))
+        entry[f"lora_{kind}_tok_per_s"] = round(constrained, 1)
+        entry[f"lora_{kind}_free_tok_per_s"] = round(free, 1)
+        entry[f"lora_{kind}_vs_free"] = round(constrained / free, 3)
     for name, entry in record["workloads"].items():
         if "lora_tok_per_s" in entry:
             entry["lora_vs_base"] = round(entry["lora_tok_per_s"] / entry["base_tok_per_s"], 3)

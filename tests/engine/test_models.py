@@ -183,6 +183,19 @@ def test_spare_rows_lora_matches_peft_and_follows_in_place_updates(targets, devi
         engine.close()
 
 
+def test_spare_rows_round_a_wide_projection_to_64_rows_and_never_exceed_the_allocation():
+    from tempering.engine.lora import SpareRows, spare_rows_for
+
+    assert spare_rows_for(16, 17920) == 64  # gate/up of a 1.5B model: 17984 rows, 0.36% more
+    assert spare_rows_for(24, 2048) == 24 and spare_rows_for(8, 1536) == 8  # rounding to 64 would cost 3-4%
+    assert spare_rows_for(3, 100) == 8
+    for num_out in (96, 1536, 2048, 4096, 17920, 2 * 27648):
+        for slices in (1, 2, 3):
+            allocated = SpareRows.allocation(slices, 16, num_out)
+            for rank in (1, 4, 8, 16):
+                assert slices * rank <= spare_rows_for(slices * rank, num_out) <= allocated
+
+
 @pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])
 def test_one_batch_mixing_base_live_and_older_adapters_gives_each_row_its_policy(device, dtype):
     model = tiny("qwen2", device, dtype)

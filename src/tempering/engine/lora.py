@@ -117,9 +117,9 @@ class SpareRows:
                    for layer in adapter.layers for g in layer.values())
 
     @staticmethod
-    def allocation(num_slices: int, max_rank: int) -> int:
-        """Spare rows to allocate for a projection of `num_slices` slices."""
-        return spare_rows_for(num_slices * max_rank)
+    def allocation(num_slices: int, max_rank: int, num_out: int) -> int:
+        """Spare rows to allocate after the `num_out` rows of a projection of `num_slices` slices."""
+        return spare_rows_for(num_slices * max_rank, num_out)
 
     def bind(self, adapter: EngineAdapter) -> bool:
         """Make the spare rows hold `adapter`'s current A (a copy only when it changed); False if it does not fit."""
@@ -154,9 +154,9 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
         x: [N, in]; full_w: [num_out + spare, in]; full_b: [num_out + spare] or None.
 
     Returns:
-        [N, num_out], a view with row stride num_out + S·r.
+        [N, num_out], a view with row stride num_out + spare_rows_for(S·r, num_out).
     """
-    rows = num_out + (spare_rows_for(g.num_rows) if g is not None else 0)
+    rows = num_out + (spare_rows_for(g.num_rows, num_out) if g is not None else 0)
     y = F.linear(x, full_w[:rows], full_b[:rows] if full_b is not None else None)  # [N, rows]
     out = y[:, :num_out]
     if g is not None:
@@ -165,10 +165,17 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
     return out
 
 
-def spare_rows_for(num_rows: int) -> int:
-    """Spare rows a GEMM computes for `num_rows` of x A^T: a multiple of 8, so that every row of the
-    output starts 16-byte aligned (FlashAttention and vector loads need it)."""
-    return -(-num_rows // 8) * 8
+def spare_rows_for(num_rows: int, num_out: int) -> int:
+    """Spare rows a GEMM computes for `num_rows` of x A^T after the projection's `num_out` rows.
+
+    num_out + spare is a multiple of 64 when that adds under 1% to the rows (the gate/up GEMM
+    then runs the base GEMM's cuBLAS kernel: 0.71 instead of 0.76 ms per decode step of a
+    1.5B model at batch 256 on an H100), else spare is a multiple of 8, so that every row of the
+    output starts 16-byte aligned (FlashAttention and vector loads need it).
+    """
+    spare = -(-num_rows // 8) * 8
+    wide = -(-(num_out + num_rows) // 64) * 64 - num_out
+    return wide if wide - spare < num_out / 100 else spare
 
 
 def _expand_reference_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
@@ -186,7 +193,7 @@ def silu_and_mul_with_lora(x: torch.Tensor, full_w: torch.Tensor, num_out: int, 
     """silu(gate) * up of x [N, in] through the fused gate/up weight, with the bound adapter's delta fused in."""
     if g is None:
         return silu_and_mul(F.linear(x, full_w[:num_out]))
-    y = F.linear(x, full_w[:num_out + spare_rows_for(g.num_rows)])  # [N, 2I + spare]
+    y = F.linear(x, full_w[:num_out + spare_rows_for(g.num_rows, num_out)])  # [N, 2I + spare]
     t = y[:, num_out:num_out + g.num_rows]
     if not _kernels_for(y):
         return silu_and_mul(_expand_reference_(y[:, :num_out], t, g.B, g.columns, g.scales))

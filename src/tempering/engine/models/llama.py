@@ -86,20 +86,19 @@ class LlamaFamilyModel:
         if spare_rows is None:
             spare_rows = self.device.type == "cuda" and triton_lora is not None
         spare = max_lora_rank if spare_rows else 0
+
+        def extra(parts: list) -> int:  # spare rows after the output rows of these fused projections
+            return SpareRows.allocation(len(parts), spare, sum(m.out_features for m in parts)) if spare else 0
+
         for layer in self.hf_layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias, qkv_slices = fuse_linears(
-                [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)], ["q_proj", "k_proj", "v_proj"],
-                extra_rows=SpareRows.allocation(3, spare) if spare else 0,
-            )
-            gate_up, _, gate_up_slices = fuse_linears(
-                [base_layer(mlp.gate_proj), base_layer(mlp.up_proj)], ["gate_proj", "up_proj"],
-                extra_rows=SpareRows.allocation(2, spare) if spare else 0
-            )
-            o = extend_linear(base_layer(attn.o_proj), SpareRows.allocation(1, spare))[0] if spare \
-                else base_layer(attn.o_proj).weight
-            down = extend_linear(base_layer(mlp.down_proj), SpareRows.allocation(1, spare))[0] if spare \
-                else base_layer(mlp.down_proj).weight
+            qkv_parts = [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)]
+            gate_up_parts = [base_layer(mlp.gate_proj), base_layer(mlp.up_proj)]
+            o_proj, down_proj = base_layer(attn.o_proj), base_layer(mlp.down_proj)
+            qkv, qkv_bias, qkv_slices = fuse_linears(qkv_parts, ["q_proj", "k_proj", "v_proj"], extra_rows=extra(qkv_parts))
+            gate_up, _, gate_up_slices = fuse_linears(gate_up_parts, ["gate_proj", "up_proj"], extra_rows=extra(gate_up_parts))
+            o = extend_linear(o_proj, extra([o_proj]))[0] if spare else o_proj.weight
+            down = extend_linear(down_proj, extra([down_proj]))[0] if spare else down_proj.weight
             self.fused_slices = {"qkv": qkv_slices, "gate_up": gate_up_slices}
             q_norm = getattr(attn, "q_norm", None)
             k_norm = getattr(attn, "k_norm", None)
