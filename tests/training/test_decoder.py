@@ -167,3 +167,63 @@ def test_lora_on_some_projections_only():
     upstream = torch.randn(ref.shape[0], generator=torch.Generator().manual_seed(2))
     for g, g_ref in zip(lora_grads(trainer, lp, upstream), lora_grads(trainer, ref, upstream)):
         torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+
+
+def group_sequences(vocab: int) -> list[TokenizedSequence]:
+    """Two RL groups (3 and 2 samples of one prompt each, 24- and 18-token prompts), a multi-turn
+    sample whose later turn is context again, and a sequence of its own."""
+    g = torch.Generator().manual_seed(3)
+
+    def rand(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    out = []
+    for prompt_len, completions in ((24, (9, 14, 5)), (18, (11, 7))):
+        prompt = rand(prompt_len)
+        for i, n in enumerate(completions):
+            ids = prompt + rand(n)
+            mask = [False] * prompt_len + [True] * n
+            if i == 1:  # a tool result (context) and a second turn
+                ids += rand(6) + rand(4)
+                mask += [False] * 6 + [True] * 4
+            lp = [float("nan") if not m else -0.5 for m in mask]
+            out.append(TokenizedSequence(ids, mask, lp, temperatures=[1.0 if not m else 0.8 for m in mask],
+                                         advantage=0.5 - i, group_index=prompt_len, trajectory_index=i))
+    ids = rand(21)
+    out.append(TokenizedSequence(ids, [False] * 15 + [True] * 6, [float("nan")] * 15 + [-1.0] * 6, advantage=1.0))
+    return out
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_an_rl_groups_shared_prompt_is_computed_once_with_the_same_logprobs_and_gradients(checkpointing):
+    trainer = trainer_for(tiny_model("qwen2"))
+    seqs = group_sequences(trainer.model.config.vocab_size)
+    [shared] = pack_sequences(seqs, max_tokens=4096, share_prefixes=True, min_shared_tokens=8)
+    [whole] = pack_sequences(seqs, max_tokens=4096)
+    assert shared.shares_prefixes and not whole.shares_prefixes
+    assert shared.num_tokens == whole.num_tokens - 2 * 24 - 1 * 18  # each prompt held once
+    row = shared.row()
+    ref = reference_logprobs(trainer, shared.sequences)  # each sequence whole, in the row's sequence order
+    order = torch.argsort(row.seq_index, stable=True)  # the row's predictions, grouped by sequence
+    with trainer._forward_mode(checkpointing):
+        lp, _ = trainer._logprobs(shared, chunk_size=7)
+    torch.testing.assert_close(lp[order], ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(row.advantages[order], torch.cat([
+        torch.full((s.num_completion_tokens,), s.advantage) for s in shared.sequences]))
+    upstream = torch.randn(ref.shape[0], generator=torch.Generator().manual_seed(2))
+    ours_upstream = torch.empty_like(upstream)
+    ours_upstream[order] = upstream
+    for g, g_ref in zip(lora_grads(trainer, lp, ours_upstream), lora_grads(trainer, ref, upstream)):
+        torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+
+
+def test_a_shared_prompt_too_large_for_one_row_is_split_and_trained_tokens_are_never_shared():
+    seqs = group_sequences(211)
+    rows = pack_sequences(seqs, max_tokens=40, share_prefixes=True, min_shared_tokens=8)
+    assert sorted(id(s) for m in rows for s in m.sequences) == sorted(id(s) for s in seqs)  # each sequence once
+    for m in rows:
+        assert int(m.loss_mask.sum()) == sum(s.num_completion_tokens for s in m.sequences)
+        assert m.num_tokens <= 40 or len(m.sequences) == 1
+    early = TokenizedSequence(list(range(30)), [False] * 3 + [True] * 27, [float("nan")] * 3 + [-1.0] * 27)
+    [micro] = pack_sequences([early, early], max_tokens=4096, share_prefixes=True, min_shared_tokens=8)
+    assert not micro.shares_prefixes  # a 3-token prompt is not worth sharing

@@ -58,34 +58,47 @@ def packed_attention(
 
 
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
-                            max_seq_len: int | None, scale: float | None, *, window: int | None = None) -> torch.Tensor:
-    """Causal attention of each packed sequence with itself, differentiable.
+                            max_seq_len: int | None, scale: float | None, *, window: int | None = None,
+                            keys: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """Causal attention of each packed segment, differentiable.
 
     Args:
         q: [T, Hq, D]; k, v: [T, Hkv, D] (Hq a multiple of Hkv: grouped-query attention).
-        cu_seq_lens: [S + 1] int32 cumulative sequence lengths.
-        max_seq_len: the longest sequence (computed when None).
+        cu_seq_lens: [S + 1] int32 cumulative segment lengths (the queries).
+        max_seq_len: the longest segment (computed when None).
         scale: softmax scale (1/sqrt(D) when None).
         window: sliding attention window (Mistral, some Qwen2 layers): token i sees tokens j with
             i - window < j <= i, as transformers' sliding-window mask; None: the whole prefix.
+        keys: (key_index [K] int64, cu_keys [S + 1] int32, the most keys of a segment) when a
+            segment attends to more keys than its own tokens (a shared prompt's, then its own:
+            batching.py); its queries are the last tokens of its keys (bottom-right causal).
+            None: each segment attends to itself.
 
     Returns:
         [T, Hq, D].
     """
+    if keys is not None:  # the gradient of a shared prompt's keys sums over the segments that read them
+        key_index, cu_keys, max_keys = keys
+        k, v = k.index_select(0, key_index), v.index_select(0, key_index)
+    else:
+        cu_keys, max_keys = cu_seq_lens, None
     if q.is_cuda and varlen_attn is not None:
         max_len = int(max_seq_len or int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()))
-        left = window - 1 if window is not None and window < max_len else -1
-        return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_len, max_len, scale=scale, window_size=(left, 0))
-    bounds = cu_seq_lens.tolist()
+        max_keys = max_keys or max_len
+        left = window - 1 if window is not None and window < max_keys else -1
+        return varlen_attn(q, k, v, cu_seq_lens, cu_keys, max_len, max_keys, scale=scale, window_size=(left, 0))
+    bounds, key_bounds = cu_seq_lens.tolist(), cu_keys.tolist()
     parts = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        n, mask = end - start, None
-        if window is not None and window < n:
-            i = torch.arange(n, device=q.device)
-            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [n, n]
+    for start, end, key_start, key_end in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:]):
+        n, m, mask = end - start, key_end - key_start, None
+        if m != n or (window is not None and window < n):  # queries end-aligned with their keys
+            i = torch.arange(n, device=q.device)[:, None] + (m - n)
+            j = torch.arange(m, device=q.device)[None, :]
+            mask = (j <= i) & (j > i - window) if window is not None else j <= i  # [n, m]
         parts.append(F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None],
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+            q[start:end].transpose(0, 1)[None], k[key_start:key_end].transpose(0, 1)[None],
+            v[key_start:key_end].transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=True,
         )[0].transpose(0, 1))  # [len, Hq, D]
     return torch.cat(parts, dim=0)
 

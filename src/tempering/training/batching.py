@@ -13,11 +13,24 @@ so that a forward/backward captured once as a CUDA graph can be replayed for any
 (cuda_graphs.py): padding tokens form sequences of their own (no real token attends to them),
 padding predictions carry weight 0 and finite stand-in values, and neither changes the loss or
 the gradient.
+
+Shared prompts (`pack_sequences(share_prefixes=True)`): the trajectories of an RL group usually
+start with the same prompt (system prompt, tools, worked examples, the question), often most of
+their tokens. Sequences whose tokens before their first trained token are identical are packed
+as that prompt once, followed by each one's own remainder (a "suffix"). The prompt is a
+segment of its own; each suffix's queries attend to the prompt's keys and then to their own,
+causally (the key index list `key_index`, with `cu_keys`), with the positions they have in
+their own sequence, and the first token of each suffix is predicted from the prompt's last
+position. The gradient that flows into the prompt's keys and values is the sum over the
+suffixes, as it would be with each sequence computed whole; every trained token keeps its own
+advantage, weight and sampled logprob. The forward and backward then cost one prompt per group
+instead of one per trajectory.
 """
 
 from __future__ import annotations
 
 import array
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -65,9 +78,13 @@ class Row:
 
     Attributes:
         input_ids: [T] int64 token ids.
-        position_ids: [T] int64, restarting at 0 at each segment start.
-        cu_seq_lens: [S + 1] int32 cumulative segment lengths.
+        position_ids: [T] int64, each token's position in its own sequence.
+        cu_seq_lens: [S + 1] int32 cumulative segment lengths (the attention's queries).
         max_seq_len: the longest segment, tokens.
+        key_index: [K] int64 row index of each segment's attention keys, segment after segment,
+            when some segment attends to a shared prompt; None: each segment attends to itself.
+        cu_keys: [S + 1] int32 cumulative key counts (with key_index).
+        max_key_len: the most keys of a segment (with key_index; 0 otherwise).
         pred_positions: [N] int64, the position whose hidden state predicts each trained token.
         targets: [N] int64 trained token ids.
         sampled_logprobs: [N] float32 logprob of each target at sampling time (0 on padding).
@@ -94,6 +111,14 @@ class Row:
     valid: torch.Tensor
     num_seqs: int
     num_valid: int
+    key_index: torch.Tensor | None = None
+    cu_keys: torch.Tensor | None = None
+    max_key_len: int = 0
+
+    @property
+    def keys(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(key_index, cu_keys, max_key_len) when segments attend to shared prompts, else None."""
+        return (self.key_index, self.cu_keys, self.max_key_len) if self.key_index is not None else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if torch.is_tensor(getattr(self, f.name))}
@@ -113,46 +138,108 @@ class MicroBatch:
 
     Attributes (all [1, T]):
         input_ids: int64.
-        position_ids: int64, restarting at 0 at each sequence start.
+        position_ids: int64, each token's position in its own sequence.
         loss_mask: bool, True on tokens to train on (never the first token of a sequence).
         sampled_logprobs: float32 (nan outside loss_mask).
         advantages: float32, each sequence's advantage on all its tokens.
         temperature: float32, each token's logprob temperature.
         token_weight: float32, each trained token's weight in the loss (set by the trainer).
-        seq_index: int64, index of the token's sequence in `sequences` (-1 on nothing).
-        cu_seq_lens: [S + 1] int32 cumulative sequence lengths (0, len_0, len_0 + len_1, ...).
-        max_seq_len: the longest packed sequence.
+        seq_index: int64, index of the token's sequence in `sequences` (-1 on a shared prompt).
+        predictor: int64, the row position whose hidden state predicts the token (-1: none).
+        cu_seq_lens: [S + 1] int32 cumulative segment lengths (0, len_0, len_0 + len_1, ...).
+        max_seq_len: the longest segment.
+        key_index, cu_keys, max_key_len: see `Row` (None, None, 0 without shared prompts).
         sequences: the packed TokenizedSequences, in row order.
+
+    Args:
+        sequences: the row's sequences.
+        weights: per-sequence weight of each trained token.
+        groups: [(prefix, members)]: the members (indices into `sequences`) share their first
+            `prefix` tokens, which the row holds once (prefix 0: each member on its own). None:
+            every sequence on its own. Members of a group with a prefix must have no trained
+            token among those `prefix` tokens, and at least one token after them.
     """
 
-    def __init__(self, sequences: Sequence[TokenizedSequence], weights: Sequence[float] | None = None) -> None:
+    def __init__(self, sequences: Sequence[TokenizedSequence], weights: Sequence[float] | None = None,
+                 groups: Sequence[tuple[int, Sequence[int]]] | None = None) -> None:
         self.sequences = list(sequences)
-        lengths = [len(s) for s in self.sequences]
+        if groups is None:
+            groups = [(0, [i]) for i in range(len(self.sequences))]
+        w = list(weights) if weights is not None else [0.0] * len(self.sequences)
         # flat lists first, one tensor per field: per-sequence tensors cost a step milliseconds of host time
         ids: list[int] = []
         positions: list[int] = []
         mask: list[bool] = []
         sampled: list[float] = []
         temperature: list[float] = []
-        for s, n in zip(self.sequences, lengths):
-            ids += s.token_ids
-            positions += range(n)
-            mask += [False] + s.loss_mask[1:]  # a sequence's first token is never predicted from the previous one
-            sampled += s.sampled_logprobs
-            temperature += s.temperatures
-        counts = torch.tensor(lengths)
+        advantages: list[float] = []
+        token_weight: list[float] = []
+        seq_index: list[int] = []
+        predictor: list[int] = []
+        segments: list[int] = []  # query segment lengths
+        keys: list[tuple[int, int, int]] = []  # per segment: (its prompt's start, prompt length, its own start)
+        shared = False
+        for prefix, members in groups:
+            prompt_start = len(ids)
+            if prefix:
+                shared = True
+                first = self.sequences[members[0]]
+                assert all(self.sequences[m].token_ids[:prefix] == first.token_ids[:prefix] for m in members)
+                ids += first.token_ids[:prefix]
+                positions += range(prefix)
+                mask += [False] * prefix
+                sampled += [math.nan] * prefix
+                temperature += [1.0] * prefix
+                advantages += [0.0] * prefix
+                token_weight += [0.0] * prefix
+                seq_index += [-1] * prefix
+                predictor += [-1, *range(prompt_start, prompt_start + prefix - 1)]
+                segments.append(prefix)
+                keys.append((prompt_start, 0, prompt_start))
+            for m in members:
+                s = self.sequences[m]
+                assert not any(s.loss_mask[:prefix]) and len(s) > prefix, "a shared prompt must hold no trained token"
+                start, n = len(ids), len(s) - prefix
+                ids += s.token_ids[prefix:]
+                positions += range(prefix, len(s))
+                mask += ([False] if not prefix else []) + s.loss_mask[prefix + (not prefix):]
+                sampled += s.sampled_logprobs[prefix:]
+                temperature += s.temperatures[prefix:]
+                advantages += [s.advantage] * n
+                token_weight += [w[m]] * n
+                seq_index += [m] * n
+                # a sequence's first token is never predicted; a suffix's first token is, from the prompt's end
+                predictor += [prompt_start + prefix - 1 if prefix else -1, *range(start, start + n - 1)]
+                segments.append(n)
+                keys.append((prompt_start, prefix, start))
         self.input_ids = _tensor(ids, "q")[None]
         self.position_ids = _tensor(positions, "q")[None]
         self.loss_mask = _tensor(mask, "b").bool()[None]
         self.sampled_logprobs = _tensor(sampled, "f")[None]
-        self.advantages = torch.tensor([s.advantage for s in self.sequences], dtype=torch.float32).repeat_interleave(counts)[None]
+        self.advantages = _tensor(advantages, "f")[None]
         self.temperature = _tensor(temperature, "f")[None]
-        self.token_weight = (torch.tensor(list(weights), dtype=torch.float32) if weights is not None
-                             else torch.zeros(len(lengths))).repeat_interleave(counts)[None]
-        self.seq_index = torch.arange(len(lengths)).repeat_interleave(counts)[None]
-        self.num_tokens = sum(lengths)
-        self.cu_seq_lens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        self.max_seq_len = max(lengths)
+        self.token_weight = _tensor(token_weight, "f")[None]
+        self.seq_index = _tensor(seq_index, "q")[None]
+        self.predictor = _tensor(predictor, "q")[None]
+        self.num_tokens = len(ids)
+        self.cu_seq_lens = torch.tensor([0] + segments, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        self.max_seq_len = max(segments)
+        self.key_index = self.cu_keys = None
+        self.max_key_len = 0
+        if shared:  # each segment's keys: its prompt's (if any), then its own
+            index: list[int] = []
+            counts = []
+            for (prompt_start, prefix, start), n in zip(keys, segments):
+                index += [*range(prompt_start, prompt_start + prefix), *range(start, start + n)]
+                counts.append(prefix + n)
+            self.key_index = _tensor(index, "q")
+            self.cu_keys = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            self.max_key_len = max(counts)
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether some sequences of the row share a prompt (rows with shared prompts run eagerly)."""
+        return self.key_index is not None
 
     def row(self, shape: RowShape | None = None) -> Row:
         """The flat tensors of this row (on the CPU), padded to `shape` when given.
@@ -160,22 +247,24 @@ class MicroBatch:
         Raises:
             ValueError: if the row does not fit `shape`.
         """
-        pred_positions = self.loss_mask[0, 1:].nonzero()[:, 0]  # position t predicts token t + 1
-        targets = pred_positions + 1
-        n, T, S = len(pred_positions), self.num_tokens, len(self.sequences)
+        targets = self.loss_mask[0].nonzero()[:, 0]  # trained tokens (row positions)
+        n, T, S = len(targets), self.num_tokens, len(self.sequences)
 
         def at_targets(t: torch.Tensor) -> torch.Tensor:
             return t[0].index_select(0, targets)
 
         row = Row(
             input_ids=self.input_ids[0], position_ids=self.position_ids[0], cu_seq_lens=self.cu_seq_lens,
-            max_seq_len=self.max_seq_len, pred_positions=pred_positions, targets=at_targets(self.input_ids),
+            max_seq_len=self.max_seq_len, pred_positions=at_targets(self.predictor), targets=at_targets(self.input_ids),
             sampled_logprobs=at_targets(self.sampled_logprobs), advantages=at_targets(self.advantages),
             temperature=at_targets(self.temperature), weights=at_targets(self.token_weight),
             seq_index=at_targets(self.seq_index), valid=torch.ones(n, dtype=torch.bool), num_seqs=S, num_valid=n,
+            key_index=self.key_index, cu_keys=self.cu_keys, max_key_len=self.max_key_len,
         )
         if shape is None:
             return row
+        if self.shares_prefixes:
+            raise ValueError("a row with shared prompts is not padded to a fixed shape; run it eagerly")
         L = shape.max_seq_len
         padding = shape.num_tokens - T
         segments = [min(L, padding - i) for i in range(0, padding, L)]  # padding as segments of at most L
@@ -214,7 +303,8 @@ def _pad(t: torch.Tensor, size: int, value: float) -> torch.Tensor:
 
 
 def pack_sequences(
-    sequences: Sequence[TokenizedSequence], *, max_tokens: int, weights: Sequence[float] | None = None
+    sequences: Sequence[TokenizedSequence], *, max_tokens: int, weights: Sequence[float] | None = None,
+    share_prefixes: bool = False, min_shared_tokens: int = 16,
 ) -> list[MicroBatch]:
     """First-fit-decreasing packing into rows of at most `max_tokens` tokens.
 
@@ -222,21 +312,57 @@ def pack_sequences(
         sequences: the sequences to pack.
         max_tokens: token budget of one row (one forward/backward pass).
         weights: per-sequence weight of each trained token (same order as `sequences`).
+        share_prefixes: hold the prompt of sequences whose tokens before their first trained
+            token are identical (an RL group's) once per row (see the module docstring).
+        min_shared_tokens: shorter prompts are not shared.
     """
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]), reverse=True)
+    units = _prompt_groups(sequences, max_tokens, min_shared_tokens) if share_prefixes else \
+        [(0, [i], len(s)) for i, s in enumerate(sequences)]
+    order = sorted(range(len(units)), key=lambda u: units[u][2], reverse=True)
     rows: list[list[int]] = []
     room: list[int] = []
-    for i in order:
-        n = len(sequences[i])
+    for u in order:
+        n = units[u][2]
         for r, free in enumerate(room):
             if n <= free:
-                rows[r].append(i)
+                rows[r].append(u)
                 room[r] -= n
                 break
         else:
-            rows.append([i])
+            rows.append([u])
             room.append(max(max_tokens - n, 0))
-    return [
-        MicroBatch([sequences[i] for i in row], [weights[i] for i in row] if weights is not None else None)
-        for row in rows
-    ]
+    batches = []
+    for row in rows:
+        members = [m for u in row for m in units[u][1]]
+        local = {m: j for j, m in enumerate(members)}
+        groups = [(units[u][0], [local[m] for m in units[u][1]]) for u in row]
+        batches.append(MicroBatch([sequences[m] for m in members],
+                                  [weights[m] for m in members] if weights is not None else None, groups))
+    return batches
+
+
+def _prompt_groups(sequences: Sequence[TokenizedSequence], max_tokens: int, min_shared: int
+                   ) -> list[tuple[int, list[int], int]]:
+    """Packing units (prefix, members, tokens): sequences with the same prompt (the tokens before
+    their first trained token, at least `min_shared` of them) as groups that hold it once, split so
+    that a group fits `max_tokens`; every other sequence on its own."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    units = []
+    for i, s in enumerate(sequences):
+        first = s.loss_mask.index(True) if True in s.loss_mask else len(s)
+        if min_shared <= first < len(s):
+            by_prompt.setdefault(tuple(s.token_ids[:first]), []).append(i)
+        else:
+            units.append((0, [i], len(s)))
+    for prompt, members in by_prompt.items():
+        p = len(prompt)
+        chunk, size = [], p
+        for m in members:
+            n = len(sequences[m]) - p
+            if chunk and size + n > max_tokens:
+                units.append((p, chunk, size) if len(chunk) > 1 else (0, chunk, len(sequences[chunk[0]])))
+                chunk, size = [], p
+            chunk.append(m)
+            size += n
+        units.append((p, chunk, size) if len(chunk) > 1 else (0, chunk, len(sequences[chunk[0]])))
+    return units

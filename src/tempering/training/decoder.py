@@ -254,14 +254,16 @@ class PackedDecoder:
     # ---- forward ------------------------------------------------------------------------------
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor,
-                 max_seq_len: int, *, lora: bool = True, checkpointing: bool = False) -> torch.Tensor:
+                 max_seq_len: int, *, keys: tuple[torch.Tensor, torch.Tensor, int] | None = None, lora: bool = True,
+                 checkpointing: bool = False) -> torch.Tensor:
         """Hidden states after the final norm.
 
         Args:
             input_ids: [T] int64 token ids of the packed row.
-            position_ids: [T] int64, restarting at 0 at each sequence start.
-            cu_seq_lens: [S + 1] int32 cumulative sequence lengths.
-            max_seq_len: the longest sequence.
+            position_ids: [T] int64, each token's position in its own sequence.
+            cu_seq_lens: [S + 1] int32 cumulative segment lengths.
+            max_seq_len: the longest segment.
+            keys: the attention keys of segments that read a shared prompt (`Row.keys`), or None.
             lora: False runs the base model (the adapter switched off, as for a KL reference).
             checkpointing: recompute each layer in the backward pass instead of keeping its activations.
 
@@ -278,15 +280,15 @@ class PackedDecoder:
             adapters = {name: g.delta_inputs(x.dtype, layer.out_features[name]) for name, g in layer.lora.items()} if lora else {}
             if recompute:
                 # the RNG state matters only to dropout (and reading it is not allowed in a CUDA graph capture)
-                x = checkpoint(_Recomputable(self._layer), layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters,
+                x = checkpoint(_Recomputable(self._layer), layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys,
                                use_reentrant=False, preserve_rng_state=self.has_dropout)
             else:
-                x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters)
+                x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys)
         return self.ops.rms_norm(x, self.final_norm, self.eps)
 
     def _layer(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seq_lens: torch.Tensor,
-               max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], *,
-               recomputing: bool = False) -> torch.Tensor:
+               max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               keys: tuple[torch.Tensor, torch.Tensor, int] | None = None, *, recomputing: bool = False) -> torch.Tensor:
         T = x.shape[0]
         ops = self.ops
         h = ops.rms_norm(x, layer.input_norm, self.eps)
@@ -300,7 +302,7 @@ class PackedDecoder:
             k = ops.rms_norm(k, layer.k_norm, self.eps)
         q = ops.rotary(q, cos, sin)
         k = ops.rotary(k, cos, sin)
-        o = varlen_causal_attention(q, k, v, cu_seq_lens, max_seq_len, self.scale, window=layer.window)
+        o = varlen_causal_attention(q, k, v, cu_seq_lens, max_seq_len, self.scale, window=layer.window, keys=keys)
         o = o.reshape(T, self.q_size)
         x = x + self._linear(o, layer.o, layer.o_bias, layer, "o", adapters)
         h = ops.rms_norm(x, layer.post_norm, self.eps)

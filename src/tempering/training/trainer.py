@@ -158,6 +158,11 @@ class Trainer:
     every in-place write to the adapter (the service's WeightsGate); by default nothing is shared.
     `dp` (keyword): train data-parallel with the other ranks of this DataParallel group; every
     rank must then make the same calls (`step`, `sft_step`) with the same arguments.
+
+    Attributes:
+        share_prompts: pack sequences with the same prompt (an RL group's) so that each row holds
+            that prompt once (`pack_sequences(share_prefixes=True)`); on by default where tempering's
+            own forward runs on CPU.
     """
 
     def __init__(self, peft_model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None,
@@ -178,6 +183,11 @@ class Trainer:
         self.rng = random.Random(seed)
         # our own forward for the Llama family; None: run the transformers model (other architectures)
         self.decoder = PackedDecoder.maybe(peft_model, ADAPTER_NAME)
+        # rows hold an RL group's shared prompt once (batching.py), with our own forward (transformers'
+        # takes whole sequences) and on CPU. Not yet on CUDA: such rows would leave the CUDA graphs for
+        # the eager path, and neither that trade nor PyTorch's varlen attention with more keys than
+        # queries in the backward has been measured there.
+        self.share_prompts = self.decoder is not None and self.params[0].device.type == "cpu"
         self._checkpointing = False
         self.rows = RowGraphs(self.params, self.params[0].device)
         self._snapshot_buffers: list[torch.Tensor] | None = None  # reused by every step's snapshot
@@ -434,7 +444,8 @@ class Trainer:
             sequences, weights = [sequences[i] for i in mine], [weights[i] for i in mine]
         try:
             if failure is None:
-                for micro in pack_sequences(sequences, max_tokens=max_tokens, weights=weights):
+                for micro in pack_sequences(sequences, max_tokens=max_tokens, weights=weights,
+                                            share_prefixes=self.share_prompts):
                     if not micro.loss_mask[0, 1:].any():
                         continue  # nothing trained in this row
                     stats = _combine(stats, self.rows.run(micro, objective, key, capture=capture), max_index)
@@ -571,8 +582,8 @@ class Trainer:
     def _row_hidden(self, row: Row, lora: bool) -> torch.Tensor:
         """Final hidden states [T, H] of a row (`lora=False`: the base model's)."""
         if self.decoder is not None:
-            return self.decoder(row.input_ids, row.position_ids, row.cu_seq_lens, row.max_seq_len, lora=lora,
-                                checkpointing=self._checkpointing)
+            return self.decoder(row.input_ids, row.position_ids, row.cu_seq_lens, row.max_seq_len, keys=row.keys,
+                                lora=lora, checkpointing=self._checkpointing)
         with contextlib.nullcontext() if lora else self.peft_model.disable_adapter():
             return self.model.get_decoder()(
                 input_ids=row.input_ids[None],
