@@ -5,7 +5,7 @@ question): `--groups` groups × `--group-size` trajectories, each a `--prompt`-t
 common to its group followed by `--completion` sampled tokens (random ids; the trained tokens
 and advantages as an RL step has them). `Trainer.step` runs on the same sequences with
 `trainer.share_prompts` on and off, alternating (on, off, off, on, ...: `--rounds` of each),
-after one warm-up step of each, at learning rate 0 so that every step sees the same adapter and
+after one warm-up step of each, at learning rate 1e-12 so that every step sees the same adapter and
 the two modes' losses must agree. Reported: seconds per step, trajectory tokens per second (all
 tokens of all sequences, shared or not), the ratio, and the loss of each mode.
 
@@ -62,7 +62,7 @@ def main() -> None:
             if "lora_B" in name:
                 p.normal_(0, 0.01)
     sequences = make_sequences(args, model.config.vocab_size)
-    config = TrainConfig(learning_rate=0.0)
+    config = TrainConfig(learning_rate=1e-12)  # > 0 is required; the adapter stays as it is
     tokens = sum(len(s) for s in sequences)
     seconds: dict[bool, list[float]] = {True: [], False: []}
     losses: dict[bool, list[float]] = {True: [], False: []}
