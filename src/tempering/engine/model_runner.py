@@ -7,7 +7,9 @@ of its prompt), samples, and starts copying the sampled ids and logprobs to the 
 waits: on a GPU the engine schedules and prepares the next step while this one runs (one step of
 lookahead, as vLLM's asynchronous scheduler and SGLang's overlap scheduler do). A decode row
 whose previous token is still on its way reads it straight from the previous step's sampled ids
-on the device. `collect()` waits for a launched step and returns its tokens: the step's one
+on the device (`last_tokens`, which every step's sampling writes). A decode-only step whose rows
+all sample with the fused sampler runs its logits and sampling inside its CUDA graph too
+(cuda_graphs.py). `collect()` waits for a launched step and returns its tokens: the step's one
 device→host synchronization.
 
 Structured outputs: when a sampling row follows a grammar, `launch()` stops after the logits and
@@ -205,8 +207,9 @@ class ModelRunner:
         sampled token, so it may run before `previous` is sampled.
 
         `previous` is the step launched before this one, not yet collected: decode rows whose
-        newest token it samples read that token from its device tensor at `launch`. Its sampling
-        may still be deferred (structured outputs): `prepare` needs only its rows.
+        newest token it samples read that token on the device at `launch` (from `last_tokens`,
+        which its sampling writes). Its sampling may still be deferred (structured outputs):
+        `prepare` needs only its rows.
         """
         ints, floats = _Pack(), _Pack()  # every host array of the step goes over in two transfers
         input_ids, positions, slots, sources = [], [], [], []
