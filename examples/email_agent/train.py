@@ -1,6 +1,6 @@
 """Train SmolLM2-135M-Instruct to answer questions about a synthetic inbox with search tools (CPU is enough).
 
-    python examples/email_agent/train.py [--steps 9] [--reward exact|ruler] [--seed 0]
+    python examples/email_agent/train.py [--steps 24] [--reward exact|ruler] [--seed 0]
 
 Prints the answer accuracy on held-out questions before training, every few steps and after.
 """
@@ -56,7 +56,7 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--groups-per-step", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=5e-4)
