@@ -98,12 +98,7 @@ class WorkerLink:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask the worker to exit and wait up to `timeout_s` for it; then kill it (if started here)."""
-        with self._lock:
-            self._closing = True
-            try:
-                self._conn.send(("shutdown",))
-            except (OSError, ValueError):
-                pass
+        self.request_shutdown()
         if self.process is not None:
             try:
                 self.process.wait(timeout_s)
@@ -113,6 +108,15 @@ class WorkerLink:
                 self.process.wait()
         self._reader.join(timeout_s)
         self._conn.close()
+
+    def request_shutdown(self) -> None:
+        """Ask the worker to exit, without waiting (`close` waits)."""
+        with self._lock:
+            self._closing = True
+            try:
+                self._conn.send(("shutdown",))
+            except (OSError, ValueError):
+                pass
 
     def _read(self) -> None:
         while True:

@@ -141,13 +141,18 @@ class Driver:
                 return
             self._closed = True
         for link in self.links:
-            link.close(timeout_s)
-        self._listener.close()
+            link.request_shutdown()
+        # leave the group before waiting for the workers, which leave it on their way out: with
+        # NCCL a rank's destroy_process_group may wait for the others' (a two-H200 run had its
+        # worker killed after this wait, when rank 0 left only after the workers had exited)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception as exc:
                 log.warning("leaving the process group failed: %r", exc)
+        for link in self.links:
+            link.close(timeout_s)
+        self._listener.close()
 
     # ---- construction -------------------------------------------------------------------
 
