@@ -57,14 +57,14 @@ async def run(base_model: Path, root: Path, group_size: int, num_groups: int) ->
 
     async def probe_logprobs(name):
         c = await client.chat.completions.create(model=name, messages=probe, max_tokens=8, temperature=0)
-        return [x.logprob for x in c.choices[0].logprobs.content]
+        return list(c.choices[0].sampled_logprobs)
 
     async def rollout(i):
         traj = art.Trajectory(messages_and_choices=[{"role": "user", "content": f"Question {i}: what comes next?"}])
         c = await client.chat.completions.create(model=model.name, messages=traj.messages(), max_tokens=32, temperature=1.0)
         choice = c.choices[0]
         traj.messages_and_choices.append(choice)
-        lps = [x.logprob for x in choice.logprobs.content]
+        lps = choice.sampled_logprobs
         traj.reward = math.exp(sum(lps) / len(lps))  # varies between samples
         return traj
 

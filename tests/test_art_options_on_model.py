@@ -46,7 +46,7 @@ async def rollout(model, prompt: str, reward: float | None) -> art.Trajectory:
     completion = await model.openai_client().chat.completions.create(
         model=model.name, messages=messages, max_tokens=6, temperature=1.0)
     choice = completion.choices[0]
-    lps = [c.logprob for c in choice.logprobs.content]
+    lps = list(choice.sampled_logprobs)
     return art.Trajectory(messages_and_choices=[*messages, choice],
                           reward=reward if reward is not None else sum(lps) / len(lps))
 
@@ -54,7 +54,7 @@ async def rollout(model, prompt: str, reward: float | None) -> art.Trajectory:
 async def probe(model):
     completion = await model.openai_client().chat.completions.create(
         model=model.name, messages=PROBE, max_tokens=5, temperature=0)
-    return [c.logprob for c in completion.choices[0].logprobs.content]
+    return list(completion.choices[0].sampled_logprobs)
 
 
 def test_engine_init_and_peft_args_reach_the_served_model(registered):

@@ -26,7 +26,7 @@ async def rollout(model: art.TrainableModel, prompt: str) -> art.Trajectory:
     choice = completion.choices[0]
     traj.messages_and_choices.append(choice)
     # a continuous reward in (0, 1] that differs between samples, so every group has spread
-    logprobs = [c.logprob for c in choice.logprobs.content]
+    logprobs = list(choice.sampled_logprobs)
     traj.reward = math.exp(sum(logprobs) / len(logprobs))
     return traj
 
@@ -40,7 +40,7 @@ async def probe_logprobs(model, name=None):
     completion = await model.openai_client().chat.completions.create(
         model=name or model.name, messages=PROBE, max_tokens=6, temperature=0)
     choice = completion.choices[0]
-    return choice.token_ids, [c.logprob for c in choice.logprobs.content]
+    return choice.token_ids, list(choice.sampled_logprobs)
 
 
 def assert_same_policy(probe, expected, tol=1e-4):

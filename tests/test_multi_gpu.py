@@ -67,7 +67,7 @@ async def groups_from_rollouts(model: art.TrainableModel) -> list[art.Trajectory
                                                           temperature=1.0)
         trajectories = []
         for choice in completion.choices:
-            logprobs = [c.logprob for c in choice.logprobs.content]
+            logprobs = list(choice.sampled_logprobs)
             trajectories.append(art.Trajectory(messages_and_choices=[*messages, choice],
                                                reward=math.exp(sum(logprobs) / len(logprobs))))
         return art.TrajectoryGroup(trajectories)

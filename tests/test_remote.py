@@ -79,7 +79,7 @@ async def rollout(model: art.TrainableModel, prompt: str) -> art.Trajectory:
         model=model.name, messages=traj.messages(), max_tokens=8, temperature=1.0)
     choice = completion.choices[0]
     traj.messages_and_choices.append(choice)
-    logprobs = [c.logprob for c in choice.logprobs.content]
+    logprobs = list(choice.sampled_logprobs)
     traj.reward = math.exp(sum(logprobs) / len(logprobs))  # differs between samples: every group has spread
     return traj
 

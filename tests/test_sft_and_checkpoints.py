@@ -53,7 +53,7 @@ def test_sft_lowers_the_loss_serves_the_adapter_and_rl_continues_on_it(tmp_path,
                 c = await model.openai_client().chat.completions.create(model=model.name, messages=t.messages(),
                                                                         max_tokens=6, temperature=1.0)
                 t.messages_and_choices.append(c.choices[0])
-                lps = [x.logprob for x in c.choices[0].logprobs.content]
+                lps = c.choices[0].sampled_logprobs
                 t.reward = math.exp(sum(lps) / len(lps))
                 return t
             groups = await art.gather_trajectory_groups([art.TrajectoryGroup(rollout() for _ in range(4))], pbar_desc=None)
@@ -96,7 +96,7 @@ def test_checkpoints_are_listed_with_metrics_and_forked_into_a_new_model(tmp_pat
             a = await parent.openai_client().chat.completions.create(model="parent", messages=messages, max_tokens=6, temperature=0)
             b = await child.openai_client().chat.completions.create(model="child", messages=messages, max_tokens=6, temperature=0)
             assert a.choices[0].token_ids == b.choices[0].token_ids
-            assert max(abs(x.logprob - y.logprob) for x, y in zip(a.choices[0].logprobs.content, b.choices[0].logprobs.content)) < 1e-4
+            assert max(abs(x - y) for x, y in zip(a.choices[0].sampled_logprobs, b.choices[0].sampled_logprobs)) < 1e-4
             with pytest.raises(art.ConfigError, match="registered"):
                 await backend.fork_checkpoint(child, from_project="tests", from_model="parent")
 

@@ -4,7 +4,7 @@ These are the user-facing pydantic models of ART's API (`Trajectory`, `Trajector
 `TrainConfig`, ...). A trajectory's `messages_and_choices` mixes plain chat messages (dicts in the
 OpenAI format) with `openai` `Choice` objects returned by the server; a `Choice` sampled by
 tempering also carries the exact token ids (`choice.token_ids`, `choice.prompt_token_ids`) and the
-sampled logprobs (`choice.logprobs.content[i].logprob`), which is what training uses.
+sampled logprobs (`choice.sampled_logprobs`), which is what training uses.
 """
 
 from __future__ import annotations

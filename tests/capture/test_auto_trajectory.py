@@ -58,7 +58,7 @@ def test_a_multi_turn_rollout_is_captured_in_order_and_trains_on_exactly_the_sam
     [seq] = tokenize_trajectory(traj, service.renderer, max_seq_len=service.max_seq_len)  # turns merged into one sequence
     assert [t for t, m in zip(seq.token_ids, seq.loss_mask) if m] == first.token_ids + second.token_ids
     assert [lp for lp, m in zip(seq.sampled_logprobs, seq.loss_mask) if m] == [
-        x.logprob for c in (first, second) for x in c.logprobs.content]
+        lp for c in (first, second) for lp in c.sampled_logprobs]
 
 
 def test_a_streamed_completion_is_captured_with_the_tokens_and_logprobs_of_the_same_request_unstreamed(served):
@@ -76,7 +76,8 @@ def test_a_streamed_completion_is_captured_with_the_tokens_and_logprobs_of_the_s
     full = run(served, client.chat.completions.create(**kwargs)).choices[0]
     [captured] = choices_of(traj)
     assert captured.token_ids == full.token_ids and captured.prompt_token_ids == full.prompt_token_ids
-    assert [x.logprob for x in captured.logprobs.content] == [x.logprob for x in full.logprobs.content]
+    assert captured.sampled_logprobs == full.sampled_logprobs
+    assert captured.logprobs is None  # not asked for: OpenAI's per-token objects are not sent
     assert captured.message.content == full.message.content and captured.finish_reason == full.finish_reason
     assert captured.policy_versions == full.policy_versions and captured.logprob_temperature == full.logprob_temperature
 

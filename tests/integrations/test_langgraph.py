@@ -105,7 +105,7 @@ def test_a_react_agent_with_two_tools_is_captured_call_by_call_and_trains_one_st
         assert items[3]["content"] == "Paris" and items[5]["content"] == "rainy"
         assert [t["function"]["name"] for t in traj.tools] == ["capital_of", "weather_in"] and not traj.additional_histories
         for c in choices:
-            assert len(c.token_ids) == len(c.logprobs.content) > 0
+            assert len(c.token_ids) == len(c.sampled_logprobs) > 0 and c.logprobs is None
         [seq] = tokenize_trajectory(traj, service.renderer, max_seq_len=service.max_seq_len)  # the three calls are one sequence
         assert [t for t, m in zip(seq.token_ids, seq.loss_mask) if m] == [t for c in choices for t in c.token_ids]
     assert len({t.reward for t in groups[0]}) == 2  # the rewards differ: the group trains

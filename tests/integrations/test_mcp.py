@@ -243,7 +243,7 @@ def test_a_call_the_server_rejects_is_answered_with_an_error_or_fails_the_rollou
 async def probe(model):
     completion = await model.openai_client().chat.completions.create(model=model.name, messages=PROBE, max_tokens=4,
                                                                      temperature=0)
-    return [c.logprob for c in completion.choices[0].logprobs.content]
+    return list(completion.choices[0].sampled_logprobs)
 
 
 def test_mcp_rl_trains_one_step_on_rollouts_through_the_server_scored_by_ruler(loop, model):

@@ -36,7 +36,8 @@ def test_chat_completion_returns_text_token_ids_and_logprobs(served):
     choice = completion.choices[0]
     assert choice.message.content.strip()
     assert choice.finish_reason in ("stop", "length")
-    assert len(choice.token_ids) == len(choice.logprobs.content) > 0
+    assert len(choice.token_ids) == len(choice.sampled_logprobs) > 0
+    assert choice.logprobs is None  # OpenAI's per-token objects only when asked for (next test)
     assert choice.prompt_token_ids[:1] == [1]  # <|im_start|>
     assert completion.usage.completion_tokens == len(choice.token_ids)
 
@@ -51,6 +52,7 @@ def test_greedy_output_equals_transformers_and_logprobs_match_a_forward_pass(ser
         logits = reference(torch.tensor([prompt + sampled])).logits[0, len(prompt) - 1 : -1]
     forward = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(sampled)[:, None]).squeeze(1)
     served_lp = torch.tensor([c.logprob for c in choice.logprobs.content])
+    assert [c.logprob for c in choice.logprobs.content] == choice.sampled_logprobs
     max_abs_diff = (forward - served_lp).abs().max().item()
     print(f"max |logprob(server) - logprob(forward)| = {max_abs_diff:.2e} over {len(sampled)} tokens")
     assert max_abs_diff < 1e-3

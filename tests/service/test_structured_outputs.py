@@ -87,7 +87,7 @@ def test_eight_samples_at_temperature_one_all_parse_and_validate_and_logprobs_ar
     for choice in completion.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), PERSON)
-        assert len(choice.grammar_forced) == len(choice.token_ids) == len(choice.logprobs.content)
+        assert len(choice.grammar_forced) == len(choice.token_ids) == len(choice.sampled_logprobs)
         assert any(choice.grammar_forced) and not all(choice.grammar_forced)
     # the logprob of each sampled token is the model's own, before the mask: what the trainer recomputes
     reference, _ = hf_model
@@ -96,7 +96,7 @@ def test_eight_samples_at_temperature_one_all_parse_and_validate_and_logprobs_ar
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + sampled])).logits[0, len(prompt) - 1: -1]
     unmasked = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(sampled)[:, None]).squeeze(1)
-    served_lp = torch.tensor([c.logprob for c in choice.logprobs.content])
+    served_lp = torch.tensor(choice.sampled_logprobs)
     assert (unmasked - served_lp).abs().max().item() < 1e-3
     assert any(lp < -1e-3 for lp, f in zip(served_lp.tolist(), choice.grammar_forced) if f)  # forced, yet not probability 1
 

@@ -65,7 +65,7 @@ def test_a_three_turn_tool_conversation_trains_on_exactly_the_sampled_tokens(ser
     [seq] = tokenize_trajectory(traj, service.renderer, max_seq_len=service.max_seq_len)  # one sequence: turns merged
     trained = [t for t, m in zip(seq.token_ids, seq.loss_mask) if m]
     assert trained == [t for c in choices for t in c.token_ids]  # exactly the sampled ids, nothing else
-    assert [lp for lp, m in zip(seq.sampled_logprobs, seq.loss_mask) if m] == [x.logprob for c in choices for x in c.logprobs.content]
+    assert [lp for lp, m in zip(seq.sampled_logprobs, seq.loss_mask) if m] == [lp for c in choices for lp in c.sampled_logprobs]
     for earlier, later in zip(choices, choices[1:]):  # each prompt extends the exact ids of the turn before
         head = earlier.prompt_token_ids + earlier.token_ids
         assert later.prompt_token_ids[: len(head)] == head
@@ -109,11 +109,14 @@ def test_bad_tool_requests_are_400(served):
 async def _stream(client, **kwargs):
     stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
     content, ids, calls, finish, usage = {}, {}, {}, {}, None
+    _stream.logprobs, _stream.entries = {}, {}
     async for chunk in stream:
         usage = chunk.usage or usage
         for c in chunk.choices:
             content[c.index] = content.get(c.index, "") + (c.delta.content or "")
             ids[c.index] = ids.get(c.index, []) + (getattr(c, "token_ids", None) or [])
+            _stream.logprobs[c.index] = _stream.logprobs.get(c.index, []) + (getattr(c, "sampled_logprobs", None) or [])
+            _stream.entries[c.index] = _stream.entries.get(c.index, []) + [x.logprob for x in (c.logprobs.content if c.logprobs else [])]
             for call in c.delta.tool_calls or []:
                 calls.setdefault(c.index, []).append((call.function.name, call.function.arguments))
             if c.finish_reason:
@@ -134,8 +137,12 @@ def test_streaming_matches_non_streaming_for_the_same_seed(served):
     for i, choice in enumerate(full.choices):
         assert content[i] == (choice.message.content or "")
         assert ids[i] == choice.token_ids
+        assert _stream.logprobs[i] == choice.sampled_logprobs
+        assert _stream.entries[i] == []  # OpenAI's logprobs objects only when asked for
         assert finish[i] == choice.finish_reason
     assert usage.completion_tokens == sum(len(c.token_ids) for c in full.choices)
+    _, ids, *_ = run(served, _stream(client, **kwargs, logprobs=True))
+    assert all(_stream.entries[i] == _stream.logprobs[i] and len(ids[i]) == len(_stream.logprobs[i]) for i in ids)
 
 
 def test_streamed_tool_calls_match_non_streaming(served):

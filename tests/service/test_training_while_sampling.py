@@ -25,7 +25,7 @@ async def rollout(model, prompt):
     completion = await model.openai_client().chat.completions.create(
         model=model.name, messages=traj.messages(), max_tokens=8, temperature=1.0)
     traj.messages_and_choices.append(completion.choices[0])
-    lps = [c.logprob for c in completion.choices[0].logprobs.content]
+    lps = list(completion.choices[0].sampled_logprobs)
     traj.reward = math.exp(sum(lps) / len(lps))  # differs between samples: every group has spread
     return traj
 

@@ -92,7 +92,7 @@ def test_trajectory_without_a_sampled_choice_is_an_error():
 def test_choice_without_logprobs_is_an_error():
     c = Choice.model_validate({"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "b"}})
     t = Trajectory(messages_and_choices=[{"role": "user", "content": "a"}, c])
-    with pytest.raises(TrajectoryError, match="no logprobs"):
+    with pytest.raises(TrajectoryError, match="no sampled logprobs"):
         tokenize_trajectory(t, FakeRenderer(), max_seq_len=100)
 
 

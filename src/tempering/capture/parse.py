@@ -1,10 +1,10 @@
 """A chat completion's response body (JSON, or server-sent events) → its first `Choice`.
 
 The choice keeps every field the server sent besides OpenAI's: a tempering server's
-`token_ids`, `prompt_token_ids`, `logprob_temperature`, `policy_versions` and `grammar_forced`,
-which training reads. A streamed completion is rebuilt from its chunks: content and tool-call
-deltas are concatenated, per-token `logprobs.content` entries and `token_ids` are appended in
-order, and the other fields (sent once, in the first or the last chunk) are kept as sent.
+`token_ids`, `sampled_logprobs`, `prompt_token_ids`, `logprob_temperature`, `policy_versions` and
+`grammar_forced`, which training reads. A streamed completion is rebuilt from its chunks: content
+and tool-call deltas are concatenated, per-token `logprobs.content` entries, `token_ids` and
+`sampled_logprobs` are appended in order, and the other fields (sent once, in the first or the last chunk) are kept as sent.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..types import Choice
 
 __all__ = ["parse_chat_completion"]
 
-_MERGED = {"index", "delta", "logprobs", "finish_reason", "token_ids"}
+_MERGED = {"index", "delta", "logprobs", "finish_reason", "token_ids", "sampled_logprobs"}
 
 
 def parse_chat_completion(body: bytes, *, is_stream: bool) -> tuple[Choice, dict[str, Any] | None] | None:
@@ -58,6 +58,7 @@ def _from_events(events: list[dict[str, Any]]) -> tuple[Choice, dict[str, Any] |
     calls: dict[int, dict[str, Any]] = {}
     logprobs: list[dict[str, Any]] = []
     token_ids: list[int] = []
+    sampled_logprobs: list[float] = []
     extra: dict[str, Any] = {}
     finish_reason = None
     usage = None
@@ -84,6 +85,7 @@ def _from_events(events: list[dict[str, Any]]) -> tuple[Choice, dict[str, Any] |
             if c.get("token_ids") is not None:
                 saw_token_ids = True
                 token_ids += c["token_ids"]
+            sampled_logprobs += c.get("sampled_logprobs") or []
             finish_reason = c.get("finish_reason") or finish_reason
             extra.update({k: v for k, v in c.items() if k not in _MERGED and v is not None})
     if finish_reason is None:  # the stream did not finish (or held no first choice)
@@ -95,4 +97,6 @@ def _from_events(events: list[dict[str, Any]]) -> tuple[Choice, dict[str, Any] |
                               "logprobs": {"content": logprobs} if logprobs else None}
     if saw_token_ids:
         choice["token_ids"] = token_ids
+    if sampled_logprobs:
+        choice["sampled_logprobs"] = sampled_logprobs
     return Choice.model_validate(choice), usage

@@ -5,7 +5,8 @@ back while it ends in a partial UTF-8 character, in what could be the start of a
 or, when tools are on, from the first `<tool_call>` on (a call is sent as a whole `tool_calls`
 delta when the sample ends, or as plain text if it does not parse). The deltas of a choice
 concatenate to exactly the content of the same request without streaming, and every chunk
-carries its new `token_ids` and their logprobs; the last chunk of a choice carries the
+carries its new `token_ids` and their `sampled_logprobs` (and OpenAI's `logprobs` entries when the
+request asked for them); the last chunk of a choice carries the
 `policy_versions` of all its tokens.
 """
 
@@ -90,7 +91,7 @@ async def sse_chat_stream(
     prompt_ids: list[int],
     n: int,
     states: list[StreamState],
-    token_entry: Callable[[int, float, list], dict[str, Any]],
+    token_entry: Callable[[int, float, list], dict[str, Any]] | None,
     finish: Callable[[int, Completion], dict[str, Any]],
     include_usage: bool,
 ) -> AsyncIterator[str]:
@@ -99,7 +100,8 @@ async def sse_chat_stream(
     Args:
         submit: `submit(on_token)` queues the request and returns its concurrent Future.
         states: one StreamState per choice.
-        token_entry: (token id, logprob, top logprobs) → a logprobs `content` entry.
+        token_entry: (token id, logprob, top logprobs) → a logprobs `content` entry; None when
+            the request did not ask for logprobs (`logprobs` is then null in every chunk).
         finish: (choice index, Completion) → the choice's final message dict (content and tool
             calls, as without streaming) and finish reason: {"message": ..., "finish_reason": ...},
             with "grammar_forced" for a constrained choice (sent in its last chunk).
@@ -128,7 +130,8 @@ async def sse_chat_stream(
         text = states[i].push(token_id)
         yield event([{
             "index": i, "delta": {"content": text} if text else {}, "finish_reason": None,
-            "logprobs": {"content": [token_entry(token_id, logprob, top)]}, "token_ids": [token_id],
+            "logprobs": {"content": [token_entry(token_id, logprob, top)]} if token_entry is not None else None,
+            "token_ids": [token_id], "sampled_logprobs": [logprob],
         }])
     try:
         completions = future.result()

@@ -4,8 +4,11 @@ Besides the OpenAI fields, every choice carries what training needs:
 - `token_ids`: the sampled ids, including the final stop token (e.g. `<|im_end|>`) when the
   sample ended on one;
 - `prompt_token_ids`: the exact prompt ids the sample was generated from;
-- `logprobs`: always returned (as if `logprobs=true`): `content[i].logprob` is the logprob of
-  `token_ids[i]`;
+- `sampled_logprobs`: always returned, one float per sampled token: the logprob of `token_ids[i]`.
+  OpenAI's `logprobs` object (one entry per token with its text, bytes and top alternatives) is
+  returned only when the request asks for it (`logprobs=true`), as OpenAI and vLLM do: for a
+  1024-token choice it is ~90 KB more to serialize and ~6 ms more for the openai client to
+  parse, work that ran on the engine's process while the GPU waited (benchmarks/rl_loop.py);
 - `logprob_temperature`: the temperature those logprobs were computed at, `log_softmax(logits / T)`,
   before top-k/top-p truncation (T = 1 for greedy requests);
 - `policy_versions`: per sampled token, the policy version (training step) of the weights that
@@ -102,7 +105,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             events = sse_chat_stream(
                 submit=lambda on_token: service.submit(prompt_ids, params, n=body.n, step=step, on_token=on_token),
                 model=body.model, prompt_ids=prompt_ids, n=body.n, states=states,
-                token_entry=lambda t, lp, top: _logprob_entry(decode, t, lp, top, num_top),
+                token_entry=(lambda t, lp, top: _logprob_entry(decode, t, lp, top, num_top)) if body.logprobs else None,
                 finish=lambda i, c: finish(c), include_usage=bool((body.stream_options or {}).get("include_usage")),
             )
             return StreamingResponse(events, media_type="text/event-stream")
@@ -112,8 +115,10 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         for i, c in enumerate(completions):
             choice = {"index": i, **finish(c)}
             choice.update({
-                "logprobs": {"content": [_chat_logprob(decode, c, t, num_top) for t in range(len(c.token_ids))]},
+                "logprobs": {"content": [_chat_logprob(decode, c, t, num_top) for t in range(len(c.token_ids))]}
+                if body.logprobs else None,
                 "token_ids": c.token_ids,
+                "sampled_logprobs": c.logprobs,
                 "prompt_token_ids": prompt_ids,
                 "logprob_temperature": c.logprob_temperature,
                 "policy_versions": c.policy_versions,
@@ -141,22 +146,13 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         decode = _token_decoder(service.tokenizer)
         choices = []
         for i, c in enumerate(results):
-            tokens = [decode(t) for t in c.token_ids]
-            offsets, pos = [], 0
-            for tok in tokens:
-                offsets.append(pos)
-                pos += len(tok)
             choices.append({
                 "index": i,
                 "text": c.text,
                 "finish_reason": c.finish_reason,
-                "logprobs": {
-                    "tokens": tokens,
-                    "token_logprobs": c.logprobs,
-                    "top_logprobs": [{decode(a): lp for a, lp in top} for top in c.top_logprobs] if num_top else None,
-                    "text_offset": offsets,
-                },
+                "logprobs": _completion_logprobs(decode, c, num_top) if body.logprobs is not None else None,
                 "token_ids": c.token_ids,
+                "sampled_logprobs": c.logprobs,
                 "prompt_token_ids": prompt_ids,
                 "logprob_temperature": c.logprob_temperature,
                 **_forced(c),
@@ -250,6 +246,21 @@ def _logprob_entry(decode, token_id: int, logprob: float, top: list[tuple[int, f
         "top_logprobs": [
             {"token": decode(a), "logprob": lp, "bytes": list(decode(a).encode("utf-8"))} for a, lp in top
         ] if num_top else [],
+    }
+
+
+def _completion_logprobs(decode, c: Completion, num_top: int) -> dict[str, Any]:
+    """The legacy completions API's `logprobs` object of one choice."""
+    tokens = [decode(t) for t in c.token_ids]
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": c.logprobs,
+        "top_logprobs": [{decode(a): lp for a, lp in top} for top in c.top_logprobs] if num_top else None,
+        "text_offset": offsets,
     }
 
 

@@ -79,19 +79,26 @@ class TokenizedSequence:
 def completion_ids_and_logprobs(choice: Choice) -> tuple[list[int], list[float]]:
     """The sampled ids and their logprobs of a choice.
 
+    The logprobs are the tempering server's `choice.sampled_logprobs`, or else OpenAI's
+    `choice.logprobs.content[i].logprob` (a choice from a vLLM server, or saved by an older
+    tempering); the ids are `choice.token_ids`, or else vLLM's `"token_id:123"` token strings.
+
     Raises:
         TrajectoryError: if the choice has no logprobs or no token ids.
     """
     content = choice.logprobs.content if choice.logprobs is not None else None
-    if not content:
+    logprobs = getattr(choice, "sampled_logprobs", None)
+    if logprobs is None and content:
+        logprobs = [c.logprob for c in content]
+    if not logprobs:
         raise TrajectoryError(
-            "an assistant Choice has no logprobs; only choices returned by the tempering server "
-            "(which always include logprobs) can be trained on"
+            "an assistant Choice has no sampled logprobs; only choices returned by a tempering server "
+            "(`choice.sampled_logprobs`) or by vLLM with logprobs on can be trained on"
         )
-    logprobs = [float(c.logprob) for c in content]
+    logprobs = [float(lp) for lp in logprobs]
     token_ids = getattr(choice, "token_ids", None)
     if token_ids is None:  # vLLM's return_tokens_as_token_ids format: "token_id:123"
-        if all(c.token.startswith("token_id:") for c in content):
+        if content and all(c.token.startswith("token_id:") for c in content):
             token_ids = [int(c.token.split(":", 1)[1]) for c in content]
         else:
             raise TrajectoryError(
