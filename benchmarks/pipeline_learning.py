@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--loss-fn", default="ppo", choices=["ppo", "cispo", "gspo"], help="TrainConfig.loss_fn of both variants")
+    parser.add_argument("--variants", default="sequential,pipelined", help="run only these (comma-separated)")
     args = parser.parse_args()
 
     from transformers.utils import logging as hf_logging
@@ -52,11 +54,14 @@ def main() -> None:
         variants = [None, args.max_staleness] if i % 2 == 0 else [args.max_staleness, None]
         for staleness in variants:
             variant = "sequential" if staleness is None else "pipelined"
+            if variant not in args.variants.split(","):
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 result = asyncio.run(run_demo_async(
                     path=Path(tmp), steps=args.steps, groups_per_step=args.groups_per_step, group_size=args.group_size,
                     num_val=args.num_val, val_samples=args.val_samples, learning_rate=args.learning_rate, seed=seed,
-                    val_every=args.val_every, name=f"{variant}-{seed}", max_staleness=staleness, echo=lambda _: None,
+                    val_every=args.val_every, name=f"{variant}-{seed}", max_staleness=staleness, loss_fn=args.loss_fn,
+                    echo=lambda _: None,
                 ))
             run = {
                 "variant": variant, "seed": seed, "max_staleness": staleness,
@@ -70,7 +75,8 @@ def main() -> None:
             print(json.dumps(run), flush=True)
 
     def mean(variant: str, key: str) -> float:
-        return statistics.mean(r[key] for r in runs if r["variant"] == variant)
+        values = [r[key] for r in runs if r["variant"] == variant]
+        return statistics.mean(values) if values else float("nan")
 
     summary = {
         "benchmark": "pipeline_learning",
@@ -78,6 +84,7 @@ def main() -> None:
         "seeds": args.seeds,
         "steps": args.steps, "groups_per_step": args.groups_per_step, "group_size": args.group_size,
         "num_val": args.num_val, "val_samples": args.val_samples, "learning_rate": args.learning_rate,
+        "loss_fn": args.loss_fn,
         **{f"{v}_{k}": round(mean(v, k), 4) for v in ("sequential", "pipelined")
            for k in ("val_reward_before", "val_reward_after", "training_s", "num_trajectories_trained")},
     }

@@ -78,10 +78,50 @@ class BusySampler:
         return round(sum(self.samples) / len(self.samples) / 100, 3) if self.samples else None
 
 
+class DecodeProgress:
+    """When the engine sampled tokens during a gather: records (time, decoded tokens) every
+    `period_s`; `tail_s` is the time from the last sampled token to `end` (the response work of
+    the last rollouts: serializing, parsing, scoring), `first_s` the time to the first token."""
+
+    def __init__(self, engine, period_s: float = 0.005) -> None:
+        self.engine, self.period_s = engine, period_s
+        self.points: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self.start = time.perf_counter()
+        self.preemptions = self.engine.stats.num_preemptions
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.points.append((time.perf_counter(), self.engine.stats.num_decode_tokens))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end = time.perf_counter()
+        self.preemptions = self.engine.stats.num_preemptions - self.preemptions
+
+    def summary(self) -> dict:
+        counts = [c for _, c in self.points]
+        if not counts or counts[-1] == counts[0]:
+            return {}
+        first = next(t for t, c in self.points if c > counts[0])
+        last = next(t for t, c in self.points if c == counts[-1])
+        return {"first_token_s": round(first - self.start, 3), "decoding_s": round(last - first, 3),
+                "tail_s": round(self.end - last, 3), "preemptions": self.preemptions}
+
+
 def make_prompts(tokenizer, renderer, count: int, num_tokens: int, seed: int = 0) -> list[str]:
     """`count` different user messages whose rendered chat prompt is `num_tokens` tokens long."""
     rng = random.Random(seed)
     words = [w for w in (tokenizer.decode([i]).strip() for i in range(1000, 6000)) if w.isalpha()]
+    shortest = len(renderer.render_prompt([{"role": "user", "content": words[0]}]))
+    if shortest > num_tokens:
+        raise SystemExit(f"--prompt-tokens {num_tokens} is shorter than the chat template's own prompt ({shortest} tokens)")
     prompts = []
     for _ in range(count):
         text = " ".join(rng.choice(words) for _ in range(num_tokens))
@@ -122,13 +162,14 @@ async def run(base_model: str, root: Path, device: str, shapes: dict) -> dict:
     async def sequential_iteration() -> dict:
         start = time.perf_counter()
         scenarios = [next(prompts) for _ in range(groups)]
-        batch = await art.gather_trajectory_groups(
-            (art.TrajectoryGroup(rollout(model, p) for _ in range(group_size)) for p in scenarios), pbar_desc=None)
+        with DecodeProgress(service.engine) as progress:
+            batch = await art.gather_trajectory_groups(
+                (art.TrajectoryGroup(rollout(model, p) for _ in range(group_size)) for p in scenarios), pbar_desc=None)
         gathered = time.perf_counter()
         result = await model.train(batch, config=config)
         end = time.perf_counter()
         return {"s": end - start, "gather_s": gathered - start, "train_s": end - gathered,
-                "trained_tokens": result.metrics["data/step_completion_tokens"]}
+                "trained_tokens": result.metrics["data/step_completion_tokens"], **progress.summary()}
 
     await sequential_iteration()  # warm-up: first requests, the trainer's first step (and CUDA graph captures)
 
@@ -161,6 +202,8 @@ async def run(base_model: str, root: Path, device: str, shapes: dict) -> dict:
         "sequential_s_per_iteration": round(seq_s, 3),
         "sequential_gather_s": round(statistics.mean(it["gather_s"] for it in sequential), 3),
         "sequential_train_s": round(statistics.mean(it["train_s"] for it in sequential), 3),
+        "sequential_gather_phases": {k: round(statistics.mean(it.get(k, 0) for it in sequential), 3)
+                                     for k in ("first_token_s", "decoding_s", "tail_s", "preemptions")},
         "sequential_trained_tokens_per_s": round(seq_tps, 1),
         "sequential_gpu_busy_fraction": sequential_busy,
         "pipelined_s_per_iteration": round(pipe_s, 3),

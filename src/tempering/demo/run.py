@@ -68,6 +68,7 @@ async def run_demo_async(
     val_every: int = 4,
     name: str | None = None,
     max_staleness: int | None = None,
+    loss_fn: str = "ppo",
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
     """Train on `steps` × `groups_per_step` addition problems (`group_size` rollouts each).
@@ -75,6 +76,7 @@ async def run_demo_async(
     Validation uses `num_val` held-out problems, `val_samples` samples each, at the rollout
     temperature, before the first step, every `val_every` steps and after the last.
     `max_staleness` (None: the sequential gather-then-train loop) pipelines the same steps.
+    `loss_fn`: TrainConfig's policy loss ("ppo", "cispo" or "gspo").
     """
     start = time.perf_counter()
     task = AdditionTask()
@@ -88,7 +90,7 @@ async def run_demo_async(
         before = await _validate(model, task, val_scenarios, val_samples)
         echo(f"  val/reward = {before:.3f}")
         result = DemoResult(name, before, before, val_rewards={await model.get_step(): before})
-        config = TrainConfig(learning_rate=learning_rate)
+        config = TrainConfig(learning_rate=learning_rate, loss_fn=loss_fn)
         held_out = set(val_scenarios)
         training_start = time.perf_counter()
         if max_staleness is None:
