@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--loss-fn", default="ppo", choices=["ppo", "cispo", "gspo"], help="TrainConfig.loss_fn of both variants")
+    parser.add_argument("--decoupled", action=argparse.BooleanOptionalAction, default=None,
+                        help="TrainConfig.decoupled for both variants (default: off for the sequential loop, "
+                             "on for the pipeline, as PipelineTrainer does)")
     parser.add_argument("--variants", default="sequential,pipelined", help="run only these (comma-separated)")
     args = parser.parse_args()
 
@@ -60,7 +63,9 @@ def main() -> None:
                 result = asyncio.run(run_demo_async(
                     path=Path(tmp), steps=args.steps, groups_per_step=args.groups_per_step, group_size=args.group_size,
                     num_val=args.num_val, val_samples=args.val_samples, learning_rate=args.learning_rate, seed=seed,
-                    val_every=args.val_every, name=f"{variant}-{seed}", max_staleness=staleness, loss_fn=args.loss_fn,
+                    val_every=args.val_every, name=f"{variant}-{seed}", max_staleness=staleness,
+                    train_options={"loss_fn": args.loss_fn,
+                                   **({} if args.decoupled is None else {"decoupled": args.decoupled})},
                     echo=lambda _: None,
                 ))
             run = {
@@ -84,7 +89,7 @@ def main() -> None:
         "seeds": args.seeds,
         "steps": args.steps, "groups_per_step": args.groups_per_step, "group_size": args.group_size,
         "num_val": args.num_val, "val_samples": args.val_samples, "learning_rate": args.learning_rate,
-        "loss_fn": args.loss_fn,
+        "loss_fn": args.loss_fn, "decoupled": args.decoupled,
         **{f"{v}_{k}": round(mean(v, k), 4) for v in ("sequential", "pipelined")
            for k in ("val_reward_before", "val_reward_after", "training_s", "num_trajectories_trained")},
     }

@@ -332,6 +332,16 @@ class TrainConfig(BaseModel):
     `importance_ratio_mask=(low, high)` drops tokens whose ratio falls outside the band (as
     IcePop/TRL's masking). The ratio statistics are logged every step.
 
+    Stale data (a pipelined loop): `decoupled=True` takes the ratio and its clip against the
+    proximal policy, the weights at this update (detached), instead of the sampling policy, and
+    weights each token's loss by π_prox / π_sampled capped at `truncated_importance_sampling`
+    (2.0 when unset): the decoupled objective of AReaL (Fu et al. 2025, arXiv 2505.24298, eq. 5).
+    A token sampled a few policy versions ago keeps its gradient, where PPO's clip against its
+    sampling policy drops it once the ratio has left the clip range in the advantage's direction.
+    With one update per step (`batch_size` None) and fresh data it equals PPO. With several
+    mini-batches, each one's proximal policy is the weights at its own update (AReaL snapshots
+    them once per step).
+
     Structured outputs: `exclude_forced_tokens=True` leaves out of the loss the tokens a grammar
     forced (it allowed only that token; `choice.grammar_forced`). The model made no decision
     there. Keep the default (False) to train on them too, e.g. when a guided choice forces a
@@ -359,6 +369,7 @@ class TrainConfig(BaseModel):
     beta: float | None = Field(default=None, ge=0, description="ART <= 0.4 name of kl_penalty_coef")
     truncated_importance_sampling: float | None = Field(default=None, gt=0)
     importance_ratio_mask: tuple[float, float] | None = None
+    decoupled: bool = Field(default=False, description="clip against the current weights, weight by π_prox/π_sampled (AReaL)")
     exclude_forced_tokens: bool = Field(
         default=False, description="leave tokens a grammar forced (structured outputs: the only allowed token) out of the loss")
     gradient_checkpointing: bool = True

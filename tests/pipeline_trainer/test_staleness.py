@@ -44,3 +44,16 @@ def test_the_bound_keeps_every_planned_group_within_max_staleness():
                 batches_later = ahead // 3 + 1
                 assert batches_later - (0 if is_training else 1) <= staleness
             assert (bound // 3 + 1) - (0 if is_training else 1) > staleness  # one more would be too stale
+
+
+def test_the_pipeline_trains_with_the_decoupled_objective_unless_told_otherwise():
+    model = art.TrainableModel(name="m", project="p", base_model="SmolLM2-135M-Instruct")
+
+    async def rollout(model, scenario, config):
+        raise AssertionError("not run")
+
+    default = art.PipelineTrainer(model, None, rollout, [], group_size=2, learning_rate=1e-4)
+    assert default.train_config.decoupled and default.train_config.learning_rate == 1e-4
+    explicit = art.PipelineTrainer(model, None, rollout, [], group_size=2,
+                                   train_config=art.TrainConfig(decoupled=False, loss_fn="cispo"))
+    assert not explicit.train_config.decoupled and explicit.train_config.loss_fn == "cispo"

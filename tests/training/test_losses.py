@@ -93,3 +93,39 @@ def test_token_weights_for_each_aggregation():
 def test_unknown_loss_fn_is_rejected():
     with pytest.raises(ValueError, match="unknown loss_fn"):
         policy_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), loss_fn="grpo++", clip_low=0.2, clip_high=0.2)
+
+
+def _objective(new_values, sampled, advantages, **config):
+    from types import SimpleNamespace
+
+    from tempering.training.objective import rl_objective
+    from tempering.types import TrainConfig
+
+    new = torch.tensor(new_values, requires_grad=True)
+    n = len(new_values)
+    row = SimpleNamespace(valid=torch.ones(n, dtype=torch.bool), sampled_logprobs=torch.tensor(sampled),
+                          advantages=torch.tensor(advantages), seq_index=torch.zeros(n, dtype=torch.long), num_seqs=1,
+                          weights=torch.full((n,), 1.0 / n))
+    loss, _ = rl_objective(lambda row, chunk, lora=True: (new, torch.zeros(n)), row, TrainConfig(**config))
+    loss.backward()
+    return loss.item(), new.grad
+
+
+def test_decoupled_equals_ppo_on_fresh_data():
+    lp = [-1.0, -2.0, -0.5]
+    ppo = _objective(lp, lp, [1.0, -1.0, 0.5])
+    decoupled = _objective(lp, lp, [1.0, -1.0, 0.5], decoupled=True)
+    assert ppo[0] == pytest.approx(decoupled[0]) and torch.allclose(ppo[1], decoupled[1])
+
+
+def test_decoupled_keeps_the_gradient_of_a_stale_token_that_ppo_clips():
+    # the policy moved since sampling: ratio 1.5 > 1 + 0.2 with a positive advantage
+    new, sampled = [math.log(0.6)], [math.log(0.4)]
+    _, ppo_grad = _objective(new, sampled, [1.0])
+    _, grad = _objective(new, sampled, [1.0], decoupled=True)
+    assert ppo_grad.item() == 0.0  # PPO: clipped against the sampling policy, no gradient
+    assert grad.item() == pytest.approx(-1.5)  # -A * (π_prox / π_sampled) = -1 * 1.5
+    _, capped = _objective([math.log(0.9)], [math.log(0.1)], [1.0], decoupled=True)
+    assert capped.item() == pytest.approx(-2.0)  # the weight capped at 2 (truncated_importance_sampling unset)
+    _, capped = _objective([math.log(0.9)], [math.log(0.1)], [1.0], decoupled=True, truncated_importance_sampling=3.0)
+    assert capped.item() == pytest.approx(-3.0)

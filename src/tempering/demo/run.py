@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..backends.local import LocalBackend
 from ..gather import gather_trajectory_groups
@@ -68,7 +69,7 @@ async def run_demo_async(
     val_every: int = 4,
     name: str | None = None,
     max_staleness: int | None = None,
-    loss_fn: str = "ppo",
+    train_options: dict[str, Any] | None = None,
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
     """Train on `steps` × `groups_per_step` addition problems (`group_size` rollouts each).
@@ -76,7 +77,7 @@ async def run_demo_async(
     Validation uses `num_val` held-out problems, `val_samples` samples each, at the rollout
     temperature, before the first step, every `val_every` steps and after the last.
     `max_staleness` (None: the sequential gather-then-train loop) pipelines the same steps.
-    `loss_fn`: TrainConfig's policy loss ("ppo", "cispo" or "gspo").
+    `train_options`: more TrainConfig fields (e.g. {"loss_fn": "cispo"} or {"decoupled": True}).
     """
     start = time.perf_counter()
     task = AdditionTask()
@@ -90,7 +91,7 @@ async def run_demo_async(
         before = await _validate(model, task, val_scenarios, val_samples)
         echo(f"  val/reward = {before:.3f}")
         result = DemoResult(name, before, before, val_rewards={await model.get_step(): before})
-        config = TrainConfig(learning_rate=learning_rate, loss_fn=loss_fn)
+        config = TrainConfig(learning_rate=learning_rate, **(train_options or {}))
         held_out = set(val_scenarios)
         training_start = time.perf_counter()
         if max_staleness is None:

@@ -108,7 +108,11 @@ class PipelineTrainer:
             from (ART: `max_steps_off_policy`). 0: on-policy, no rollout runs during a step.
         num_rollout_workers: concurrent groups at most (default: as many as the staleness bound
             allows, `groups_per_step * (max_staleness + 1)`).
-        train_config: the options of each `model.train` call (default `TrainConfig()`).
+        train_config: the options of each `model.train` call (default `TrainConfig()`). Unless it
+            sets `decoupled`, the pipeline trains with `decoupled=True` (AReaL's objective: a
+            token sampled before the last update keeps its gradient, weighted by π_prox /
+            π_sampled, where PPO's clip against its sampling policy would drop it); on the
+            demo's task it closed most of the pipeline's gap to the sequential loop.
         learning_rate, loss_fn, kl_penalty_coef: ART's names; when given they override those
             fields of `train_config`.
         max_steps: stop after this many training steps (default: until the scenarios run out).
@@ -165,7 +169,9 @@ class PipelineTrainer:
         overrides = {k: v for k, v in (("learning_rate", learning_rate), ("loss_fn", loss_fn),
                                        ("kl_penalty_coef", kl_penalty_coef)) if v is not None}
         base = train_config or TrainConfig()
-        self.train_config = TrainConfig(**{**base.model_dump(exclude_unset=True), **overrides}) if overrides else base
+        if "decoupled" not in base.model_fields_set:  # stale tokens keep their gradient (TrainConfig.decoupled)
+            overrides["decoupled"] = True
+        self.train_config = TrainConfig(**{**base.model_dump(exclude_unset=True), **overrides})
         if max_steps is not None and max_steps < 0:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
         if eval_every_n_steps < 0:

@@ -27,6 +27,9 @@ STATS = ("loss", "trained", "entropy", "clipped", "ratio_sum", "ratio_max", "kl"
          "mismatch_abs", "mismatch_k3")
 
 
+DECOUPLED_WEIGHT_CAP = 2.0  # π_prox / π_sampled cap of TrainConfig.decoupled when truncated_importance_sampling is unset
+
+
 def rl_objective(
     logprobs_of: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     row: Row,
@@ -50,14 +53,18 @@ def rl_objective(
     logprobs, entropy = logprobs_of(row, config.logprob_chunk_size, lora=True)
     new = torch.where(valid, logprobs, 0.0)  # [N]; padding: a finite stand-in without gradient
     sampled = row.sampled_logprobs
-    loss_tok, clipped, _ = policy_loss(new, sampled, row.advantages, loss_fn=config.loss_fn, clip_low=config.clip_low,
+    # decoupled (AReaL): the ratio and clip against the proximal policy (these weights, detached)
+    behaviour = new.detach() if config.decoupled else sampled
+    loss_tok, clipped, _ = policy_loss(new, behaviour, row.advantages, loss_fn=config.loss_fn, clip_low=config.clip_low,
                                        clip_high=config.clip_high, seq_index=row.seq_index, num_seqs=row.num_seqs)
-    log_ratio = new.detach() - sampled  # the engine-vs-trainer log ratio per token
+    log_ratio = new.detach() - sampled  # the engine-vs-trainer log ratio per token (π_prox / π_sampled)
     token_ratio = torch.exp(log_ratio)
     zero = torch.zeros((), device=new.device)
     tis_capped = masked = kl_sum = zero
-    if config.truncated_importance_sampling is not None:
-        cap = config.truncated_importance_sampling
+    cap = config.truncated_importance_sampling
+    if cap is None and config.decoupled:
+        cap = DECOUPLED_WEIGHT_CAP
+    if cap is not None:
         loss_tok = loss_tok * token_ratio.clamp(max=cap)
         tis_capped = ((token_ratio > cap) & valid).sum()
     if config.importance_ratio_mask is not None:

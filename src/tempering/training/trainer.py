@@ -398,7 +398,7 @@ class Trainer:
         minibatches = self._minibatches(sequences, config)
         capture = self._can_capture(config)
         # everything the captured objective depends on besides the row's shape
-        key = (config.loss_fn, config.clip_low, config.clip_high, config.truncated_importance_sampling,
+        key = (config.loss_fn, config.clip_low, config.clip_high, config.truncated_importance_sampling, config.decoupled,
                config.importance_ratio_mask, config.kl_penalty_coef, config.kl_estimator, config.logprob_chunk_size,
                self._checkpointing)
         objective = lambda row: rl_objective(self._row_logprobs, row, config)
