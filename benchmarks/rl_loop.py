@@ -44,73 +44,86 @@ GPU_SHAPES = {"groups": 32, "group_size": 8, "prompt_tokens": 128, "new_tokens":
 CPU_SHAPES = {"groups": 4, "group_size": 4, "prompt_tokens": 32, "new_tokens": 32, "iterations": 3}
 
 
-class BusySampler:
-    """The fraction of wall-clock the GPU ran a kernel: NVML's utilization (the percent of its last
-    sample period with a kernel running), read every `period_s` and averaged."""
+class PeriodicSampler:
+    """Reads `read()` every `period_s` on a thread while the `with` block runs; `samples` holds
+    (time, value) pairs. `read()` raising at the start (e.g. no NVML) leaves `samples` empty."""
 
-    def __init__(self, device: torch.device, period_s: float = 0.05) -> None:
-        self.device, self.period_s = device, period_s
-        self.samples: list[int] = []
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> Self:
-        if self.device.type == "cuda":
-            try:
-                torch.cuda.utilization(self.device)
-            except Exception:  # no pynvml: report null
-                return self
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.samples.append(torch.cuda.utilization(self.device))
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    @property
-    def fraction(self) -> float | None:
-        return round(sum(self.samples) / len(self.samples) / 100, 3) if self.samples else None
-
-
-class DecodeProgress:
-    """When the engine sampled tokens during a gather: records (time, decoded tokens) every
-    `period_s`; `tail_s` is the time from the last sampled token to `end` (the response work of
-    the last rollouts: serializing, parsing, scoring), `first_s` the time to the first token."""
-
-    def __init__(self, engine, period_s: float = 0.005) -> None:
-        self.engine, self.period_s = engine, period_s
-        self.points: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    def read(self) -> float:
+        raise NotImplementedError
 
     def __enter__(self) -> Self:
         self.start = time.perf_counter()
-        self.preemptions = self.engine.stats.num_preemptions
+        try:
+            self.read()
+        except Exception:  # nothing to sample here: report null
+            return self
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            self.points.append((time.perf_counter(), self.engine.stats.num_decode_tokens))
+            self.samples.append((time.perf_counter(), self.read()))
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self.end = time.perf_counter()
+
+
+class BusySampler(PeriodicSampler):
+    """The fraction of wall-clock the GPU ran a kernel: NVML's utilization (the percent of its last
+    sample period with a kernel running), read every `period_s` and averaged (null off CUDA or
+    without pynvml)."""
+
+    def __init__(self, device: torch.device, period_s: float = 0.05) -> None:
+        super().__init__(period_s)
+        self.device = device
+
+    def read(self) -> float:
+        if self.device.type != "cuda":
+            raise RuntimeError("not a CUDA device")
+        return torch.cuda.utilization(self.device)
+
+    @property
+    def fraction(self) -> float | None:
+        return round(sum(v for _, v in self.samples) / len(self.samples) / 100, 3) if self.samples else None
+
+
+class DecodeProgress(PeriodicSampler):
+    """When the engine sampled tokens during a gather, from its decoded-token count read every
+    `period_s`: the time to the first token, the time spent decoding, and the tail from the last
+    sampled token to the end of the block (the response work of the last rollouts: serializing,
+    parsing, scoring)."""
+
+    def __init__(self, engine, period_s: float = 0.005) -> None:
+        super().__init__(period_s)
+        self.engine = engine
+
+    def read(self) -> float:
+        return self.engine.stats.num_decode_tokens
+
+    def __enter__(self) -> Self:
+        self.preemptions = self.engine.stats.num_preemptions
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
         self.preemptions = self.engine.stats.num_preemptions - self.preemptions
 
     def summary(self) -> dict:
-        counts = [c for _, c in self.points]
+        counts = [c for _, c in self.samples]
         if not counts or counts[-1] == counts[0]:
             return {}
-        first = next(t for t, c in self.points if c > counts[0])
-        last = next(t for t, c in self.points if c == counts[-1])
+        first = next(t for t, c in self.samples if c > counts[0])
+        last = next(t for t, c in self.samples if c == counts[-1])
         return {"first_token_s": round(first - self.start, 3), "decoding_s": round(last - first, 3),
                 "tail_s": round(self.end - last, 3), "preemptions": self.preemptions}
 
@@ -121,7 +134,8 @@ def make_prompts(tokenizer, renderer, count: int, num_tokens: int, seed: int = 0
     words = [w for w in (tokenizer.decode([i]).strip() for i in range(1000, 6000)) if w.isalpha()]
     shortest = len(renderer.render_prompt([{"role": "user", "content": words[0]}]))
     if shortest > num_tokens:
-        raise SystemExit(f"--prompt-tokens {num_tokens} is shorter than the chat template's own prompt ({shortest} tokens)")
+        raise SystemExit(f"--prompt-tokens {num_tokens} is shorter than the chat template's own prompt "
+                         f"({shortest} tokens)")
     prompts = []
     for _ in range(count):
         text = " ".join(rng.choice(words) for _ in range(num_tokens))

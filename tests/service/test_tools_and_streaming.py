@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -106,22 +108,35 @@ def test_bad_tool_requests_are_400(served):
         assert response.status_code == 400, (extra, response.text)
 
 
-async def _stream(client, **kwargs):
+@dataclass
+class Streamed:
+    """What a streamed chat completion sent, per choice index."""
+
+    content: dict = field(default_factory=dict)
+    ids: dict = field(default_factory=dict)
+    sampled_logprobs: dict = field(default_factory=dict)
+    logprob_entries: dict = field(default_factory=dict)  # OpenAI's logprobs.content[i].logprob
+    calls: dict = field(default_factory=dict)
+    finish: dict = field(default_factory=dict)
+    usage: Any = None
+
+
+async def _stream(client, **kwargs) -> Streamed:
     stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
-    content, ids, calls, finish, usage = {}, {}, {}, {}, None
-    _stream.logprobs, _stream.entries = {}, {}
+    out = Streamed()
     async for chunk in stream:
-        usage = chunk.usage or usage
+        out.usage = chunk.usage or out.usage
         for c in chunk.choices:
-            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
-            ids[c.index] = ids.get(c.index, []) + (getattr(c, "token_ids", None) or [])
-            _stream.logprobs[c.index] = _stream.logprobs.get(c.index, []) + (getattr(c, "sampled_logprobs", None) or [])
-            _stream.entries[c.index] = _stream.entries.get(c.index, []) + [x.logprob for x in (c.logprobs.content if c.logprobs else [])]
+            i = c.index
+            out.content[i] = out.content.get(i, "") + (c.delta.content or "")
+            out.ids[i] = out.ids.get(i, []) + (getattr(c, "token_ids", None) or [])
+            out.sampled_logprobs[i] = out.sampled_logprobs.get(i, []) + (getattr(c, "sampled_logprobs", None) or [])
+            out.logprob_entries[i] = out.logprob_entries.get(i, []) + [x.logprob for x in (c.logprobs.content if c.logprobs else [])]
             for call in c.delta.tool_calls or []:
-                calls.setdefault(c.index, []).append((call.function.name, call.function.arguments))
+                out.calls.setdefault(i, []).append((call.function.name, call.function.arguments))
             if c.finish_reason:
-                finish[c.index] = c.finish_reason
-    return content, ids, calls, finish, usage
+                out.finish[i] = c.finish_reason
+    return out
 
 
 def test_streaming_matches_non_streaming_for_the_same_seed(served):
@@ -133,16 +148,17 @@ def test_streaming_matches_non_streaming_for_the_same_seed(served):
     async def go():
         return await _stream(client, **kwargs), await client.chat.completions.create(**kwargs)
 
-    (content, ids, _, finish, usage), full = run(served, go())
+    streamed, full = run(served, go())
     for i, choice in enumerate(full.choices):
-        assert content[i] == (choice.message.content or "")
-        assert ids[i] == choice.token_ids
-        assert _stream.logprobs[i] == choice.sampled_logprobs
-        assert _stream.entries[i] == []  # OpenAI's logprobs objects only when asked for
-        assert finish[i] == choice.finish_reason
-    assert usage.completion_tokens == sum(len(c.token_ids) for c in full.choices)
-    _, ids, *_ = run(served, _stream(client, **kwargs, logprobs=True))
-    assert all(_stream.entries[i] == _stream.logprobs[i] and len(ids[i]) == len(_stream.logprobs[i]) for i in ids)
+        assert streamed.content[i] == (choice.message.content or "")
+        assert streamed.ids[i] == choice.token_ids
+        assert streamed.sampled_logprobs[i] == choice.sampled_logprobs
+        assert streamed.logprob_entries[i] == []  # OpenAI's logprobs objects only when asked for
+        assert streamed.finish[i] == choice.finish_reason
+    assert streamed.usage.completion_tokens == sum(len(c.token_ids) for c in full.choices)
+    asked = run(served, _stream(client, **kwargs, logprobs=True))
+    assert all(asked.logprob_entries[i] == asked.sampled_logprobs[i] and len(asked.ids[i]) == len(asked.sampled_logprobs[i])
+               for i in asked.ids)
 
 
 def test_streamed_tool_calls_match_non_streaming(served):
@@ -154,10 +170,10 @@ def test_streamed_tool_calls_match_non_streaming(served):
     async def go():
         return await _stream(client, **kwargs), await client.chat.completions.create(**kwargs)
 
-    (content, ids, calls, finish, _), full = run(served, go())
+    streamed, full = run(served, go())
     assert any(c.message.tool_calls for c in full.choices)
     for i, choice in enumerate(full.choices):
-        assert ids[i] == choice.token_ids and finish[i] == choice.finish_reason
+        assert streamed.ids[i] == choice.token_ids and streamed.finish[i] == choice.finish_reason
         expected = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]
-        assert calls.get(i, []) == expected
-        assert content[i] == (choice.message.content or "")
+        assert streamed.calls.get(i, []) == expected
+        assert streamed.content[i] == (choice.message.content or "")
