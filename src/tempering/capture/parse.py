@@ -4,7 +4,8 @@ The choice keeps every field the server sent besides OpenAI's: a tempering serve
 `token_ids`, `sampled_logprobs`, `prompt_token_ids`, `logprob_temperature`, `policy_versions` and
 `grammar_forced`, which training reads. A streamed completion is rebuilt from its chunks: content
 and tool-call deltas are concatenated, per-token `logprobs.content` entries, `token_ids` and
-`sampled_logprobs` are appended in order, and the other fields (sent once, in the first or the last chunk) are kept as sent.
+`sampled_logprobs` are appended in order, and the other fields (sent once, in the first or the
+last chunk) are kept as sent.
 """
 
 from __future__ import annotations

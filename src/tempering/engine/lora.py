@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 import torch.nn.functional as F
 
 from ..modeling.lora import AdapterWeights, collect_adapter
