@@ -12,7 +12,8 @@ logprob of every sampled token returned):
 Each workload runs with the base weights and with a live LoRA adapter (rank 8, alpha 16, on
 q/k/v/o/gate/up/down, A and B non-zero: the trainer's tensors, as every rollout after step 0
 uses). Both are warmed up with the same prompts and shapes, the CUDA graphs of every decode
-batch size are captured first, and the prefix cache is emptied before timing. The modes
+batch size are captured first, the first round's warm-up samples the full length (so that no
+kernel compiles while timing), and the prefix cache is emptied before timing. The modes
 alternate, base, lora, then lora, base (`--rounds`), and each reports its mean: a GPU's clock
 drifts as it heats, which favoured whichever mode ran first. `model.generate` is timed on R after a full-length
 warm-up call. Also reported: logprob error against a transformers(+PEFT) forward, the adapter
@@ -148,14 +149,18 @@ def capture_all_graphs(engine: Engine, prompt: list[int], policy) -> None:
         engine.submit(prompt, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True), n=size, policy=policy).result()
 
 
-def time_engine(engine: Engine, prompts, work: dict, policy, grammar=None) -> tuple[float, list]:
+def time_engine(engine: Engine, prompts, work: dict, policy, grammar=None, *, full_warm: bool = False) -> tuple[float, list]:
     """Seconds to sample the workload (after a warm-up with the same prompts), and the results.
 
     `grammar`: every sample follows it (structured outputs); it must not be able to finish
     within the workload's new tokens, so that both sides sample the same number of tokens.
+    `full_warm`: the warm-up samples the workload's full length instead of 8 tokens, so that the
+    Triton kernels of every batch shape it meets are compiled before timing (a first use of a
+    shape can stall a step for 0.5-2.5 s on a fresh machine: measured on an H100).
     """
     capture_all_graphs(engine, prompts[0][:16], policy)
-    warm = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=grammar is None, grammar=grammar)
+    warm = SamplingParams(max_tokens=work["max_new"] if full_warm else 8, temperature=1.0, ignore_eos=grammar is None,
+                          grammar=grammar)
     for f in [engine.submit(p, warm, n=work["n"], policy=policy) for p in prompts]:
         f.result()
     engine.blocks.forget_cached()
@@ -549,7 +554,7 @@ def main() -> None:
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k + (mode == "lora"))
-                seconds, results = time_engine(engine, prompts, work, policies[mode])
+                seconds, results = time_engine(engine, prompts, work, policies[mode], full_warm=r == 0)
                 runs[mode].append(tokens / seconds)
                 if r == 0 and k == 0:  # the base reference with the adapter (injected into the model) turned off
                     off = trainer.peft_model.disable_adapter() if trainer is not None and mode == "base" else nullcontext()
@@ -570,8 +575,9 @@ def main() -> None:
         prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=1)  # the prompts of R's live-adapter run
         tokens = work["num_prompts"] * work["n"] * work["max_new"]
         runs = {"free": [], kind: []}
-        for label in ("free", kind, kind, "free"):  # interleaved, as above
-            seconds, _ = time_engine(engine, prompts, work, policies["lora"], grammar=grammar if label == kind else None)
+        for i, label in enumerate(("free", kind, kind, "free")):  # interleaved, as above
+            seconds, _ = time_engine(engine, prompts, work, policies["lora"], grammar=grammar if label == kind else None,
+                                     full_warm=i < 2)
             runs[label].append(tokens / seconds)
         constrained, free = (sum(runs[x]) / 2 for x in (kind, "free"))
         entry[f"lora_{kind}_tok_per_s"] = round(constrained, 1)
