@@ -4,6 +4,7 @@ Two measurements, each printing one JSON line:
 
     python benchmarks/structured_outputs.py libs [--qwen-tiktoken PATH] [--batch 32 256]
     python benchmarks/structured_outputs.py engine [--device cpu]
+    python benchmarks/structured_outputs.py threads [--qwen-tiktoken PATH] [--batch 256]
 
 `libs` times what the engine asks of a grammar library, for llguidance and (when installed)
 xgrammar, on a RULER-like schema (`rewards.ruler.judge_schema(8)`: a list of 8 objects with a
@@ -15,6 +16,12 @@ const id, an explanation of at most 200 characters and a score in [0, 1]):
 Vocabularies: SmolLM2's (49,152, the default model's tokenizer) and Qwen's (151,643 BPE ranks,
 padded to the model's 151,936 logits), read from the `qwen.tiktoken` file that the PyPI package
 `dashscope` ships (`pip download --no-deps dashscope` and unzip `dashscope/resources/qwen.tiktoken`).
+
+`threads` times one decode step's grammar work as the engine does it (B matchers of
+`judge_schema(32)` consume their sampled tokens, then B masks are filled; tokens drawn at random
+from each row's mask) with llguidance's executor at its default thread count and at 1, 2 and 4
+threads, and as one call per row from Python: whether the work scales with threads (it did not
+with llguidance 1.9: see RESULTS.md). With `--qwen-tiktoken` the Qwen vocabulary, else SmolLM2's.
 
 `engine` runs the rollout engine on the default model (CPU, fp32; rollout.py's workload R: 8 chat
 prompts × n=4, 64 new tokens, base weights) in one process: free sampling (EOS ignored) and every sample under
@@ -269,16 +276,61 @@ class _NoText:
         return ""
 
 
+def run_threads(args) -> dict:
+    import llguidance
+    import numpy as np
+
+    if args.qwen_tiktoken:
+        ll = llguidance.LLTokenizer.from_tiktoken(encoder=qwen_ranks(Path(args.qwen_tiktoken)), special_tokens=QWEN_SPECIALS,
+                                                  pattern=QWEN_PATTERN, eos_token=[151645], n_vocab=QWEN_VOCAB)
+        name, vocab_size, stop = "qwen2", QWEN_VOCAB, [151645]
+    else:
+        from rollout import load_cpu_model
+
+        _, hf = load_cpu_model()
+        ll, name, vocab_size, stop = hf, "smollm2", len(hf), [hf.eos_token_id]
+    grammar = GrammarCompiler(ll, stop_token_ids=stop, vocab_size=vocab_size).compile(GrammarSpec.json_schema(judge_schema(32)))
+    B, W = args.batch[0], (vocab_size + 31) // 32
+    executors = {"default": llguidance.LLExecutor(), **{f"threads_{k}": llguidance.LLExecutor(num_threads=k) for k in (1, 2, 4)}}
+    arrangements = [*executors, "per_row_calls"]
+    matchers = {a: [grammar.matcher().inner for _ in range(B)] for a in arrangements}
+    masks = {a: torch.empty((B, W), dtype=torch.int32) for a in arrangements}
+    tokens: dict[str, list[int] | None] = dict.fromkeys(arrangements)
+    times: dict[str, list[float]] = {a: [] for a in arrangements}
+    rng = np.random.default_rng(0)
+    for _ in range(args.steps):
+        for a in arrangements:  # interleaved, so that a busy moment of the host hits every arrangement
+            ms, ptr, toks = matchers[a], masks[a].data_ptr(), tokens[a]
+            start = time.perf_counter()
+            if a in executors:
+                if toks is not None:
+                    executors[a].consume_token_par(list(zip(ms, toks)))
+                executors[a].unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(ms)], ptr, W * 4, B)
+            else:
+                for i, m in enumerate(ms):
+                    if toks is not None:
+                        m.consume_token(toks[i])
+                    m.unsafe_compute_mask_ptr(ptr + i * W * 4, W * 4)
+            times[a].append(time.perf_counter() - start)
+            bits = np.unpackbits(masks[a].numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+            tokens[a] = [int(rng.choice(np.flatnonzero(row))) for row in bits]
+    ms_per_step = {a: round(statistics.median(t[5:]) * 1e3, 3) for a, t in times.items()}
+    return {"benchmark": "structured_outputs_threads", "schema": "ruler.judge_schema(32)", "vocab": name, "batch": B,
+            "consume_and_fill_ms_per_step": ms_per_step,
+            "vs_default": {a: round(ms_per_step[a] / ms_per_step["default"], 3) for a in arrangements}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["libs", "engine"])
+    parser.add_argument("what", choices=["libs", "engine", "threads"])
     parser.add_argument("--qwen-tiktoken", default=None, help="path to dashscope's resources/qwen.tiktoken")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3, help="engine: interleaved timed runs of each")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    print(json.dumps(run_libs(args) if args.what == "libs" else run_engine(args)))
+    run = {"libs": run_libs, "engine": run_engine, "threads": run_threads}[args.what]
+    print(json.dumps(run(args)))
 
 
 if __name__ == "__main__":

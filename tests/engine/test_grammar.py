@@ -128,3 +128,34 @@ def test_both_engines_sample_valid_json_under_a_schema_beside_a_free_request(par
         assert all(c.forced is None for c in free.result(timeout=300))
     finally:
         engine.close()
+
+
+def test_mask_worker_shards_give_the_same_masks_as_one_thread(parts):
+    """Matchers are spread over separately compiled copies of a grammar (shards), and MaskWorker's
+    threads (one job per shard: consume the last tokens, then fill) give exactly the masks and
+    states of doing it all on one thread."""
+    from tempering.engine.grammar import NUM_SHARDS, MaskWorker
+
+    model, tokenizer, _, compiler = parts
+    grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    rows = 2 * NUM_SHARDS + 1
+    inline = [grammar.matcher() for _ in range(rows)]
+    threaded = [grammar.matcher() for _ in range(rows)]
+    assert {m.shard for m in threaded} == set(range(NUM_SHARDS))
+    answers = [ids_of(tokenizer, json.dumps({"name": f"n{i}", "ok": i % 2 == 0})) for i in range(rows)]
+    worker = MaskWorker()
+    try:
+        for step in range(6):
+            consume_a = [(m, a[step - 1]) for m, a in zip(inline, answers)] if step else None
+            consume_b = [(m, a[step - 1]) for m, a in zip(threaded, answers)] if step else None
+            live_a = [m if i % 3 else None for i, m in enumerate(inline)]  # some rows free this step
+            live_b = [m if i % 3 else None for i, m in enumerate(threaded)]
+            rows_a, bits_a = GrammarMask.compute(live_a, consume=consume_a)
+            rows_b, bits_b = worker.submit(live_b, pinned=False, consume=consume_b).result()
+            assert rows_a == rows_b and torch.equal(bits_a, bits_b)
+            for i, r in enumerate(rows_b):  # each row allows its own next token
+                t = answers[r][step]
+                assert (int(bits_b[i, t // 32]) >> (t % 32)) & 1
+    finally:
+        worker.close()
+    assert not any(m.is_error for m in inline + threaded)

@@ -231,8 +231,8 @@ class Engine:
         With t+1 the newest launched step (its sampling deferred when it has grammar rows) and t
         the one before it (sampled, not collected):
         1. collect t's tokens (sampled before t+1's forward was queued, so this rarely waits);
-        2. when t+1 waits for grammar masks, the matchers consume t's tokens and a helper thread
-           fills t+1's bitmasks (llguidance works without the GIL), while this thread
+        2. when t+1 waits for grammar masks, a helper thread has the matchers consume t's tokens
+           and fills t+1's bitmasks (llguidance works without the GIL), while this thread
         3. processes t's tokens (stops, completions), schedules t+2 and prepares its inputs
            (sending them to the device);
         4. samples t+1 with the masks, then launches t+2's forward, which queues right behind.
@@ -240,17 +240,20 @@ class Engine:
         """
         older, newest = self._to_collect, self._in_flight
         sampled = self.runner.collect(older) if older is not None else None
+        consume = None  # t's tokens, for the grammars' matchers
         if sampled is not None:
-            advance_grammars([(seq.grammar, token_id) for seq, token_id in zip(sampled.seqs, sampled.token_ids)
-                              if seq.grammar is not None and not seq.is_finished])
+            consume = [(seq.grammar, token_id) for seq, token_id in zip(sampled.seqs, sampled.token_ids)
+                       if seq.grammar is not None and not seq.is_finished]
         masks = None
         if newest is not None and newest.deferred is not None:
             matchers = [None if s.is_finished else s.grammar for s in newest.seqs]
-            if self.mask_thread:
-                masks = self._mask_worker().submit(matchers, pinned=self.runner.is_cuda)
+            if self.mask_thread:  # the helper consumes t's tokens, then fills t+1's masks
+                masks = self._mask_worker().submit(matchers, pinned=self.runner.is_cuda, consume=consume)
             else:
                 masks = concurrent.futures.Future()
-                masks.set_result(GrammarMask.compute(matchers, pinned=self.runner.is_cuda))
+                masks.set_result(GrammarMask.compute(matchers, pinned=self.runner.is_cuda, consume=consume))
+        elif consume:
+            advance_grammars(consume)
         if sampled is not None:
             self._process(sampled)
         batch = self.scheduler.schedule()

@@ -5,11 +5,19 @@
 and `advance` (mask.py describes the order).
 """
 
-from .compiler import CompiledGrammar, GrammarCompiler, GrammarMatcher, import_llguidance, llguidance_installed
+from .compiler import (
+    NUM_SHARDS,
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarMatcher,
+    import_llguidance,
+    llguidance_installed,
+)
 from .mask import GrammarMask, MaskWorker, advance
 from .spec import GrammarSpec
 
 __all__ = [
+    "NUM_SHARDS",
     "CompiledGrammar",
     "GrammarCompiler",
     "GrammarMask",

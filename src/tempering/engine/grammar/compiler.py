@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import itertools
 import json
 import logging
 import threading
@@ -22,7 +23,7 @@ from typing import Any
 from ...errors import ConfigError, MissingDependencyError
 from .spec import GrammarSpec
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "import_llguidance", "llguidance_installed"]
+__all__ = ["NUM_SHARDS", "CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "import_llguidance", "llguidance_installed"]
 
 log = logging.getLogger("tempering")
 
@@ -59,19 +60,31 @@ def import_llguidance() -> Any:
     return llguidance
 
 
+NUM_SHARDS = 4
+"""Copies of each compiled grammar that matchers are spread over (round robin), so that the rows of
+a step fill their masks on several threads. The matchers copied from one compiled grammar share
+its lazily built lexer, and llguidance 1.9 serializes them on it: on an H100 host, consuming 256
+tokens and filling 256 masks took 4.2-4.6 ms on one thread and no less on 4-8 threads over one
+grammar, but 2.0-2.1 ms on 4-8 threads over 4-8 separately compiled copies
+(`python benchmarks/structured_outputs.py threads`, benchmarks/RESULTS.md). More than 4 gained nothing."""
+
+
 class GrammarMatcher:
     """One sequence's position in its grammar (an llguidance `LLMatcher`).
 
     Attributes:
         inner: the LLMatcher.
         compiler: the GrammarCompiler it came from (its vocabulary size, stop ids and thread pool).
+        shard: which copy of the compiled grammar it came from (matchers of different shards can
+            be worked on by different threads at the same time).
     """
 
-    __slots__ = ("compiler", "inner")
+    __slots__ = ("compiler", "inner", "shard")
 
-    def __init__(self, inner: Any, compiler: GrammarCompiler) -> None:
+    def __init__(self, inner: Any, compiler: GrammarCompiler, shard: int = 0) -> None:
         self.inner = inner
         self.compiler = compiler
+        self.shard = shard
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (and an error state) if the grammar does not allow it."""
@@ -94,16 +107,19 @@ class CompiledGrammar:
         compiler: the GrammarCompiler that compiled it.
     """
 
-    __slots__ = ("_template", "compiler", "spec")
+    __slots__ = ("_next", "_templates", "compiler", "spec")
 
-    def __init__(self, spec: GrammarSpec, template: Any, compiler: GrammarCompiler) -> None:
+    def __init__(self, spec: GrammarSpec, templates: list[Any], compiler: GrammarCompiler) -> None:
         self.spec = spec
-        self._template = template
+        self._templates = templates  # NUM_SHARDS separately compiled copies
+        self._next = itertools.count()
         self.compiler = compiler
 
     def matcher(self) -> GrammarMatcher:
-        """A fresh matcher (a copy of the compiled start state: no parsing or lexer work is redone)."""
-        return GrammarMatcher(self._template.deep_copy(), self.compiler)
+        """A fresh matcher (a copy of a compiled start state: no parsing or lexer work is redone),
+        from the grammar's copies in turn."""
+        shard = next(self._next) % len(self._templates)
+        return GrammarMatcher(self._templates[shard].deep_copy(), self.compiler, shard)
 
 
 class GrammarCompiler:
@@ -141,7 +157,10 @@ class GrammarCompiler:
 
     @property
     def executor(self) -> Any:
-        """llguidance's thread pool for filling masks and consuming tokens of many matchers at once."""
+        """llguidance's executor for filling masks and consuming tokens of many matchers in one call
+        on the calling thread (one call: the GIL is released once, not once per row). One thread:
+        with llguidance 1.9 its default pool was slower than one thread (see NUM_SHARDS; the
+        engine's `MaskWorker` spreads the shards over threads of its own instead)."""
         self._ensure_tokenizer()
         return self._executor
 
@@ -168,7 +187,8 @@ class GrammarCompiler:
             raise ConfigError(f"{spec.where} cannot be used: {template.get_error().strip()}; {_HINTS[spec.kind]}")
         for warning in template.get_grammar_warnings():
             log.warning("%s: %s", spec.where, warning)
-        compiled = CompiledGrammar(spec, template, self)
+        templates = [template] + [llg.LLMatcher(self._lltokenizer, grammar, log_level=0) for _ in range(NUM_SHARDS - 1)]
+        compiled = CompiledGrammar(spec, templates, self)
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > self.cache_size:
@@ -180,7 +200,7 @@ class GrammarCompiler:
         with self._lock:
             if self._lltokenizer is None and isinstance(self.hf_tokenizer, llg.LLTokenizer):
                 self._lltokenizer = self.hf_tokenizer
-                self._executor = llg.LLExecutor()
+                self._executor = llg.LLExecutor(num_threads=1)
             if self._lltokenizer is None:
                 try:
                     self._lltokenizer = llg.hf.from_tokenizer(
@@ -188,7 +208,7 @@ class GrammarCompiler:
                     )
                 except ValueError as exc:  # a slow (Python) tokenizer
                     raise ConfigError(f"structured outputs need a fast (tokenizers-backed) tokenizer: {exc}") from None
-                self._executor = llg.LLExecutor()
+                self._executor = llg.LLExecutor(num_threads=1)
         return llg
 
 

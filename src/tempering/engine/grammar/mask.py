@@ -1,7 +1,7 @@
 """One step's allowed tokens for the rows of a batch that follow a grammar, and the step after.
 
 Per step, in this order:
-1. `GrammarMask.fill(matchers, device)` (host): llguidance's thread pool writes each constrained
+1. `GrammarMask.fill(matchers, device)` (host): llguidance writes each constrained
    row's allowed-token bitmask (bit t % 32 of int32 word t // 32 set = token t allowed) into a
    pinned buffer, which is copied to the device without blocking. Call it after the forward pass
    was launched, so that on a GPU the host work overlaps the device's. The engine runs its two
@@ -16,7 +16,9 @@ Per step, in this order:
 3. `mask.counts_to_host()` right after sampling, then `mask.forced()` (host, after the step's
    device→host sync): per batch row, whether the grammar allowed exactly one token (the token
    was forced, not chosen).
-4. `advance(pairs)` (host): each matcher consumes its row's sampled token.
+4. `advance(pairs)` (host): each matcher consumes its row's sampled token. The engine hands the
+   pairs to the next step's `compute` (`consume=`), so that the helper thread does both halves of
+   the grammar work while the engine thread processes the tokens and prepares the next step.
 
 A row whose matcher is in an error state (it cannot be, unless a token was appended outside the
 mask) is allowed only the stop tokens, so its sample ends instead of failing the batch.
@@ -28,14 +30,13 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from .compiler import GrammarMatcher
+from .compiler import NUM_SHARDS, GrammarMatcher, import_llguidance
 
-__all__ = ["GrammarMask", "MaskWorker", "advance", "unpack_bitmask"]
+__all__ = ["GrammarMask", "MaskWorker", "PendingMasks", "advance", "unpack_bitmask"]
 
 log = logging.getLogger("tempering")
 
@@ -100,30 +101,17 @@ class GrammarMask:
 
     @staticmethod
     def compute(matchers: list[GrammarMatcher | None], *, pinned: bool = False,
-                on_start: Callable[[], None] | None = None) -> tuple[list[int], torch.Tensor] | None:
+                consume: list[tuple[GrammarMatcher, int]] | None = None) -> tuple[list[int], torch.Tensor] | None:
         """The host half of `fill`: (constrained rows, their [C, W] int32 bitmasks), or None if no row
-        follows a grammar. Touches only these matchers and a new buffer, so another thread may run
-        it (`MaskWorker`) while the engine thread prepares the next step; `on_start` is called just
-        before llguidance starts filling (it runs without the GIL)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return None
-        active = [matchers[i] for i in rows]
-        compiler = active[0].compiler
-        host = torch.empty((len(rows), compiler.num_mask_words), dtype=torch.int32, pin_memory=pinned)  # [C, W]
-        import llguidance.torch as llt
+        follows a grammar. Touches only these matchers and a new buffer, so `MaskWorker` runs it on
+        helper threads (one per shard of the matchers) while the engine thread prepares the next step.
 
-        jobs = [(m.inner, i) for i, m in enumerate(active)]
-        if on_start is not None:
-            on_start()
-        llt.fill_next_token_bitmask_par(compiler.executor, jobs, host)
-        for i, m in enumerate(active):
-            if m.is_error:
-                log.warning("a grammar-constrained sample hit a parser error and is ended: %s", m.error[:500])
-                host[i] = 0
-                for t in compiler.stop_token_ids:
-                    host[i, t // 32] |= _bit(t)
-        return rows, host
+        `consume`: (matcher, token) pairs to `advance` first (the previous step's sampled tokens),
+        so that the helper threads do both halves of a step's grammar work."""
+        plan = _MaskPlan(matchers, pinned, consume)
+        for job in plan.jobs:
+            job.run(job.compiler.executor)
+        return plan.finish()
 
     @classmethod
     def to_device(cls, computed: tuple[list[int], torch.Tensor] | None, num_rows: int, device: torch.device) -> GrammarMask | None:
@@ -177,42 +165,131 @@ class GrammarMask:
         return out
 
 
-class MaskWorker:
-    """A helper thread that computes a step's grammar bitmasks (`GrammarMask.compute`) while the
-    engine thread does the rest of its host work (collecting tokens, scheduling, preparing the
-    next step's inputs).
+class _ShardJob:
+    """One shard's part of a step: consume its matchers' tokens, then fill their mask rows. The
+    argument lists are built up front, so that `run` goes straight into llguidance."""
 
-    llguidance fills masks without the GIL, but a Python thread needs the GIL to get there: a
-    thread woken while the engine thread runs Python would wait for the interpreter's switch
-    interval (5 ms), longer than the work. So `submit` hands the GIL over and returns only once
-    the helper is inside llguidance.
+    __slots__ = ("compiler", "consume", "fill", "ptr", "row_bytes", "total")
+
+    def __init__(self, consume: list[tuple[GrammarMatcher, int]], fill: list[tuple[GrammarMatcher, int]], ptr: int,
+                 row_bytes: int, total: int) -> None:
+        self.compiler = (consume or fill)[0][0].compiler
+        self.consume = [(m.inner, t) for m, t in consume]
+        self.fill = [(m.inner, i) for m, i in fill]  # (matcher, row of the [C, W] buffer)
+        self.ptr, self.row_bytes, self.total = ptr, row_bytes, total
+
+    def run(self, executor) -> None:
+        if self.consume:
+            executor.consume_token_par(self.consume)
+        if self.fill:
+            executor.unsafe_compute_mask_ptr(self.fill, self.ptr, self.row_bytes, self.total)
+
+
+class _MaskPlan:
+    """A step's grammar work split by shard (`compiler.NUM_SHARDS`), and its [C, W] host buffer."""
+
+    def __init__(self, matchers: list[GrammarMatcher | None], pinned: bool,
+                 consume: list[tuple[GrammarMatcher, int]] | None) -> None:
+        self.rows = [i for i, m in enumerate(matchers) if m is not None]
+        self.active = [matchers[i] for i in self.rows]
+        self.host = None
+        by_shard: dict[int, tuple[list, list]] = {}
+        for m, t in consume or ():
+            by_shard.setdefault(m.shard, ([], []))[0].append((m, t))
+        if self.active:
+            compiler = self.active[0].compiler
+            self.host = torch.empty((len(self.rows), compiler.num_mask_words), dtype=torch.int32, pin_memory=pinned)
+            for i, m in enumerate(self.active):
+                by_shard.setdefault(m.shard, ([], []))[1].append((m, i))
+        ptr = self.host.data_ptr() if self.host is not None else 0
+        row_bytes = self.host.shape[1] * 4 if self.host is not None else 0
+        self.jobs = [_ShardJob(c, f, ptr, row_bytes, len(self.rows)) for c, f in by_shard.values()]
+
+    def finish(self) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, bitmasks) once every job ran; rows whose matcher failed may only stop."""
+        if self.host is None:
+            return None
+        host = self.host
+        for i, m in enumerate(self.active):
+            if m.is_error:
+                log.warning("a grammar-constrained sample hit a parser error and is ended: %s", m.error[:500])
+                host[i] = 0
+                for t in m.compiler.stop_token_ids:
+                    host[i, t // 32] |= _bit(t)
+        return self.rows, host
+
+
+class MaskWorker:
+    """Helper threads that do a step's grammar work (`GrammarMask.compute`, one job per shard of the
+    matchers) while the engine thread does the rest of its host work (collecting tokens,
+    scheduling, preparing the next step's inputs).
+
+    llguidance works without the GIL, but a Python thread needs the GIL to get there: a thread
+    woken while the engine thread runs Python would wait for the interpreter's switch interval
+    (5 ms), longer than the work. So `submit` hands the GIL over and returns only once every
+    job is inside llguidance.
+
+    Args:
+        num_threads: helper threads (default: one per shard).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, num_threads: int = NUM_SHARDS) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="tempering-grammar", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"tempering-grammar-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
 
-    def submit(self, matchers: list[GrammarMatcher | None], *, pinned: bool) -> concurrent.futures.Future:
-        """Start computing the masks of `matchers` (see `GrammarMask.compute`); a Future of its result."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        started = threading.Event()
-        self._jobs.put((matchers, pinned, future, started))
-        started.wait()
-        return future
+    def submit(self, matchers: list[GrammarMatcher | None], *, pinned: bool,
+               consume: list[tuple[GrammarMatcher, int]] | None = None) -> PendingMasks:
+        """Start consuming `consume`, then computing the masks of `matchers` (see
+        `GrammarMask.compute`). The engine thread must not touch these matchers until the
+        result is read."""
+        plan = _MaskPlan(matchers, pinned, consume)
+        pending = PendingMasks(plan)
+        for job in plan.jobs:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            started = threading.Event()
+            self._jobs.put((job, future, started))
+            pending.futures.append(future)
+            pending.started.append(started)
+        for started in pending.started:
+            started.wait()
+        return pending
 
     def close(self) -> None:
-        self._jobs.put(None)
+        for _ in self._threads:
+            self._jobs.put(None)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            matchers, pinned, future, started = job
+        executor = None  # one per thread
+        while (item := self._jobs.get()) is not None:
+            job, future, started = item
             try:
-                future.set_result(GrammarMask.compute(matchers, pinned=pinned, on_start=started.set))
+                if executor is None:
+                    executor = import_llguidance().LLExecutor(num_threads=1)
+                started.set()
+                job.run(executor)
+                future.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the engine thread, which fails the step
                 future.set_exception(exc)
             finally:
                 started.set()
+
+
+class PendingMasks:
+    """A step's masks being computed by `MaskWorker`; `result()` waits for them."""
+
+    def __init__(self, plan: _MaskPlan) -> None:
+        self.plan = plan
+        self.futures: list[concurrent.futures.Future] = []
+        self.started: list[threading.Event] = []
+
+    def result(self) -> tuple[list[int], torch.Tensor] | None:
+        """`GrammarMask.compute`'s result. Raises what a job raised."""
+        for future in self.futures:
+            future.result()
+        return self.plan.finish()
 
 
 def advance(pairs: list[tuple[GrammarMatcher, int]]) -> None:
