@@ -17,11 +17,12 @@ Vocabularies: SmolLM2's (49,152, the default model's tokenizer) and Qwen's (151,
 padded to the model's 151,936 logits), read from the `qwen.tiktoken` file that the PyPI package
 `dashscope` ships (`pip download --no-deps dashscope` and unzip `dashscope/resources/qwen.tiktoken`).
 
-`threads` times one decode step's grammar work as the engine does it (B matchers of
-`judge_schema(32)` consume their sampled tokens, then B masks are filled; tokens drawn at random
-from each row's mask) with llguidance's executor at its default thread count and at 1, 2 and 4
-threads, and as one call per row from Python: whether the work scales with threads (it did not
-with llguidance 1.9: see RESULTS.md). With `--qwen-tiktoken` the Qwen vocabulary, else SmolLM2's.
+`threads` times one decode step's grammar work (B matchers of `judge_schema(32)` consume their
+sampled tokens, then B masks are filled; tokens drawn at random from each row's mask): matchers
+copied from one compiled grammar, with llguidance's executor at its default thread count and at
+1, 2 and 4 threads, and as one call per row from Python; and as the engine does it
+(`engine_shards`: matchers spread over `NUM_SHARDS` separately compiled copies, one helper thread
+per copy, `MaskWorker`). With llguidance 1.9 the first kind does not scale with threads. With `--qwen-tiktoken` the Qwen vocabulary, else SmolLM2's.
 
 `engine` runs the rollout engine on the default model (CPU, fp32; rollout.py's workload R: 8 chat
 prompts × n=4, 64 new tokens, base weights) in one process: free sampling (EOS ignored) and every sample under
@@ -289,11 +290,19 @@ def run_threads(args) -> dict:
 
         _, hf = load_cpu_model()
         ll, name, vocab_size, stop = hf, "smollm2", len(hf), [hf.eos_token_id]
+    from tempering.engine.grammar import NUM_SHARDS, MaskWorker
+
     grammar = GrammarCompiler(ll, stop_token_ids=stop, vocab_size=vocab_size).compile(GrammarSpec.json_schema(judge_schema(32)))
     B, W = args.batch[0], (vocab_size + 31) // 32
     executors = {"default": llguidance.LLExecutor(), **{f"threads_{k}": llguidance.LLExecutor(num_threads=k) for k in (1, 2, 4)}}
-    arrangements = [*executors, "per_row_calls"]
-    matchers = {a: [grammar.matcher().inner for _ in range(B)] for a in arrangements}
+    arrangements = [*executors, "per_row_calls", "engine_shards"]
+
+    def one_copy() -> list:  # B matchers of one compiled copy (shard 0), as llguidance's own usage has them
+        return [m.inner for m in (grammar.matcher() for _ in range(NUM_SHARDS * B)) if m.shard == 0][:B]
+
+    engine_rows = [grammar.matcher() for _ in range(B)]  # spread over the copies, as the engine's are
+    worker = MaskWorker()
+    matchers = {a: [m.inner for m in engine_rows] if a == "engine_shards" else one_copy() for a in arrangements}
     masks = {a: torch.empty((B, W), dtype=torch.int32) for a in arrangements}
     tokens: dict[str, list[int] | None] = dict.fromkeys(arrangements)
     times: dict[str, list[float]] = {a: [] for a in arrangements}
@@ -302,7 +311,11 @@ def run_threads(args) -> dict:
         for a in arrangements:  # interleaved, so that a busy moment of the host hits every arrangement
             ms, ptr, toks = matchers[a], masks[a].data_ptr(), tokens[a]
             start = time.perf_counter()
-            if a in executors:
+            if a == "engine_shards":  # MaskWorker: one thread per copy of the grammar, as the engine runs it
+                pairs = list(zip(engine_rows, toks)) if toks is not None else None
+                _, bits = worker.submit(engine_rows, pinned=False, consume=pairs).result()
+                masks[a].copy_(bits)
+            elif a in executors:
                 if toks is not None:
                     executors[a].consume_token_par(list(zip(ms, toks)))
                 executors[a].unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(ms)], ptr, W * 4, B)
@@ -314,6 +327,7 @@ def run_threads(args) -> dict:
             times[a].append(time.perf_counter() - start)
             bits = np.unpackbits(masks[a].numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
             tokens[a] = [int(rng.choice(np.flatnonzero(row))) for row in bits]
+    worker.close()
     ms_per_step = {a: round(statistics.median(t[5:]) * 1e3, 3) for a, t in times.items()}
     return {"benchmark": "structured_outputs_threads", "schema": "ruler.judge_schema(32)", "vocab": name, "batch": B,
             "consume_and_fill_ms_per_step": ms_per_step,

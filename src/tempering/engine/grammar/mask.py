@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 
@@ -230,10 +231,13 @@ class MaskWorker:
     job is inside llguidance.
 
     Args:
-        num_threads: helper threads (default: one per shard).
+        num_threads: helper threads (default: one per shard, but no more than the CPUs less one,
+            which the engine thread needs; a thread runs the jobs of several shards in turn).
     """
 
-    def __init__(self, num_threads: int = NUM_SHARDS) -> None:
+    def __init__(self, num_threads: int | None = None) -> None:
+        if num_threads is None:
+            num_threads = max(1, min(NUM_SHARDS, (os.cpu_count() or 1) - 1))
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._run, name=f"tempering-grammar-{i}", daemon=True)
                          for i in range(num_threads)]
@@ -247,10 +251,11 @@ class MaskWorker:
         result is read."""
         plan = _MaskPlan(matchers, pinned, consume)
         pending = PendingMasks(plan)
-        for job in plan.jobs:
+        n = len(self._threads)
+        for bundle in (plan.jobs[k::n] for k in range(min(n, len(plan.jobs)))):  # one bundle per thread
             future: concurrent.futures.Future = concurrent.futures.Future()
             started = threading.Event()
-            self._jobs.put((job, future, started))
+            self._jobs.put((bundle, future, started))
             pending.futures.append(future)
             pending.started.append(started)
         for started in pending.started:
@@ -264,12 +269,13 @@ class MaskWorker:
     def _run(self) -> None:
         executor = None  # one per thread
         while (item := self._jobs.get()) is not None:
-            job, future, started = item
+            bundle, future, started = item
             try:
                 if executor is None:
                     executor = import_llguidance().LLExecutor(num_threads=1)
                 started.set()
-                job.run(executor)
+                for job in bundle:
+                    job.run(executor)
                 future.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the engine thread, which fails the step
                 future.set_exception(exc)
