@@ -21,7 +21,7 @@ padded to the model's 151,936 logits), read from the `qwen.tiktoken` file that t
 sampled tokens, then B masks are filled; tokens drawn at random from each row's mask): matchers
 copied from one compiled grammar, with llguidance's executor at its default thread count and at
 1, 2 and 4 threads, and as one call per row from Python; and as the engine does it
-(`engine_shards`: matchers spread over `NUM_SHARDS` separately compiled copies, one helper thread
+(`engine_shards`: matchers spread over `default_num_shards()` separately compiled copies, one helper thread
 per copy, `MaskWorker`). With llguidance 1.9 the first kind does not scale with threads. With `--qwen-tiktoken` the Qwen vocabulary, else SmolLM2's.
 
 `engine` runs the rollout engine on the default model (CPU, fp32; rollout.py's workload R: 8 chat
@@ -290,15 +290,17 @@ def run_threads(args) -> dict:
 
         _, hf = load_cpu_model()
         ll, name, vocab_size, stop = hf, "smollm2", len(hf), [hf.eos_token_id]
-    from tempering.engine.grammar import NUM_SHARDS, MaskWorker
+    from tempering.engine.grammar import MaskWorker
 
     grammar = GrammarCompiler(ll, stop_token_ids=stop, vocab_size=vocab_size).compile(GrammarSpec.json_schema(judge_schema(32)))
     B, W = args.batch[0], (vocab_size + 31) // 32
     executors = {"default": llguidance.LLExecutor(), **{f"threads_{k}": llguidance.LLExecutor(num_threads=k) for k in (1, 2, 4)}}
     arrangements = [*executors, "per_row_calls", "engine_shards"]
 
+    shards = grammar.compiler.num_shards
+
     def one_copy() -> list:  # B matchers of one compiled copy (shard 0), as llguidance's own usage has them
-        return [m.inner for m in (grammar.matcher() for _ in range(NUM_SHARDS * B)) if m.shard == 0][:B]
+        return [m.inner for m in (grammar.matcher() for _ in range(shards * B)) if m.shard == 0][:B]
 
     engine_rows = [grammar.matcher() for _ in range(B)]  # spread over the copies, as the engine's are
     worker = MaskWorker()

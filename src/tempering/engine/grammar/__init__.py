@@ -6,10 +6,11 @@ and `advance` (mask.py describes the order).
 """
 
 from .compiler import (
-    NUM_SHARDS,
+    MAX_SHARDS,
     CompiledGrammar,
     GrammarCompiler,
     GrammarMatcher,
+    default_num_shards,
     import_llguidance,
     llguidance_installed,
 )
@@ -17,7 +18,7 @@ from .mask import GrammarMask, MaskWorker, advance
 from .spec import GrammarSpec
 
 __all__ = [
-    "NUM_SHARDS",
+    "MAX_SHARDS",
     "CompiledGrammar",
     "GrammarCompiler",
     "GrammarMask",
@@ -25,6 +26,7 @@ __all__ = [
     "MaskWorker",
     "GrammarSpec",
     "advance",
+    "default_num_shards",
     "import_llguidance",
     "llguidance_installed",
 ]

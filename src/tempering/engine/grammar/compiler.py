@@ -17,13 +17,15 @@ import importlib.util
 import itertools
 import json
 import logging
+import os
 import threading
 from typing import Any
 
 from ...errors import ConfigError, MissingDependencyError
 from .spec import GrammarSpec
 
-__all__ = ["NUM_SHARDS", "CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "import_llguidance", "llguidance_installed"]
+__all__ = ["MAX_SHARDS", "CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "default_num_shards", "import_llguidance",
+           "llguidance_installed"]
 
 log = logging.getLogger("tempering")
 
@@ -60,13 +62,20 @@ def import_llguidance() -> Any:
     return llguidance
 
 
-NUM_SHARDS = 4
-"""Copies of each compiled grammar that matchers are spread over (round robin), so that the rows of
-a step fill their masks on several threads. The matchers copied from one compiled grammar share
+MAX_SHARDS = 4
+"""The most copies of each compiled grammar that matchers are spread over (round robin), so that
+the rows of a step fill their masks on several threads. The matchers copied from one compiled grammar share
 its lazily built lexer, and llguidance 1.9 serializes them on it: on an H100 host, consuming 256
 tokens and filling 256 masks took 4.2-4.6 ms on one thread and no less on 4-8 threads over one
 grammar, but 2.0-2.1 ms on 4-8 threads over 4-8 separately compiled copies
 (`python benchmarks/structured_outputs.py threads`, benchmarks/RESULTS.md). More than 4 gained nothing."""
+
+
+def default_num_shards() -> int:
+    """Copies per grammar, and the engine's helper threads that work on them (`MaskWorker`):
+    MAX_SHARDS, but no more than the CPUs less one (the engine thread's); 1 on a 2-core machine,
+    where extra copies would only cost compile time."""
+    return max(1, min(MAX_SHARDS, (os.cpu_count() or 1) - 1))
 
 
 class GrammarMatcher:
@@ -74,7 +83,7 @@ class GrammarMatcher:
 
     Attributes:
         inner: the LLMatcher.
-        compiler: the GrammarCompiler it came from (its vocabulary size, stop ids and thread pool).
+        compiler: the GrammarCompiler it came from (its vocabulary size, stop ids and executor).
         shard: which copy of the compiled grammar it came from (matchers of different shards can
             be worked on by different threads at the same time).
     """
@@ -111,7 +120,7 @@ class CompiledGrammar:
 
     def __init__(self, spec: GrammarSpec, templates: list[Any], compiler: GrammarCompiler) -> None:
         self.spec = spec
-        self._templates = templates  # NUM_SHARDS separately compiled copies
+        self._templates = templates  # the compiler's num_shards separately compiled copies
         self._next = itertools.count()
         self.compiler = compiler
 
@@ -136,15 +145,18 @@ class GrammarCompiler:
         vocab_size: V, the width of the model's logits (it may exceed `len(tokenizer)`; ids
             past the tokenizer are never allowed). Masks have ceil(V / 32) int32 words per row.
         cache_size: how many compiled grammars to keep (least recently used ones are dropped).
+        num_shards: separately compiled copies of each grammar (default: `default_num_shards()`).
     """
 
-    def __init__(self, tokenizer: Any, *, stop_token_ids: list[int], vocab_size: int, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: Any, *, stop_token_ids: list[int], vocab_size: int, cache_size: int = 256,
+                 num_shards: int | None = None) -> None:
         if not stop_token_ids:
             raise ConfigError("a grammar needs at least one stop token id to end on")
         self.hf_tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.vocab_size = int(vocab_size)
         self.cache_size = cache_size
+        self.num_shards = num_shards if num_shards is not None else default_num_shards()
         self._cache: collections.OrderedDict[GrammarSpec, CompiledGrammar] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._lltokenizer: Any = None
@@ -159,7 +171,7 @@ class GrammarCompiler:
     def executor(self) -> Any:
         """llguidance's executor for filling masks and consuming tokens of many matchers in one call
         on the calling thread (one call: the GIL is released once, not once per row). One thread:
-        with llguidance 1.9 its default pool was slower than one thread (see NUM_SHARDS; the
+        with llguidance 1.9 its default pool was slower than one thread (see MAX_SHARDS; the
         engine's `MaskWorker` spreads the shards over threads of its own instead)."""
         self._ensure_tokenizer()
         return self._executor
@@ -187,7 +199,7 @@ class GrammarCompiler:
             raise ConfigError(f"{spec.where} cannot be used: {template.get_error().strip()}; {_HINTS[spec.kind]}")
         for warning in template.get_grammar_warnings():
             log.warning("%s: %s", spec.where, warning)
-        templates = [template] + [llg.LLMatcher(self._lltokenizer, grammar, log_level=0) for _ in range(NUM_SHARDS - 1)]
+        templates = [template] + [llg.LLMatcher(self._lltokenizer, grammar, log_level=0) for _ in range(self.num_shards - 1)]
         compiled = CompiledGrammar(spec, templates, self)
         with self._lock:
             self._cache[spec] = compiled

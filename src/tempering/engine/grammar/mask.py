@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import queue
 import threading
 
 import numpy as np
 import torch
 
-from .compiler import NUM_SHARDS, GrammarMatcher, import_llguidance
+from .compiler import GrammarMatcher, default_num_shards, import_llguidance
 
 __all__ = ["GrammarMask", "MaskWorker", "PendingMasks", "advance", "unpack_bitmask"]
 
@@ -187,7 +186,7 @@ class _ShardJob:
 
 
 class _MaskPlan:
-    """A step's grammar work split by shard (`compiler.NUM_SHARDS`), and its [C, W] host buffer."""
+    """A step's grammar work split by shard (`GrammarCompiler.num_shards`), and its [C, W] host buffer."""
 
     def __init__(self, matchers: list[GrammarMatcher | None], pinned: bool,
                  consume: list[tuple[GrammarMatcher, int]] | None) -> None:
@@ -231,13 +230,13 @@ class MaskWorker:
     job is inside llguidance.
 
     Args:
-        num_threads: helper threads (default: one per shard, but no more than the CPUs less one,
-            which the engine thread needs; a thread runs the jobs of several shards in turn).
+        num_threads: helper threads (default: `default_num_shards()`, one per copy of a grammar; with
+            fewer, a thread runs the jobs of several copies in turn).
     """
 
     def __init__(self, num_threads: int | None = None) -> None:
         if num_threads is None:
-            num_threads = max(1, min(NUM_SHARDS, (os.cpu_count() or 1) - 1))
+            num_threads = default_num_shards()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._run, name=f"tempering-grammar-{i}", daemon=True)
                          for i in range(num_threads)]
