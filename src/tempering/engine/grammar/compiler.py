@@ -67,8 +67,9 @@ MAX_SHARDS = 4
 the rows of a step fill their masks on several threads. The matchers copied from one compiled grammar share
 its lazily built lexer, and llguidance 1.9 serializes them on it: on an H100 host, consuming 256
 tokens and filling 256 masks took 4.2-4.6 ms on one thread and no less on 4-8 threads over one
-grammar, but 2.0-2.1 ms on 4-8 threads over 4-8 separately compiled copies
-(`python benchmarks/structured_outputs.py threads`, benchmarks/RESULTS.md). More than 4 gained nothing."""
+grammar, but 2.0-2.1 ms on 4-8 threads over 4-8 separately compiled copies (a scratch
+measurement; `python benchmarks/structured_outputs.py threads` times the engine's arrangement
+against llguidance's own: benchmarks/RESULTS.md). More than 4 gained nothing."""
 
 
 def default_num_shards() -> int:
