@@ -22,7 +22,9 @@ sampled tokens, then B masks are filled; tokens drawn at random from each row's 
 copied from one compiled grammar, with llguidance's executor at its default thread count and at
 1, 2 and 4 threads, and as one call per row from Python; and as the engine does it
 (`engine_shards`: matchers spread over `default_num_shards()` separately compiled copies, one helper thread
-per copy, `MaskWorker`). With llguidance 1.9 the first kind does not scale with threads. With `--qwen-tiktoken` the Qwen vocabulary, else SmolLM2's.
+per copy, `MaskWorker`), alone and while the submitting thread runs `--busy-ms` of Python
+(`engine_shards_busy`, as the engine thread processes tokens and prepares the next step meanwhile:
+"serial_ms" is what it costs if the two do not overlap, "ideal_ms" if they fully do). With llguidance 1.9 the first kind does not scale with threads. With `--qwen-tiktoken` the Qwen vocabulary, else SmolLM2's.
 
 `engine` runs the rollout engine on the default model (CPU, fp32; rollout.py's workload R: 8 chat
 prompts × n=4, 64 new tokens, base weights) in one process: free sampling (EOS ignored) and every sample under
@@ -277,6 +279,14 @@ class _NoText:
         return ""
 
 
+def _python_work(seconds: float) -> None:
+    """Hold the GIL for `seconds` running Python, as the engine thread does while the masks fill."""
+    end = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < end:
+        n += 1
+
+
 def run_threads(args) -> dict:
     import llguidance
     import numpy as np
@@ -295,7 +305,7 @@ def run_threads(args) -> dict:
     grammar = GrammarCompiler(ll, stop_token_ids=stop, vocab_size=vocab_size).compile(GrammarSpec.json_schema(judge_schema(32)))
     B, W = args.batch[0], (vocab_size + 31) // 32
     executors = {"default": llguidance.LLExecutor(), **{f"threads_{k}": llguidance.LLExecutor(num_threads=k) for k in (1, 2, 4)}}
-    arrangements = [*executors, "per_row_calls", "engine_shards"]
+    arrangements = [*executors, "per_row_calls", "engine_shards", "engine_shards_busy"]
 
     shards = grammar.compiler.num_shards
 
@@ -304,7 +314,9 @@ def run_threads(args) -> dict:
 
     engine_rows = [grammar.matcher() for _ in range(B)]  # spread over the copies, as the engine's are
     worker = MaskWorker()
-    matchers = {a: [m.inner for m in engine_rows] if a == "engine_shards" else one_copy() for a in arrangements}
+    busy_rows = [grammar.matcher() for _ in range(B)]
+    rows = {"engine_shards": engine_rows, "engine_shards_busy": busy_rows}
+    matchers = {a: [m.inner for m in rows[a]] if a in rows else one_copy() for a in arrangements}
     masks = {a: torch.empty((B, W), dtype=torch.int32) for a in arrangements}
     tokens: dict[str, list[int] | None] = dict.fromkeys(arrangements)
     times: dict[str, list[float]] = {a: [] for a in arrangements}
@@ -313,9 +325,12 @@ def run_threads(args) -> dict:
         for a in arrangements:  # interleaved, so that a busy moment of the host hits every arrangement
             ms, ptr, toks = matchers[a], masks[a].data_ptr(), tokens[a]
             start = time.perf_counter()
-            if a == "engine_shards":  # MaskWorker: one thread per copy of the grammar, as the engine runs it
-                pairs = list(zip(engine_rows, toks)) if toks is not None else None
-                _, bits = worker.submit(engine_rows, pinned=False, consume=pairs).result()
+            if a in rows:  # MaskWorker: one thread per copy of the grammar, as the engine runs it
+                pairs = list(zip(rows[a], toks)) if toks is not None else None
+                pending = worker.submit(rows[a], pinned=False, consume=pairs)
+                if a == "engine_shards_busy":  # the engine thread's own Python work of the step, meanwhile
+                    _python_work(args.busy_ms / 1e3)
+                _, bits = pending.result()
                 masks[a].copy_(bits)
             elif a in executors:
                 if toks is not None:
@@ -331,8 +346,11 @@ def run_threads(args) -> dict:
             tokens[a] = [int(rng.choice(np.flatnonzero(row))) for row in bits]
     worker.close()
     ms_per_step = {a: round(statistics.median(t[5:]) * 1e3, 3) for a, t in times.items()}
+    busy, alone = args.busy_ms, ms_per_step["engine_shards"]
     return {"benchmark": "structured_outputs_threads", "schema": "ruler.judge_schema(32)", "vocab": name, "batch": B,
             "consume_and_fill_ms_per_step": ms_per_step,
+            "engine_shards_busy": {"python_work_ms": busy, "ms": ms_per_step["engine_shards_busy"],
+                                   "serial_ms": round(busy + alone, 3), "ideal_ms": round(max(busy, alone), 3)},
             "vs_default": {a: round(ms_per_step[a] / ms_per_step["default"], 3) for a in arrangements}}
 
 
@@ -342,6 +360,8 @@ def main() -> None:
     parser.add_argument("--qwen-tiktoken", default=None, help="path to dashscope's resources/qwen.tiktoken")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--busy-ms", type=float, default=2.0,
+                        help="threads: the engine thread's Python work during the masks (engine_shards_busy)")
     parser.add_argument("--rounds", type=int, default=3, help="engine: interleaved timed runs of each")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()

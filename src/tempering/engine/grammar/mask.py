@@ -110,7 +110,8 @@ class GrammarMask:
         so that the helper threads do both halves of a step's grammar work."""
         plan = _MaskPlan(matchers, pinned, consume)
         for job in plan.jobs:
-            job.run(job.compiler.executor)
+            job.run_consume(job.compiler.executor)
+            job.run_fill(job.compiler.executor)
         return plan.finish()
 
     @classmethod
@@ -167,7 +168,7 @@ class GrammarMask:
 
 class _ShardJob:
     """One shard's part of a step: consume its matchers' tokens, then fill their mask rows. The
-    argument lists are built up front, so that `run` goes straight into llguidance."""
+    argument lists are built up front, so that each half goes straight into llguidance."""
 
     __slots__ = ("compiler", "consume", "fill", "ptr", "row_bytes", "total")
 
@@ -178,9 +179,22 @@ class _ShardJob:
         self.fill = [(m.inner, i) for m, i in fill]  # (matcher, row of the [C, W] buffer)
         self.ptr, self.row_bytes, self.total = ptr, row_bytes, total
 
-    def run(self, executor) -> None:
+    @classmethod
+    def merged(cls, jobs: list[_ShardJob]) -> _ShardJob:
+        """The jobs of several shards as one (for one thread: one llguidance call per half)."""
+        if len(jobs) == 1:
+            return jobs[0]
+        job = object.__new__(cls)
+        job.compiler, job.ptr, job.row_bytes, job.total = jobs[0].compiler, jobs[0].ptr, jobs[0].row_bytes, jobs[0].total
+        job.consume = [pair for j in jobs for pair in j.consume]
+        job.fill = [pair for j in jobs for pair in j.fill]
+        return job
+
+    def run_consume(self, executor) -> None:
         if self.consume:
             executor.consume_token_par(self.consume)
+
+    def run_fill(self, executor) -> None:
         if self.fill:
             executor.unsafe_compute_mask_ptr(self.fill, self.ptr, self.row_bytes, self.total)
 
@@ -220,18 +234,23 @@ class _MaskPlan:
 
 
 class MaskWorker:
-    """Helper threads that do a step's grammar work (`GrammarMask.compute`, one job per shard of the
-    matchers) while the engine thread does the rest of its host work (collecting tokens,
-    scheduling, preparing the next step's inputs).
+    """Helper threads that do a step's grammar work (`GrammarMask.compute`: the shards' jobs, one
+    merged job per thread) while the engine thread does the rest of its host work (processing
+    tokens, scheduling, preparing the next step's inputs).
 
-    llguidance works without the GIL, but a Python thread needs the GIL to get there: a thread
-    woken while the engine thread runs Python would wait for the interpreter's switch interval
-    (5 ms), longer than the work. So `submit` hands the GIL over and returns only once every
-    job is inside llguidance.
+    llguidance works without the GIL, but a thread needs the GIL to get into it and again when it
+    returns, and a thread waiting for the GIL while the engine thread runs Python waits up to the
+    interpreter's switch interval (5 ms), longer than the work. So `submit` holds the engine
+    thread (blocked, the GIL free) until every helper has consumed its tokens and entered its one
+    fill call, which then runs beside the engine thread's Python work; the helper needs the GIL
+    again only to report, by which time the engine thread waits in `PendingMasks.result`. Before
+    (consume and fill started together, the GIL needed between the two calls), each fill waited
+    for the engine thread's Python work of the step to end: `python benchmarks/structured_outputs.py
+    threads` (`engine_shards_busy`) measures the difference.
 
     Args:
         num_threads: helper threads (default: `default_num_shards()`, one per copy of a grammar; with
-            fewer, a thread runs the jobs of several copies in turn).
+            fewer, a thread runs the jobs of several copies as one).
     """
 
     def __init__(self, num_threads: int | None = None) -> None:
@@ -245,20 +264,20 @@ class MaskWorker:
 
     def submit(self, matchers: list[GrammarMatcher | None], *, pinned: bool,
                consume: list[tuple[GrammarMatcher, int]] | None = None) -> PendingMasks:
-        """Start consuming `consume`, then computing the masks of `matchers` (see
-        `GrammarMask.compute`). The engine thread must not touch these matchers until the
-        result is read."""
+        """Consume `consume`, then start computing the masks of `matchers` (see
+        `GrammarMask.compute`); returns once every helper is inside its fill. The engine thread
+        must not touch these matchers until the result is read."""
         plan = _MaskPlan(matchers, pinned, consume)
         pending = PendingMasks(plan)
         n = len(self._threads)
-        for bundle in (plan.jobs[k::n] for k in range(min(n, len(plan.jobs)))):  # one bundle per thread
+        for k in range(min(n, len(plan.jobs))):  # one merged job per thread
             future: concurrent.futures.Future = concurrent.futures.Future()
-            started = threading.Event()
-            self._jobs.put((bundle, future, started))
+            filling = threading.Event()
+            self._jobs.put((_ShardJob.merged(plan.jobs[k::n]), future, filling))
             pending.futures.append(future)
-            pending.started.append(started)
-        for started in pending.started:
-            started.wait()
+            pending.filling.append(filling)
+        for filling in pending.filling:
+            filling.wait()
         return pending
 
     def close(self) -> None:
@@ -268,18 +287,18 @@ class MaskWorker:
     def _run(self) -> None:
         executor = None  # one per thread
         while (item := self._jobs.get()) is not None:
-            bundle, future, started = item
+            job, future, filling = item
             try:
                 if executor is None:
                     executor = import_llguidance().LLExecutor(num_threads=1)
-                started.set()
-                for job in bundle:
-                    job.run(executor)
+                job.run_consume(executor)
+                filling.set()
+                job.run_fill(executor)
                 future.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the engine thread, which fails the step
                 future.set_exception(exc)
             finally:
-                started.set()
+                filling.set()
 
 
 class PendingMasks:
@@ -288,7 +307,7 @@ class PendingMasks:
     def __init__(self, plan: _MaskPlan) -> None:
         self.plan = plan
         self.futures: list[concurrent.futures.Future] = []
-        self.started: list[threading.Event] = []
+        self.filling: list[threading.Event] = []
 
     def result(self) -> tuple[list[int], torch.Tensor] | None:
         """`GrammarMask.compute`'s result. Raises what a job raised."""
