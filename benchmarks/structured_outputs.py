@@ -23,7 +23,8 @@ copied from one compiled grammar, with llguidance's executor at its default thre
 1, 2 and 4 threads, and as one call per row from Python; and as the engine does it
 (`engine_shards`: matchers spread over `default_num_shards()` separately compiled copies, one helper thread
 per copy, `MaskWorker`), alone and while the submitting thread runs `--busy-ms` of Python
-(`engine_shards_busy`, as the engine thread processes tokens and prepares the next step meanwhile:
+(`engine_shards_busy`, as the engine thread processes tokens and schedules meanwhile (a third of it,
+then `wait_filling`), then prepares the next step:
 "serial_ms" is what it costs if the two do not overlap, "ideal_ms" if they fully do). With llguidance 1.9 the first kind does not scale with threads. With `--qwen-tiktoken` the Qwen vocabulary, else SmolLM2's.
 
 `engine` runs the rollout engine on the default model (CPU, fp32; rollout.py's workload R: 8 chat
@@ -328,8 +329,11 @@ def run_threads(args) -> dict:
             if a in rows:  # MaskWorker: one thread per copy of the grammar, as the engine runs it
                 pairs = list(zip(rows[a], toks)) if toks is not None else None
                 pending = worker.submit(rows[a], pinned=False, consume=pairs)
-                if a == "engine_shards_busy":  # the engine thread's own Python work of the step, meanwhile
-                    _python_work(args.busy_ms / 1e3)
+                if a == "engine_shards_busy":  # the engine thread's own Python work of the step, meanwhile:
+                    _python_work(args.busy_ms / 3e3)  # processing the tokens and scheduling (a third),
+                pending.wait_filling()
+                if a == "engine_shards_busy":
+                    _python_work(args.busy_ms * 2 / 3e3)  # then preparing the next step
                 _, bits = pending.result()
                 masks[a].copy_(bits)
             elif a in executors:

@@ -162,3 +162,53 @@ def test_mask_worker_shards_give_the_same_masks_as_one_thread(parts):
     finally:
         worker.close()
     assert not any(m.is_error for m in inline + threaded)
+
+
+def test_a_token_the_grammar_rejects_in_the_workers_consume_ends_that_sample_only(parts):
+    """A rejected token in MaskWorker's consume flags its matcher (`failed`): its row may then only
+    stop, the other rows keep their masks."""
+    from tempering.engine.grammar import MaskWorker
+
+    model, tokenizer, renderer, compiler = parts
+    grammar = compiler.compile(GrammarSpec.choice(["yes sir", "no sir"]))
+    good, bad = grammar.matcher(), grammar.matcher()
+    worker = MaskWorker(num_threads=1)
+    try:
+        pending = worker.submit([good, bad], pinned=False,
+                                consume=[(good, ids_of(tokenizer, "yes")[0]), (bad, ids_of(tokenizer, "maybe")[0])])
+        pending.wait_filling()
+        rows, bits = pending.result()
+    finally:
+        worker.close()
+    assert bad.failed and bad.is_error and not good.failed
+    allowed = GrammarMask(rows, bits, 2).apply(torch.zeros(2, compiler.vocab_size))
+    assert torch.isfinite(allowed[1]).nonzero()[:, 0].tolist() == compiler.stop_token_ids
+    assert torch.isfinite(allowed[0]).sum() >= 1 and not torch.isfinite(allowed[0, compiler.stop_token_ids]).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_masked_sampling_graph_draws_what_eager_sampling_draws(parts):
+    """Decode steps under a grammar are sampled by a captured graph (logits + fused masked sampler);
+    with the same seeds it gives the tokens, logprobs and forced flags of the eager path."""
+    import copy
+
+    model, tokenizer, renderer, compiler = parts
+    gpu_model = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    prompt = renderer.render_prompt([{"role": "user", "content": "Describe someone as JSON."}])
+    grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    outputs = {}
+    for graphs in (True, False):
+        engine = Engine(engine_model_for(gpu_model, 2048), tokenizer, stop_token_ids=renderer.stop_token_ids,
+                        lock=threading.RLock(), config=EngineConfig(use_cuda_graphs=graphs))
+        try:
+            params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, grammar=grammar)
+            outputs[graphs] = engine.submit(prompt, params, n=8, policy=BasePolicy()).result(timeout=300)
+            if graphs:
+                assert engine.runner.graphs.sample_graphs, "no masked-sampling graph was captured"
+        finally:
+            engine.close()
+    for a, b in zip(outputs[True], outputs[False]):
+        assert a.token_ids == b.token_ids and a.forced == b.forced
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+        if a.finish_reason == "stop":
+            assert set(json.loads(a.text)) == {"name", "ok"}

@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import EngineError
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .grammar import GrammarMask, MaskWorker
+from .grammar import GrammarMask, MaskWorker, PendingMasks
 from .grammar import advance as advance_grammars
 from .lora import EngineAdapter, collect_adapter
 from .memory import release_free_memory
@@ -231,10 +231,11 @@ class Engine:
         With t+1 the newest launched step (its sampling deferred when it has grammar rows) and t
         the one before it (sampled, not collected):
         1. collect t's tokens (sampled before t+1's forward was queued, so this rarely waits);
-        2. when t+1 waits for grammar masks, a helper thread has the matchers consume t's tokens
-           and fills t+1's bitmasks (llguidance works without the GIL), while this thread
+        2. when t+1 waits for grammar masks, helper threads have the matchers consume t's tokens
+           and fill t+1's bitmasks (llguidance works without the GIL), while this thread
         3. processes t's tokens (stops, completions), schedules t+2 and prepares its inputs
-           (sending them to the device);
+           (sending them to the device): the consume runs beside the processing and scheduling,
+           the fill beside the preparing;
         4. samples t+1 with the masks, then launches t+2's forward, which queues right behind.
         So the host work of a step overlaps the device's forward also under structured outputs.
         """
@@ -247,7 +248,7 @@ class Engine:
         masks = None
         if newest is not None and newest.deferred is not None:
             matchers = [None if s.is_finished else s.grammar for s in newest.seqs]
-            if self.mask_thread:  # the helper consumes t's tokens, then fills t+1's masks
+            if self.mask_thread:  # the helpers consume t's tokens, then fill t+1's masks
                 masks = self._mask_worker().submit(matchers, pinned=self.runner.is_cuda, consume=consume)
             else:
                 masks = concurrent.futures.Future()
@@ -257,9 +258,11 @@ class Engine:
         if sampled is not None:
             self._process(sampled)
         batch = self.scheduler.schedule()
+        if isinstance(masks, PendingMasks):  # let the helpers into their fill calls (the GIL: see MaskWorker)
+            masks.wait_filling()
         prepared = self.runner.prepare(batch, newest) if batch else None
         if masks is not None:  # t+1's sampling goes in the device's queue before t+2's forward, which reads it
-            self.runner.sample_deferred(newest, GrammarMask.to_device(masks.result(), len(newest.seqs), self.device))
+            self.runner.sample_deferred(newest, masks.result())
         launched = None
         if prepared is not None:
             with self.lock:

@@ -14,7 +14,8 @@ device→host synchronization.
 
 Structured outputs: when a sampling row follows a grammar, `launch()` stops after the logits and
 `sample_deferred()` samples later with the grammar bitmasks, which the engine fills once the
-matchers consumed the previous step's tokens, while the device runs the forward.
+matchers consumed the previous step's tokens, while the device runs the forward. A decode-only
+step that ran from a CUDA graph is sampled by a second graph (logits and masked sampling).
 
 Each running sequence owns a row of a host block table that grows as the block manager hands
 it blocks, so a step copies its rows with one numpy gather instead of rebuilding Python lists.
@@ -73,7 +74,8 @@ class LaunchedStep:
         host_ids, host_logprobs: [S] pinned host copies being filled.
         host_top_ids, host_top_logprobs: [S, K] when some row asked for top logprobs.
         done: recorded after the copies (None on CPU, where they are already done).
-        deferred: (logits [S, V], options) while a step with grammar rows waits to be sampled.
+        deferred: (logits [S, V], options, False) while a step with grammar rows waits to be sampled;
+            (hidden [S, H], options, True) when a CUDA graph will compute its logits and sample.
         grammar_mask: the step's grammar bitmasks, when some row follows a grammar.
         versions: per row, the policy version of the weights the step read (set at launch).
     """
@@ -87,7 +89,7 @@ class LaunchedStep:
     host_top_ids: torch.Tensor | None = None
     host_top_logprobs: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
-    deferred: tuple[torch.Tensor, SamplingTensors] | None = None
+    deferred: tuple[torch.Tensor, SamplingTensors, bool] | None = None
     grammar_mask: GrammarMask | None = None
     versions: list[int] = field(default_factory=list)
 
@@ -293,7 +295,8 @@ class ModelRunner:
         if lora:  # the spare-rows LoRA path: refresh the copy of A if the trainer changed it
             self.model.bind_lora(lora, len(ids))
         has_grammar = any(s.grammar is not None for s in seqs)
-        if self._graphable(batch, lora):
+        graphed = self._graphable(batch, lora)
+        if graphed:
             # the RL rollout case samples inside the graph: no top-k/top-p, no top logprobs, no grammar
             in_graph = not (options.needs_truncation or options.num_top_logprobs or has_grammar)
             hidden = self.graphs.run(
@@ -312,22 +315,37 @@ class ModelRunner:
             hidden = self.model.forward(ids, prepared.positions, ctx, self.kv_cache, lora)
         if not seqs:
             return None
-        logits = self.model.logits(hidden[prepared.sample_rows])  # [S, V]
         step = LaunchedStep(seqs, [], None, {s.seq_id: j for j, s in enumerate(seqs)})
+        if has_grammar and graphed and not (options.needs_truncation or options.num_top_logprobs):
+            step.deferred = (hidden, options, True)  # a graph computes the logits and samples: sample_deferred()
+            return step
+        logits = self.model.logits(hidden[prepared.sample_rows])  # [S, V]
         if has_grammar:  # structured outputs: sampled by sample_deferred()
-            step.deferred = (logits, options)
+            step.deferred = (logits, options, False)
             return step
         self._sample(step, logits, options)
         return step
 
-    def sample_deferred(self, step: LaunchedStep, grammar_mask: GrammarMask | None) -> None:
+    def sample_deferred(self, step: LaunchedStep, computed: tuple[list[int], torch.Tensor] | None) -> None:
         """Sample a step that has grammar rows, with bitmasks filled after the matchers consumed
-        the previous step's tokens (`GrammarMask.compute`, on the host while the device runs the
-        step's forward). Rows whose sample ended meanwhile may be sampled free: their token is
-        dropped anyway."""
-        logits, options = step.deferred
+        the previous step's tokens (`computed`: `GrammarMask.compute`'s result, on the host while
+        the device runs the step's forward). Rows whose sample ended meanwhile may be sampled
+        free: their token is dropped anyway."""
+        values, options, graphed = step.deferred
         step.deferred = None
-        step.grammar_mask = grammar_mask
+        num_rows = len(step.seqs)
+        if graphed and computed is not None:  # logits and masked sampling in one graph launch
+            rows, bits = computed
+            index = GrammarMask.row_index_host(rows, num_rows, pinned=True)
+            logprobs, num_allowed = self.graphs.sample_masked(
+                values, (options.temperature, options.seeds, options.counters), bits, index)
+            step.grammar_mask = GrammarMask.sampled(rows, num_rows, num_allowed)
+            step.grammar_mask.counts_to_host()
+            step.token_ids = self.last_tokens[:num_rows]
+            self._copy_to_host(step, logprobs)
+            return
+        logits = self.model.logits(values) if graphed else values
+        step.grammar_mask = GrammarMask.to_device(computed, num_rows, self.device)
         self._sample(step, logits, options)
 
     def _sample(self, step: LaunchedStep, logits: torch.Tensor, options: SamplingTensors) -> None:

@@ -14,7 +14,7 @@ from .compiler import (
     import_llguidance,
     llguidance_installed,
 )
-from .mask import GrammarMask, MaskWorker, advance
+from .mask import GrammarMask, MaskWorker, PendingMasks, advance
 from .spec import GrammarSpec
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "GrammarMask",
     "GrammarMatcher",
     "MaskWorker",
+    "PendingMasks",
     "GrammarSpec",
     "advance",
     "default_num_shards",

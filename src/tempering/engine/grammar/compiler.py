@@ -87,18 +87,30 @@ class GrammarMatcher:
         compiler: the GrammarCompiler it came from (its vocabulary size, stop ids and executor).
         shard: which copy of the compiled grammar it came from (matchers of different shards can
             be worked on by different threads at the same time).
+        failed: set when a token it was given was not allowed (it is then in llguidance's error
+            state for good); the mask code reads this flag instead of asking llguidance every step.
     """
 
-    __slots__ = ("compiler", "inner", "shard")
+    __slots__ = ("compiler", "failed", "inner", "shard")
 
     def __init__(self, inner: Any, compiler: GrammarCompiler, shard: int = 0) -> None:
         self.inner = inner
         self.compiler = compiler
         self.shard = shard
+        self.failed = False
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (and an error state) if the grammar does not allow it."""
-        return self.inner.consume_token(token_id)
+        ok = self.inner.consume_token(token_id)
+        if not ok:
+            self.mark_failed()
+        return ok
+
+    def mark_failed(self) -> None:
+        """Record (and log, once) that this matcher rejected a token."""
+        if not self.failed:
+            self.failed = True
+            log.warning("a grammar-constrained sample hit a parser error and is ended: %s", self.error[:500])
 
     @property
     def is_error(self) -> bool:

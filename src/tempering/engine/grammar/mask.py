@@ -70,20 +70,36 @@ class GrammarMask:
     the device by `apply` otherwise (a reduction the GPU does nearly for free).
     """
 
-    __slots__ = ("_host_rows", "_num_allowed", "bits", "num_rows", "row_index", "rows")
+    __slots__ = ("_counts_per_batch_row", "_host_rows", "_num_allowed", "bits", "num_rows", "row_index", "rows")
 
     def __init__(self, rows: list[int], bits: torch.Tensor, num_rows: int, num_allowed: list[int] | None = None) -> None:
         self._host_rows = rows
         pinned = bits.device.type == "cuda"
         self.rows = torch.tensor(rows, dtype=torch.long, pin_memory=pinned).to(bits.device, non_blocking=True)
-        index = [-1] * num_rows
-        for i, row in enumerate(rows):
-            index[row] = i
         # [B] int32: each batch row's bitmask row, -1 for a free row (the fused GPU sampler reads it)
-        self.row_index = torch.tensor(index, dtype=torch.int32, pin_memory=pinned).to(bits.device, non_blocking=True)
+        self.row_index = self.row_index_host(rows, num_rows, pinned).to(bits.device, non_blocking=True)
         self.bits = bits
         self.num_rows = num_rows
         self._num_allowed: torch.Tensor | list[int] | None = num_allowed
+        self._counts_per_batch_row = False
+
+    @classmethod
+    def sampled(cls, rows: list[int], num_rows: int, num_allowed: torch.Tensor) -> GrammarMask:
+        """The record of a step that a CUDA graph sampled under its masks (`DecodeGraphs.sample_masked`):
+        the constrained rows and the allowed-token counts of every batch row [B] (for `forced`)."""
+        mask = object.__new__(cls)
+        mask._host_rows, mask.num_rows, mask._num_allowed = rows, num_rows, num_allowed
+        mask.rows = mask.row_index = mask.bits = None
+        mask._counts_per_batch_row = True
+        return mask
+
+    @staticmethod
+    def row_index_host(rows: list[int], num_rows: int, pinned: bool) -> torch.Tensor:
+        """[B] int32 on the host: each batch row's bitmask row, -1 for a free row."""
+        index = [-1] * num_rows
+        for i, row in enumerate(rows):
+            index[row] = i
+        return torch.tensor(index, dtype=torch.int32, pin_memory=pinned)
 
     def set_num_allowed(self, per_batch_row: torch.Tensor) -> None:
         """Allowed-token counts [B] computed by the fused sampler (free rows ignored)."""
@@ -161,6 +177,10 @@ class GrammarMask:
         assert self._num_allowed is not None, "apply() first"
         counts = self._num_allowed if isinstance(self._num_allowed, list) else self._num_allowed.tolist()
         out = [False] * self.num_rows
+        if self._counts_per_batch_row:
+            for row in self._host_rows:
+                out[row] = counts[row] == 1
+            return out
         for row, n in zip(self._host_rows, counts):
             out[row] = n == 1
         return out
@@ -170,11 +190,12 @@ class _ShardJob:
     """One shard's part of a step: consume its matchers' tokens, then fill their mask rows. The
     argument lists are built up front, so that each half goes straight into llguidance."""
 
-    __slots__ = ("compiler", "consume", "fill", "ptr", "row_bytes", "total")
+    __slots__ = ("compiler", "consume", "consumers", "fill", "ptr", "row_bytes", "total")
 
     def __init__(self, consume: list[tuple[GrammarMatcher, int]], fill: list[tuple[GrammarMatcher, int]], ptr: int,
                  row_bytes: int, total: int) -> None:
         self.compiler = (consume or fill)[0][0].compiler
+        self.consumers = [m for m, _ in consume]
         self.consume = [(m.inner, t) for m, t in consume]
         self.fill = [(m.inner, i) for m, i in fill]  # (matcher, row of the [C, W] buffer)
         self.ptr, self.row_bytes, self.total = ptr, row_bytes, total
@@ -186,13 +207,14 @@ class _ShardJob:
             return jobs[0]
         job = object.__new__(cls)
         job.compiler, job.ptr, job.row_bytes, job.total = jobs[0].compiler, jobs[0].ptr, jobs[0].row_bytes, jobs[0].total
+        job.consumers = [m for j in jobs for m in j.consumers]
         job.consume = [pair for j in jobs for pair in j.consume]
         job.fill = [pair for j in jobs for pair in j.fill]
         return job
 
     def run_consume(self, executor) -> None:
         if self.consume:
-            executor.consume_token_par(self.consume)
+            _flag_failures(self.consumers, executor.consume_token_par(self.consume))
 
     def run_fill(self, executor) -> None:
         if self.fill:
@@ -225,8 +247,7 @@ class _MaskPlan:
             return None
         host = self.host
         for i, m in enumerate(self.active):
-            if m.is_error:
-                log.warning("a grammar-constrained sample hit a parser error and is ended: %s", m.error[:500])
+            if m.failed:
                 host[i] = 0
                 for t in m.compiler.stop_token_ids:
                     host[i, t // 32] |= _bit(t)
@@ -238,15 +259,20 @@ class MaskWorker:
     merged job per thread) while the engine thread does the rest of its host work (processing
     tokens, scheduling, preparing the next step's inputs).
 
-    llguidance works without the GIL, but a thread needs the GIL to get into it and again when it
-    returns, and a thread waiting for the GIL while the engine thread runs Python waits up to the
-    interpreter's switch interval (5 ms), longer than the work. So `submit` holds the engine
-    thread (blocked, the GIL free) until every helper has consumed its tokens and entered its one
-    fill call, which then runs beside the engine thread's Python work; the helper needs the GIL
-    again only to report, by which time the engine thread waits in `PendingMasks.result`. Before
-    (consume and fill started together, the GIL needed between the two calls), each fill waited
-    for the engine thread's Python work of the step to end: `python benchmarks/structured_outputs.py
-    threads` (`engine_shards_busy`) measures the difference.
+    llguidance works without the GIL, but a thread needs the GIL to get into a call and again when
+    it returns, and a thread waiting for the GIL while another runs Python waits up to the
+    interpreter's switch interval (5 ms), longer than the work. So the two calls of a job (consume
+    the previous step's tokens, then fill the masks) are entered at points where the engine thread
+    does not hold the GIL:
+    1. `submit` returns once every helper is inside its consume call (a short wait);
+    2. the engine thread runs Python meanwhile (processing the tokens, scheduling), then calls
+       `PendingMasks.wait_filling`, which returns once every helper finished consuming and is
+       inside its fill call (immediately when the consume took less than that Python work);
+    3. the fill runs beside the engine thread's next Python work (preparing the next step), and
+       `PendingMasks.result` waits for it.
+    Waiting in `submit` until the consume calls had returned (the previous arrangement) kept the
+    engine thread idle for the consume: ~1 ms of a 5-6 ms constrained step on an H100 host at batch
+    256 (`.scratch` phase profile; `python benchmarks/structured_outputs.py threads` times it).
 
     Args:
         num_threads: helper threads (default: `default_num_shards()`, one per copy of a grammar; with
@@ -264,20 +290,22 @@ class MaskWorker:
 
     def submit(self, matchers: list[GrammarMatcher | None], *, pinned: bool,
                consume: list[tuple[GrammarMatcher, int]] | None = None) -> PendingMasks:
-        """Consume `consume`, then start computing the masks of `matchers` (see
-        `GrammarMask.compute`); returns once every helper is inside its fill. The engine thread
-        must not touch these matchers until the result is read."""
+        """Start consuming `consume`, then computing the masks of `matchers` (see
+        `GrammarMask.compute`); returns once every helper is inside its consume call. The engine
+        thread must not touch these matchers until the result is read."""
         plan = _MaskPlan(matchers, pinned, consume)
         pending = PendingMasks(plan)
         n = len(self._threads)
+        started = []
         for k in range(min(n, len(plan.jobs))):  # one merged job per thread
             future: concurrent.futures.Future = concurrent.futures.Future()
-            filling = threading.Event()
-            self._jobs.put((_ShardJob.merged(plan.jobs[k::n]), future, filling))
+            events = (threading.Event(), threading.Event())  # (consuming, filling)
+            self._jobs.put((_ShardJob.merged(plan.jobs[k::n]), future, events))
             pending.futures.append(future)
-            pending.filling.append(filling)
-        for filling in pending.filling:
-            filling.wait()
+            pending.filling.append(events[1])
+            started.append(events[0])
+        for event in started:
+            event.wait()
         return pending
 
     def close(self) -> None:
@@ -287,10 +315,11 @@ class MaskWorker:
     def _run(self) -> None:
         executor = None  # one per thread
         while (item := self._jobs.get()) is not None:
-            job, future, filling = item
+            job, future, (consuming, filling) = item
             try:
                 if executor is None:
                     executor = import_llguidance().LLExecutor(num_threads=1)
+                consuming.set()
                 job.run_consume(executor)
                 filling.set()
                 job.run_fill(executor)
@@ -298,34 +327,50 @@ class MaskWorker:
             except BaseException as exc:  # noqa: BLE001 - handed to the engine thread, which fails the step
                 future.set_exception(exc)
             finally:
+                consuming.set()
                 filling.set()
 
 
 class PendingMasks:
-    """A step's masks being computed by `MaskWorker`; `result()` waits for them."""
+    """A step's masks being computed by `MaskWorker`."""
 
     def __init__(self, plan: _MaskPlan) -> None:
         self.plan = plan
         self.futures: list[concurrent.futures.Future] = []
         self.filling: list[threading.Event] = []
 
+    def wait_filling(self) -> None:
+        """Block (the GIL free) until every helper has consumed its tokens and entered its fill
+        call, so that the fill runs beside this thread's next Python work (see `MaskWorker`)."""
+        for event in self.filling:
+            event.wait()
+
     def result(self) -> tuple[list[int], torch.Tensor] | None:
         """`GrammarMask.compute`'s result. Raises what a job raised."""
+        self.wait_filling()
         for future in self.futures:
             future.result()
         return self.plan.finish()
 
 
 def advance(pairs: list[tuple[GrammarMatcher, int]]) -> None:
-    """Each matcher consumes its sampled token (in llguidance's thread pool).
+    """Each matcher consumes its sampled token (one llguidance call, without the GIL).
 
-    A token the grammar does not allow leaves its matcher in an error state (logged at the next
-    `fill`, which then ends that sample); it never raises.
+    A token the grammar does not allow leaves its matcher in an error state (`failed`, logged;
+    the next `fill` then ends that sample); it never raises.
     """
     if not pairs:
         return
     executor = pairs[0][0].compiler.executor
-    executor.consume_token_par([(m.inner, t) for m, t in pairs])
+    _flag_failures([m for m, _ in pairs], executor.consume_token_par([(m.inner, t) for m, t in pairs]))
+
+
+def _flag_failures(matchers: list[GrammarMatcher], accepted: list[bool]) -> None:
+    """Mark the matchers whose token llguidance's `consume_token_par` rejected."""
+    if not all(accepted):
+        for m, ok in zip(matchers, accepted):
+            if not ok:
+                m.mark_failed()
 
 
 def _popcount_rows(bits: np.ndarray) -> list[int]:
