@@ -315,6 +315,7 @@ def run_threads(args) -> dict:
 
     engine_rows = [grammar.matcher() for _ in range(B)]  # spread over the copies, as the engine's are
     worker = MaskWorker()
+    pinned = torch.cuda.is_available()  # as the engine allocates the masks on a GPU host
     busy_rows = [grammar.matcher() for _ in range(B)]
     rows = {"engine_shards": engine_rows, "engine_shards_busy": busy_rows}
     matchers = {a: [m.inner for m in rows[a]] if a in rows else one_copy() for a in arrangements}
@@ -328,14 +329,13 @@ def run_threads(args) -> dict:
             start = time.perf_counter()
             if a in rows:  # MaskWorker: one thread per copy of the grammar, as the engine runs it
                 pairs = list(zip(rows[a], toks)) if toks is not None else None
-                pending = worker.submit(rows[a], pinned=False, consume=pairs)
+                pending = worker.submit(rows[a], pinned=pinned, consume=pairs)
                 if a == "engine_shards_busy":  # the engine thread's own Python work of the step, meanwhile:
                     _python_work(args.busy_ms / 3e3)  # processing the tokens and scheduling (a third),
                 pending.wait_filling()
                 if a == "engine_shards_busy":
                     _python_work(args.busy_ms * 2 / 3e3)  # then preparing the next step
-                _, bits = pending.result()
-                masks[a].copy_(bits)
+                _, out = pending.result()  # the engine hands this buffer to the device as it is: no host copy
             elif a in executors:
                 if toks is not None:
                     executors[a].consume_token_par(list(zip(ms, toks)))
@@ -346,7 +346,8 @@ def run_threads(args) -> dict:
                         m.consume_token(toks[i])
                     m.unsafe_compute_mask_ptr(ptr + i * W * 4, W * 4)
             times[a].append(time.perf_counter() - start)
-            bits = np.unpackbits(masks[a].numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+            words = (out if a in rows else masks[a]).numpy()
+            bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
             tokens[a] = [int(rng.choice(np.flatnonzero(row))) for row in bits]
     worker.close()
     ms_per_step = {a: round(statistics.median(t[5:]) * 1e3, 3) for a, t in times.items()}
