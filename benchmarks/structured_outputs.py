@@ -20,7 +20,9 @@ padded to the model's 151,936 logits), read from the `qwen.tiktoken` file that t
 `threads` times one decode step's grammar work (B matchers of `judge_schema(32)` consume their
 sampled tokens, then B masks are filled; tokens drawn at random from each row's mask): matchers
 copied from one compiled grammar, with llguidance's executor at its default thread count and at
-1, 2 and 4 threads, and as one call per row from Python; and as the engine does it
+1, 2 and 4 threads, and as one call per row from Python; with llguidance's executor at
+`default_num_shards()` threads over matchers spread over that many copies and sorted by copy
+(`pool_over_copies`); and as the engine does it
 (`engine_shards`: matchers spread over `default_num_shards()` separately compiled copies, one helper thread
 per copy, `MaskWorker`), alone and while the submitting thread runs `--busy-ms` of Python
 (`engine_shards_busy`, as the engine thread processes tokens and schedules meanwhile (a third of it,
@@ -309,6 +311,8 @@ def run_threads(args) -> dict:
     arrangements = [*executors, "per_row_calls", "engine_shards", "engine_shards_busy"]
 
     shards = grammar.compiler.num_shards
+    executors["pool_over_copies"] = llguidance.LLExecutor(num_threads=shards)
+    arrangements.insert(len(executors) - 1, "pool_over_copies")
 
     def one_copy() -> list:  # B matchers of one compiled copy (shard 0), as llguidance's own usage has them
         return [m.inner for m in (grammar.matcher() for _ in range(shards * B)) if m.shard == 0][:B]
@@ -319,6 +323,9 @@ def run_threads(args) -> dict:
     busy_rows = [grammar.matcher() for _ in range(B)]
     rows = {"engine_shards": engine_rows, "engine_shards_busy": busy_rows}
     matchers = {a: [m.inner for m in rows[a]] if a in rows else one_copy() for a in arrangements}
+    # llguidance's pool with as many threads as copies, the rows spread over the copies and sorted
+    # by copy (its chunks are contiguous, so each thread mostly works on one copy)
+    matchers["pool_over_copies"] = [m.inner for m in sorted((grammar.matcher() for _ in range(B)), key=lambda m: m.shard)]
     masks = {a: torch.empty((B, W), dtype=torch.int32) for a in arrangements}
     tokens: dict[str, list[int] | None] = dict.fromkeys(arrangements)
     times: dict[str, list[float]] = {a: [] for a in arrangements}

@@ -131,9 +131,9 @@ def test_both_engines_sample_valid_json_under_a_schema_beside_a_free_request(par
 
 
 def test_mask_worker_shards_give_the_same_masks_as_one_thread(parts):
-    """Matchers are spread over separately compiled copies of a grammar (shards), and MaskWorker's
-    threads (one job per shard: consume the last tokens, then fill) give exactly the masks and
-    states of doing it all on one thread."""
+    """Matchers are spread over separately compiled copies of a grammar (shards), and MaskWorker
+    (rows grouped by copy, llguidance's pool of 3 threads: consume the last tokens, then fill)
+    gives exactly the masks and states of doing it all on one thread."""
     from tempering.engine.grammar import MaskWorker
 
     model, tokenizer, renderer, _ = parts
@@ -146,7 +146,7 @@ def test_mask_worker_shards_give_the_same_masks_as_one_thread(parts):
     threaded = [grammar.matcher() for _ in range(rows)]
     assert {m.shard for m in threaded} == set(range(shards))
     answers = [ids_of(tokenizer, json.dumps({"name": f"n{i}", "ok": i % 2 == 0})) for i in range(rows)]
-    worker = MaskWorker(num_threads=shards - 1)  # one thread runs two shards' jobs in turn
+    worker = MaskWorker(num_threads=shards - 1)
     try:
         for step in range(6):
             consume_a = [(m, a[step - 1]) for m, a in zip(inline, answers)] if step else None

@@ -231,7 +231,7 @@ class Engine:
         With t+1 the newest launched step (its sampling deferred when it has grammar rows) and t
         the one before it (sampled, not collected):
         1. collect t's tokens (sampled before t+1's forward was queued, so this rarely waits);
-        2. when t+1 waits for grammar masks, helper threads have the matchers consume t's tokens
+        2. when t+1 waits for grammar masks, a helper thread has the matchers consume t's tokens
            and fill t+1's bitmasks (llguidance works without the GIL), while this thread
         3. processes t's tokens (stops, completions), schedules t+2 and prepares its inputs
            (sending them to the device): the consume runs beside the processing and scheduling,
@@ -248,7 +248,7 @@ class Engine:
         masks = None
         if newest is not None and newest.deferred is not None:
             matchers = [None if s.is_finished else s.grammar for s in newest.seqs]
-            if self.mask_thread:  # the helpers consume t's tokens, then fill t+1's masks
+            if self.mask_thread:  # the helper consumes t's tokens, then fills t+1's masks
                 masks = self._mask_worker().submit(matchers, pinned=self.runner.is_cuda, consume=consume)
             else:
                 masks = concurrent.futures.Future()
@@ -258,7 +258,7 @@ class Engine:
         if sampled is not None:
             self._process(sampled)
         batch = self.scheduler.schedule()
-        if isinstance(masks, PendingMasks):  # let the helpers into their fill calls (the GIL: see MaskWorker)
+        if isinstance(masks, PendingMasks):  # let the helper into its fill call (the GIL: see MaskWorker)
             masks.wait_filling()
         prepared = self.runner.prepare(batch, newest) if batch else None
         if masks is not None:  # t+1's sampling goes in the device's queue before t+2's forward, which reads it

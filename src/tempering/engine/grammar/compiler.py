@@ -73,7 +73,7 @@ against llguidance's own: benchmarks/RESULTS.md). More than 4 gained nothing."""
 
 
 def default_num_shards() -> int:
-    """Copies per grammar, and the engine's helper threads that work on them (`MaskWorker`):
+    """Copies per grammar, and the threads of llguidance's pool that work on them (`MaskWorker`):
     MAX_SHARDS, but no more than the CPUs less one (the engine thread's); 1 on a 2-core machine,
     where extra copies would only cost compile time."""
     return max(1, min(MAX_SHARDS, (os.cpu_count() or 1) - 1))
@@ -184,8 +184,8 @@ class GrammarCompiler:
     def executor(self) -> Any:
         """llguidance's executor for filling masks and consuming tokens of many matchers in one call
         on the calling thread (one call: the GIL is released once, not once per row). One thread:
-        with llguidance 1.9 its default pool was slower than one thread (see MAX_SHARDS; the
-        engine's `MaskWorker` spreads the shards over threads of its own instead)."""
+        with llguidance 1.9 its pool over the matchers of one copy was slower than one thread (see
+        MAX_SHARDS; the engine's `MaskWorker` runs a pool over rows grouped by copy instead)."""
         self._ensure_tokenizer()
         return self._executor
 

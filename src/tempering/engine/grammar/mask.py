@@ -30,6 +30,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,14 +121,14 @@ class GrammarMask:
                 consume: list[tuple[GrammarMatcher, int]] | None = None) -> tuple[list[int], torch.Tensor] | None:
         """The host half of `fill`: (constrained rows, their [C, W] int32 bitmasks), or None if no row
         follows a grammar. Touches only these matchers and a new buffer, so `MaskWorker` runs it on
-        helper threads (one per shard of the matchers) while the engine thread prepares the next step.
+        a helper thread while the engine thread prepares the next step.
 
         `consume`: (matcher, token) pairs to `advance` first (the previous step's sampled tokens),
-        so that the helper threads do both halves of a step's grammar work."""
+        so that the helper does both halves of a step's grammar work."""
         plan = _MaskPlan(matchers, pinned, consume)
-        for job in plan.jobs:
-            job.run_consume(job.compiler.executor)
-            job.run_fill(job.compiler.executor)
+        if plan.has_work:
+            plan.run_consume(plan.compiler.executor)
+            plan.run_fill(plan.compiler.executor)
         return plan.finish()
 
     @classmethod
@@ -186,31 +187,36 @@ class GrammarMask:
         return out
 
 
-class _ShardJob:
-    """One shard's part of a step: consume its matchers' tokens, then fill their mask rows. The
-    argument lists are built up front, so that each half goes straight into llguidance."""
+class _MaskPlan:
+    """A step's grammar work as two llguidance argument lists, rows grouped by the copy of their
+    grammar (`GrammarMatcher.shard`: a pool's contiguous chunks then keep a thread on one copy),
+    and the [C, W] host buffer the masks go to."""
 
-    __slots__ = ("compiler", "consume", "consumers", "fill", "ptr", "row_bytes", "total")
+    def __init__(self, matchers: list[GrammarMatcher | None], pinned: bool,
+                 consume: list[tuple[GrammarMatcher, int]] | None) -> None:
+        self.rows = [i for i, m in enumerate(matchers) if m is not None]
+        self.active = active = [matchers[i] for i in self.rows]
+        self.host = None
+        self.consumers: list[GrammarMatcher] = []
+        self.consume: list[tuple[Any, int]] = []  # (LLMatcher, token)
+        self.fill: list[tuple[Any, int]] = []  # (LLMatcher, row of the host buffer)
+        first = active[0] if active else consume[0][0] if consume else None
+        if first is None:
+            return
+        self.compiler = first.compiler
+        shards = self.compiler.num_shards
+        if consume:
+            pairs = consume if shards == 1 else sorted(consume, key=_shard_of_pair)
+            self.consumers = [m for m, _ in pairs]
+            self.consume = [(m.inner, t) for m, t in pairs]
+        if active:
+            self.host = torch.empty((len(active), self.compiler.num_mask_words), dtype=torch.int32, pin_memory=pinned)
+            order = range(len(active)) if shards == 1 else sorted(range(len(active)), key=lambda i: active[i].shard)
+            self.fill = [(active[i].inner, i) for i in order]
 
-    def __init__(self, consume: list[tuple[GrammarMatcher, int]], fill: list[tuple[GrammarMatcher, int]], ptr: int,
-                 row_bytes: int, total: int) -> None:
-        self.compiler = (consume or fill)[0][0].compiler
-        self.consumers = [m for m, _ in consume]
-        self.consume = [(m.inner, t) for m, t in consume]
-        self.fill = [(m.inner, i) for m, i in fill]  # (matcher, row of the [C, W] buffer)
-        self.ptr, self.row_bytes, self.total = ptr, row_bytes, total
-
-    @classmethod
-    def merged(cls, jobs: list[_ShardJob]) -> _ShardJob:
-        """The jobs of several shards as one (for one thread: one llguidance call per half)."""
-        if len(jobs) == 1:
-            return jobs[0]
-        job = object.__new__(cls)
-        job.compiler, job.ptr, job.row_bytes, job.total = jobs[0].compiler, jobs[0].ptr, jobs[0].row_bytes, jobs[0].total
-        job.consumers = [m for j in jobs for m in j.consumers]
-        job.consume = [pair for j in jobs for pair in j.consume]
-        job.fill = [pair for j in jobs for pair in j.fill]
-        return job
+    @property
+    def has_work(self) -> bool:
+        return bool(self.consume or self.fill)
 
     def run_consume(self, executor) -> None:
         if self.consume:
@@ -218,28 +224,7 @@ class _ShardJob:
 
     def run_fill(self, executor) -> None:
         if self.fill:
-            executor.unsafe_compute_mask_ptr(self.fill, self.ptr, self.row_bytes, self.total)
-
-
-class _MaskPlan:
-    """A step's grammar work split by shard (`GrammarCompiler.num_shards`), and its [C, W] host buffer."""
-
-    def __init__(self, matchers: list[GrammarMatcher | None], pinned: bool,
-                 consume: list[tuple[GrammarMatcher, int]] | None) -> None:
-        self.rows = [i for i, m in enumerate(matchers) if m is not None]
-        self.active = [matchers[i] for i in self.rows]
-        self.host = None
-        by_shard: dict[int, tuple[list, list]] = {}
-        for m, t in consume or ():
-            by_shard.setdefault(m.shard, ([], []))[0].append((m, t))
-        if self.active:
-            compiler = self.active[0].compiler
-            self.host = torch.empty((len(self.rows), compiler.num_mask_words), dtype=torch.int32, pin_memory=pinned)
-            for i, m in enumerate(self.active):
-                by_shard.setdefault(m.shard, ([], []))[1].append((m, i))
-        ptr = self.host.data_ptr() if self.host is not None else 0
-        row_bytes = self.host.shape[1] * 4 if self.host is not None else 0
-        self.jobs = [_ShardJob(c, f, ptr, row_bytes, len(self.rows)) for c, f in by_shard.values()]
+            executor.unsafe_compute_mask_ptr(self.fill, self.host.data_ptr(), self.host.shape[1] * 4, self.host.shape[0])
 
     def finish(self) -> tuple[list[int], torch.Tensor] | None:
         """(rows, bitmasks) once every job ran; rows whose matcher failed may only stop."""
@@ -255,70 +240,66 @@ class _MaskPlan:
 
 
 class MaskWorker:
-    """Helper threads that do a step's grammar work (`GrammarMask.compute`: the shards' jobs, one
-    merged job per thread) while the engine thread does the rest of its host work (processing
-    tokens, scheduling, preparing the next step's inputs).
+    """A helper thread that does a step's grammar work (`GrammarMask.compute`) while the engine
+    thread does the rest of its host work (processing tokens, scheduling, preparing the next
+    step's inputs).
 
-    llguidance works without the GIL, but a thread needs the GIL to get into a call and again when
-    it returns, and a thread waiting for the GIL while another runs Python waits up to the
-    interpreter's switch interval (5 ms), longer than the work. So the two calls of a job (consume
-    the previous step's tokens, then fill the masks) are entered at points where the engine thread
-    does not hold the GIL:
-    1. `submit` returns once every helper is inside its consume call (a short wait);
+    The work is two llguidance calls, each over every row of the step: consume the previous
+    step's tokens, then fill the masks. llguidance runs each call on its own pool of
+    `num_threads` threads, without the GIL. The rows are grouped by the copy of their grammar
+    they came from (`GrammarMatcher.shard`), so that the pool's contiguous chunks mostly keep a
+    thread on one copy: llguidance 1.9 serializes the matchers of one copy. On an H100 host, 256
+    rows of RULER's schema took 2.6-2.7 ms per step this way, as with one Python thread per copy
+    and less GIL traffic, against 4.2-4.5 ms on one thread (`python
+    benchmarks/structured_outputs.py threads`: `pool_over_copies`).
+
+    A thread needs the GIL to get into a call and again when it returns, and a thread waiting for
+    the GIL while another runs Python waits up to the interpreter's switch interval (5 ms), longer
+    than the work. So the helper enters its calls where the engine thread does not hold the GIL:
+    1. `submit` returns once the helper is inside its consume call (a short wait);
     2. the engine thread runs Python meanwhile (processing the tokens, scheduling), then calls
-       `PendingMasks.wait_filling`, which returns once every helper finished consuming and is
-       inside its fill call (immediately when the consume took less than that Python work);
+       `PendingMasks.wait_filling`, which returns once the helper is inside its fill call
+       (immediately when the consume took less than that Python work);
     3. the fill runs beside the engine thread's next Python work (preparing the next step), and
        `PendingMasks.result` waits for it.
-    Waiting in `submit` until the consume calls had returned (the previous arrangement) kept the
-    engine thread idle for the consume: ~1 ms of a 5-6 ms constrained step on an H100 host at batch
-    256 (`.scratch` phase profile; `python benchmarks/structured_outputs.py threads` times it).
 
     Args:
-        num_threads: helper threads (default: `default_num_shards()`, one per copy of a grammar; with
-            fewer, a thread runs the jobs of several copies as one).
+        num_threads: llguidance's threads per call (default: `default_num_shards()`, one per copy
+            of a grammar).
     """
 
     def __init__(self, num_threads: int | None = None) -> None:
-        if num_threads is None:
-            num_threads = default_num_shards()
+        self.num_threads = num_threads if num_threads is not None else default_num_shards()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._run, name=f"tempering-grammar-{i}", daemon=True)
-                         for i in range(num_threads)]
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(target=self._run, name="tempering-grammar", daemon=True)
+        self._thread.start()
 
     def submit(self, matchers: list[GrammarMatcher | None], *, pinned: bool,
                consume: list[tuple[GrammarMatcher, int]] | None = None) -> PendingMasks:
         """Start consuming `consume`, then computing the masks of `matchers` (see
-        `GrammarMask.compute`); returns once every helper is inside its consume call. The engine
+        `GrammarMask.compute`); returns once the helper is inside its consume call. The engine
         thread must not touch these matchers until the result is read."""
         plan = _MaskPlan(matchers, pinned, consume)
         pending = PendingMasks(plan)
-        n = len(self._threads)
-        started = []
-        for k in range(min(n, len(plan.jobs))):  # one merged job per thread
+        if plan.has_work:
             future: concurrent.futures.Future = concurrent.futures.Future()
-            events = (threading.Event(), threading.Event())  # (consuming, filling)
-            self._jobs.put((_ShardJob.merged(plan.jobs[k::n]), future, events))
+            consuming, filling = threading.Event(), threading.Event()
+            self._jobs.put((plan, future, consuming, filling))
             pending.futures.append(future)
-            pending.filling.append(events[1])
-            started.append(events[0])
-        for event in started:
-            event.wait()
+            pending.filling.append(filling)
+            consuming.wait()
         return pending
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
+        self._jobs.put(None)
 
     def _run(self) -> None:
-        executor = None  # one per thread
+        executor = None
         while (item := self._jobs.get()) is not None:
-            job, future, (consuming, filling) = item
+            job, future, consuming, filling = item
             try:
                 if executor is None:
-                    executor = import_llguidance().LLExecutor(num_threads=1)
+                    executor = import_llguidance().LLExecutor(num_threads=self.num_threads)
                 consuming.set()
                 job.run_consume(executor)
                 filling.set()
@@ -363,6 +344,10 @@ def advance(pairs: list[tuple[GrammarMatcher, int]]) -> None:
         return
     executor = pairs[0][0].compiler.executor
     _flag_failures([m for m, _ in pairs], executor.consume_token_par([(m.inner, t) for m, t in pairs]))
+
+
+def _shard_of_pair(pair: tuple[GrammarMatcher, int]) -> int:
+    return pair[0].shard
 
 
 def _flag_failures(matchers: list[GrammarMatcher], accepted: list[bool]) -> None:
