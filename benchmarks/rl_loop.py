@@ -257,7 +257,8 @@ def main() -> None:
         else:
             base_model = "SmolLM2-135M-Instruct"
         record = asyncio.run(run(base_model, Path(tmp) / "runs", args.device, shapes))
-    print(json.dumps(record))
+    print(file=sys.stderr, flush=True)  # end the progress bars' line: with 2>&1 the JSON then starts a line of its own
+    print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":
