@@ -24,6 +24,7 @@ eager launches it took on an H100 host at batch 256.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,27 +164,33 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, adapter: EngineAdapter | None, sample: bool) -> _Captured | None:
         """Capture a graph; on failure log it and return None (that bucket then runs eagerly)."""
-        # the warm-up runs sample too: keep the newest step's ids, which this step's rows read
+        graph, hidden = self._record(lambda: self._forward(bucket, adapter, sample), f"decode bucket {bucket}")
+        return _Captured(graph, hidden, adapter) if graph is not None else None
+
+    def _record(self, step: Callable[[], Any], what: str) -> tuple[torch.cuda.CUDAGraph | None, Any]:
+        """Warm `step` up twice on the capture stream, then capture it: (graph, what the captured
+        call returned), or (None, None) after logging a failed capture (the caller runs eagerly)."""
+        # the warm-up may sample too: keep the newest step's ids, which this step's rows read
         saved = self.last_tokens.clone()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(2):  # warm up (Triton JIT, cuBLAS workspaces) on the capture stream
-                self._forward(bucket, adapter, sample)
+                step()
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: CUDA work of other threads (the trainer, user code) cannot break the capture
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                hidden = self._forward(bucket, adapter, sample)
+                out = step()
         except RuntimeError as exc:  # includes torch.AcceleratorError
-            log.warning("CUDA graph capture of decode bucket %d failed (%s); running it eagerly", bucket, exc)
+            log.warning("CUDA graph capture of %s failed (%s); running it eagerly", what, exc)
             torch.cuda.synchronize()
             self.last_tokens.copy_(saved)
-            return None
+            return None, None
         torch.cuda.current_stream().wait_stream(self.stream)
         self.last_tokens.copy_(saved)
         if self.pool is None:
             self.pool = graph.pool()
-        return _Captured(graph, hidden, adapter)
+        return graph, out
 
     def sample_masked(self, hidden: torch.Tensor, sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                       bits: torch.Tensor, mask_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +222,8 @@ class DecodeGraphs:
         for static, values in zip((self.temperature, self.seeds, self.counters), sampling):
             static[:B].copy_(values)
         if bucket not in self.sample_graphs:
-            self.sample_graphs[bucket] = self._capture_sampling(bucket)
+            self.sample_graphs[bucket], _ = self._record(lambda: self._sample_masked(bucket),
+                                                         f"masked sampling, bucket {bucket}")
         graph = self.sample_graphs[bucket]
         if graph is None:
             self._sample_masked(bucket)
@@ -230,27 +238,6 @@ class DecodeGraphs:
         self.last_tokens[:bucket].copy_(token_ids)
         self.logprobs[:bucket].copy_(logprobs)
         self.num_allowed[:bucket].copy_(num_allowed)
-
-    def _capture_sampling(self, bucket: int) -> torch.cuda.CUDAGraph | None:
-        """Capture `_sample_masked` for a bucket; on failure log it and return None (run eagerly)."""
-        saved = self.last_tokens.clone()  # the warm-up samples too: keep the ids this step's rows read
-        self.stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(self.stream):
-                for _ in range(2):
-                    self._sample_masked(bucket)
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                self._sample_masked(bucket)
-        except RuntimeError as exc:
-            log.warning("CUDA graph capture of masked sampling, bucket %d, failed (%s); sampling eagerly", bucket, exc)
-            torch.cuda.synchronize()
-            graph = None
-        torch.cuda.current_stream().wait_stream(self.stream)
-        self.last_tokens.copy_(saved)
-        if graph is not None and self.pool is None:
-            self.pool = graph.pool()
-        return graph
 
     def forget(self, adapter: EngineAdapter) -> None:
         """Drop the graphs that read `adapter`'s tensors (it is being unloaded)."""

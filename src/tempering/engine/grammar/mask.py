@@ -282,11 +282,9 @@ class MaskWorker:
         plan = _MaskPlan(matchers, pinned, consume)
         pending = PendingMasks(plan)
         if plan.has_work:
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            consuming, filling = threading.Event(), threading.Event()
-            self._jobs.put((plan, future, consuming, filling))
-            pending.futures.append(future)
-            pending.filling.append(filling)
+            pending.future, pending.filling = concurrent.futures.Future(), threading.Event()
+            consuming = threading.Event()
+            self._jobs.put((plan, pending.future, consuming, pending.filling))
             consuming.wait()
         return pending
 
@@ -317,20 +315,20 @@ class PendingMasks:
 
     def __init__(self, plan: _MaskPlan) -> None:
         self.plan = plan
-        self.futures: list[concurrent.futures.Future] = []
-        self.filling: list[threading.Event] = []
+        self.future: concurrent.futures.Future | None = None  # None: the step had no grammar work
+        self.filling: threading.Event | None = None
 
     def wait_filling(self) -> None:
-        """Block (the GIL free) until every helper has consumed its tokens and entered its fill
+        """Block (the GIL free) until the helper has consumed the tokens and entered its fill
         call, so that the fill runs beside this thread's next Python work (see `MaskWorker`)."""
-        for event in self.filling:
-            event.wait()
+        if self.filling is not None:
+            self.filling.wait()
 
     def result(self) -> tuple[list[int], torch.Tensor] | None:
-        """`GrammarMask.compute`'s result. Raises what a job raised."""
+        """`GrammarMask.compute`'s result. Raises what the helper raised."""
         self.wait_filling()
-        for future in self.futures:
-            future.result()
+        if self.future is not None:
+            self.future.result()
         return self.plan.finish()
 
 
