@@ -11,6 +11,10 @@ tokens of all sequences, shared or not), the ratio, and the loss of each mode.
 
     python benchmarks/shared_prompts.py                          # default model, CPU
     python benchmarks/shared_prompts.py --prompt 600 --completion 150 --groups 3 --group-size 4
+    python benchmarks/shared_prompts.py --device cuda --groups 32 --group-size 8 --prompt 1536 --completion 256
+
+On a GPU the model is Qwen2.5-1.5B-shaped with random bf16 weights (rollout.py's), and both modes
+run from CUDA graphs (the trainer's default there); `--also-eager` adds the shared mode without them.
 """
 
 from __future__ import annotations
@@ -49,13 +53,23 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=500)
     parser.add_argument("--completion", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--also-eager", action="store_true", help="GPU: also the shared mode without CUDA graphs")
     args = parser.parse_args()
+    device = torch.device(args.device)
 
-    from transformers import AutoModelForCausalLM
+    if device.type == "cuda":
+        from rollout import build_gpu_model
 
-    from tempering.service.base_model import default_model_dir
+        model, _ = build_gpu_model(device)
+        model_name, machine = "Qwen2.5-1.5B-shaped random bf16", torch.cuda.get_device_name(device)
+    else:
+        from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
+        from tempering.service.base_model import default_model_dir
+
+        model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
+        model_name, machine = "SmolLM2-135M-Instruct float32", f"{platform.machine()} x{torch.get_num_threads()} threads"
     trainer = Trainer.new(model, LoRAConfig(rank=8, alpha=16))
     with torch.no_grad():  # B = 0 would make the adapter a no-op
         for name, p in trainer.peft_model.named_parameters():
@@ -64,30 +78,36 @@ def main() -> None:
     sequences = make_sequences(args, model.config.vocab_size)
     config = TrainConfig(learning_rate=1e-12)  # > 0 is required; the adapter stays as it is
     tokens = sum(len(s) for s in sequences)
-    seconds: dict[bool, list[float]] = {True: [], False: []}
-    losses: dict[bool, list[float]] = {True: [], False: []}
-    for share in (True, False):  # warm-up
+    modes = {"shared": (True, config), "whole": (False, config)}
+    if args.also_eager and device.type == "cuda":
+        modes["shared_eager"] = (True, config.model_copy(update={"cuda_graphs": False}))
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
+    losses: dict[str, list[float]] = {m: [] for m in modes}
+    for share, mode_config in modes.values():  # warm-up (captures the graphs)
         trainer.share_prompts = share
-        trainer.step(sequences, config)
-    for r in range(args.rounds):
-        for share in (True, False) if r % 2 == 0 else (False, True):
+        trainer.step(sequences, mode_config)
+    for r in range(args.rounds):  # alternating, so that a drifting machine favours no mode
+        for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
+            share, mode_config = modes[mode]
             trainer.share_prompts = share
             start = time.perf_counter()
-            metrics = trainer.step(sequences, config)
-            seconds[share].append(time.perf_counter() - start)
-            losses[share].append(metrics.values["loss/train"])
+            metrics = trainer.step(sequences, mode_config)  # reads its statistics back: the step is done
+            seconds[mode].append(time.perf_counter() - start)
+            losses[mode].append(metrics.values["loss/train"])
     mean = {k: sum(v) / len(v) for k, v in seconds.items()}
-    print(json.dumps({
-        "benchmark": "shared_prompts", "device": "cpu", "machine": f"{platform.machine()} x{torch.get_num_threads()} threads",
-        "model": "SmolLM2-135M-Instruct float32", "torch": torch.__version__,
+    record = {
+        "benchmark": "shared_prompts", "device": args.device, "machine": machine, "model": model_name,
+        "torch": torch.__version__,
         "groups": args.groups, "group_size": args.group_size, "prompt": args.prompt, "completion": args.completion,
         "trajectory_tokens": tokens,
-        "shared_s": round(mean[True], 2), "whole_s": round(mean[False], 2),
-        "shared_tok_per_s": round(tokens / mean[True], 1), "whole_tok_per_s": round(tokens / mean[False], 1),
-        "speedup": round(mean[False] / mean[True], 2),
-        "shared_runs_s": [round(x, 2) for x in seconds[True]], "whole_runs_s": [round(x, 2) for x in seconds[False]],
-        "loss_shared": losses[True][0], "loss_whole": losses[False][0],
-    }))
+        "speedup": round(mean["whole"] / mean["shared"], 2),
+    }
+    for mode in modes:
+        record[f"{mode}_s"] = round(mean[mode], 3)
+        record[f"{mode}_tok_per_s"] = round(tokens / mean[mode], 1)
+        record[f"{mode}_runs_s"] = [round(x, 3) for x in seconds[mode]]
+        record[f"loss_{mode}"] = losses[mode][0]
+    print(json.dumps(record))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,25 @@ def test_a_sequence_longer_than_the_budget_gets_its_own_row():
     assert [r.num_tokens for r in rows] == [50, 5]
 
 
+def test_groups_that_fit_no_row_whole_are_split_so_that_rows_stay_full():
+    """An RL group's prompt held once per row: a group larger than any row's room is split over the
+    rows with room, each piece with its own copy of the prompt (rows half empty would cost a CUDA
+    graph's padding, or row count)."""
+    seqs = []
+    for g in range(3):  # 3 groups of 4: a 20-token prompt and 30 sampled tokens each (140 tokens per group)
+        prompt = list(range(1000 * g, 1000 * g + 20))
+        seqs += [TokenizedSequence(prompt + list(range(100 * i + 500, 100 * i + 530)), [False] * 20 + [True] * 30,
+                                   [float("nan")] * 20 + [-1.0] * 30, advantage=0.5) for i in range(4)]
+    rows = pack_sequences(seqs, max_tokens=200, share_prefixes=True, min_shared_tokens=8)
+    assert sorted(id(s) for r in rows for s in r.sequences) == sorted(id(s) for s in seqs)
+    assert all(r.num_tokens <= 200 for r in rows)
+    assert sum(int(r.loss_mask.sum()) for r in rows) == 12 * 30
+    # whole groups would leave 60 tokens of each of three rows empty; with pieces two rows are 95% full
+    assert len(rows) == 3 and sorted(r.num_tokens for r in rows) == [80, 190, 190]
+    whole = sum(r.num_tokens for r in pack_sequences(seqs, max_tokens=200))
+    assert sum(r.num_tokens for r in rows) < whole
+
+
 DEVICES = [("cpu", torch.float32, 1e-4)] + ([("cuda", torch.bfloat16, 0.1)] if torch.cuda.is_available() else [])
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decoder import sequences, tiny_model, trainer_for
+from test_decoder import group_sequences, sequences, tiny_model, trainer_for
 
-from tempering.training import Trainer
+from tempering.training import TokenizedSequence, Trainer
 from tempering.training.batching import RowShape, pack_sequences
 from tempering.training.objective import STATS, rl_objective
 from tempering.types import TrainConfig
@@ -68,6 +68,50 @@ def test_padding_changes_neither_the_loss_nor_the_gradient_nor_the_statistics(na
     (stats, grads), (padded_stats, padded_grads) = results
     torch.testing.assert_close(padded_stats, stats, rtol=1e-5, atol=1e-6)
     assert stats[STATS.index("trained")].item() == micro.loss_mask[0, 1:].sum().item()
+    assert any(g.abs().sum() > 0 for g in grads)
+    for a, b in zip(padded_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_a_padded_row_with_shared_prompts_keeps_its_keys_and_gives_padding_its_own():
+    seqs = group_sequences(211)
+    [micro] = pack_sequences(seqs, max_tokens=4096, share_prefixes=True, min_shared_tokens=8)
+    assert micro.shares_prefixes and micro.num_segments == len(micro.sequences) + 2  # two prompts
+    shape = RowShape.bucket(micro)
+    K = len(micro.key_index)
+    entries = K + shape.num_tokens - micro.num_tokens  # the row's keys, then each padding token's own
+    assert shape.num_keys >= entries > shape.num_keys // 2 and shape.max_key_len == 128
+    row = micro.row(shape)
+    T, S = micro.num_tokens, micro.num_segments
+    assert row.key_index[:K].tolist() == micro.key_index.tolist()
+    # each padding segment reads its own tokens, then nothing is read past the last key
+    ends = row.cu_seq_lens[S:].tolist()
+    key_ends = row.cu_keys[S:].tolist()
+    assert row.cu_keys.shape == row.cu_seq_lens.shape == (shape.num_segments + 1,)
+    assert [k - K for k in key_ends] == [e - T for e in ends]
+    assert row.key_index[K:K + shape.num_tokens - T].tolist() == list(range(T, shape.num_tokens))
+    assert row.max_key_len == shape.max_key_len
+    with pytest.raises(ValueError, match="does not fit"):  # a row with shared prompts needs a shape with keys
+        micro.row(RowShape(shape.num_tokens, shape.num_predictions, shape.num_segments, shape.max_seq_len))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_padding_a_row_with_shared_prompts_changes_neither_the_loss_nor_the_gradient(checkpointing):
+    config = CONFIGS["ppo+tis+mask"]
+    trainer = trainer_for(tiny_model("qwen2"))
+    seqs = with_sampled(group_sequences(trainer.model.config.vocab_size))
+    [micro] = pack_sequences(seqs, max_tokens=4096, weights=[0.05 * (i + 1) for i in range(len(seqs))],
+                             share_prefixes=True, min_shared_tokens=8)
+    assert micro.shares_prefixes
+    objective = lambda row: rl_objective(trainer._row_logprobs, row, config)
+    results = []
+    with trainer._forward_mode(checkpointing):
+        for pad in (False, True):
+            trainer.rows.begin_update()
+            stats = trainer.rows.run(micro, objective, key="shared", capture=False, pad=pad)
+            results.append((stats.clone(), [g.clone() for g in trainer.rows.grads]))
+    (stats, grads), (padded_stats, padded_grads) = results
+    torch.testing.assert_close(padded_stats, stats, rtol=1e-5, atol=1e-6)
     assert any(g.abs().sum() > 0 for g in grads)
     for a, b in zip(padded_grads, grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
@@ -203,3 +247,52 @@ def test_a_row_that_cannot_be_captured_falls_back_to_eager_rows():
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
     metrics = trainer.step(first, config).values  # later steps: eager, and they still train
     assert metrics["loss/grad_norm"] > 0
+
+
+def gpu_group_batches():
+    """RL groups whose prompts (100-300 tokens) are longer than their completions, as agents' are."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for step in range(3):
+        seqs = []
+        for group, (prompt_len, completions) in enumerate(((300, (40, 90, 60, 25)), (180, (70, 30, 55)), (120, (20, 80)))):
+            prompt = torch.randint(0, 1000, (prompt_len,), generator=g).tolist()
+            for i, n in enumerate(completions):
+                ids = prompt + torch.randint(0, 1000, (n,), generator=g).tolist()
+                seqs.append(TokenizedSequence(ids, [False] * prompt_len + [True] * n, [float("nan")] * prompt_len + [-1.0] * n,
+                                              advantage=0.0, group_index=10 * step + group, trajectory_index=i))
+        out.append(with_sampled(seqs, seed=step))
+    return out
+
+
+@cuda
+@pytest.mark.parametrize("graphs", [False, True])
+def test_on_a_gpu_rows_with_shared_prompts_give_the_gradient_of_whole_sequences(graphs):
+    """Rows that hold each group's prompt once (eager, or captured and replayed) give the statistics
+    and LoRA gradients of every sequence computed whole: PyTorch's varlen attention over more keys
+    than queries, in the forward and the backward."""
+    trainer = gpu_trainer()
+    with torch.no_grad():  # B = 0 would leave A without a gradient
+        for name, p in trainer.peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    config = CONFIGS["ppo"]
+    seqs = gpu_group_batches()[0]
+    objective = lambda row: rl_objective(trainer._row_logprobs, row, config)
+    out = {}
+    for share in (False, True):
+        micros = pack_sequences(seqs, max_tokens=1024, weights=[0.01] * len(seqs), share_prefixes=share)
+        assert any(m.shares_prefixes for m in micros) == share
+        for _ in range(2 if graphs else 1):  # with graphs: capture, then replay
+            trainer.rows.begin_update()
+            with trainer._forward_mode(True):
+                stats = sum(trainer.rows.run(m, objective, ("probe", share), capture=graphs).clone() for m in micros)
+        if graphs:
+            assert trainer.rows.capture_error is None and trainer.rows.num_replays >= len(micros)
+        out[share] = (stats, [g.clone() for g in trainer.rows.grads])
+    (whole_stats, whole_grads), (shared_stats, shared_grads) = out[False], out[True]
+    for name in ("loss", "trained", "entropy", "ratio_sum"):
+        i = STATS.index(name)
+        assert shared_stats[i].item() == pytest.approx(whole_stats[i].item(), rel=1e-2, abs=1e-4), name
+    for a, b in zip(whole_grads, shared_grads):
+        assert (b - a).norm() <= 3e-2 * a.norm() + 1e-7

@@ -48,28 +48,37 @@ class RowShape:
     Attributes:
         num_tokens: T, tokens in the row.
         num_predictions: N, trained tokens (predictions) the loss is computed on.
-        num_segments: S, attention segments (sequences, padding ones included); cu_seq_lens has S + 1.
+        num_segments: S, attention segments (sequences, shared prompts and padding ones included);
+            cu_seq_lens has S + 1.
         max_seq_len: L, the longest segment.
+        num_keys: K, entries of `key_index` in a row with shared prompts (0: a row without).
+        max_key_len: the most keys of a segment in a row with shared prompts (0: a row without).
     """
 
     num_tokens: int
     num_predictions: int
     num_segments: int
     max_seq_len: int
+    num_keys: int = 0
+    max_key_len: int = 0
 
     @classmethod
     def bucket(cls, micro: MicroBatch, *, min_tokens: int = 256) -> RowShape:
         """The smallest bucketed shape that `micro` fits: tokens and the longest segment rounded up to
         powers of two, predictions to a multiple of T/8; few shapes (few CUDA graphs) across a run,
-        at most 2× padding."""
+        at most 2× padding. With shared prompts, the key entries (the row's, then one per padding
+        token) and the most keys of a segment are rounded up to powers of two too."""
         T = _pow2(max(micro.num_tokens, min_tokens))
         L = min(_pow2(max(micro.max_seq_len, 128)), T)
         step = max(T // 8, 64)  # predictions: a multiple of T/8 (the LM head is a tenth of the step)
         N = min(-(-max(int(micro.loss_mask[0, 1:].sum()), 1) // step) * step, T)
         num_padding_segments = -(-(T - micro.num_tokens) // L)
         # one spare segment slot: padding predictions get a sequence index of their own
-        S = _pow2(len(micro.sequences) + num_padding_segments + 1)
-        return cls(T, N, S, L)
+        S = _pow2(max(micro.num_segments, len(micro.sequences)) + num_padding_segments + 1)
+        if not micro.shares_prefixes:
+            return cls(T, N, S, L)
+        K = _pow2(len(micro.key_index) + T - micro.num_tokens)  # padding segments attend to themselves
+        return cls(T, N, S, L, K, max(_pow2(micro.max_key_len), L))
 
 
 @dataclass(slots=True)
@@ -238,8 +247,13 @@ class MicroBatch:
 
     @property
     def shares_prefixes(self) -> bool:
-        """Whether some sequences of the row share a prompt (rows with shared prompts run eagerly)."""
+        """Whether some sequences of the row share a prompt."""
         return self.key_index is not None
+
+    @property
+    def num_segments(self) -> int:
+        """Attention segments of the row: its sequences, or its shared prompts and their suffixes."""
+        return len(self.cu_seq_lens) - 1
 
     def row(self, shape: RowShape | None = None) -> Row:
         """The flat tensors of this row (on the CPU), padded to `shape` when given.
@@ -263,22 +277,30 @@ class MicroBatch:
         )
         if shape is None:
             return row
-        if self.shares_prefixes:
-            raise ValueError("a row with shared prompts is not padded to a fixed shape; run it eagerly")
         L = shape.max_seq_len
         padding = shape.num_tokens - T
         segments = [min(L, padding - i) for i in range(0, padding, L)]  # padding as segments of at most L
-        if padding < 0 or n > shape.num_predictions or self.max_seq_len > L or S + len(segments) + 1 > shape.num_segments:
-            raise ValueError(f"a row of {T} tokens, {n} predictions, {S} sequences up to {self.max_seq_len} "
-                             f"tokens does not fit {shape}")
+        num_real = self.num_segments + len(segments)  # segments with tokens
+        keys = len(self.key_index) + padding if self.shares_prefixes else 0
+        if (padding < 0 or n > shape.num_predictions or self.max_seq_len > L or num_real + 1 > shape.num_segments
+                or S + 1 > shape.num_segments or self.shares_prefixes != (shape.num_keys > 0)
+                or keys > shape.num_keys or self.max_key_len > shape.max_key_len):
+            raise ValueError(f"a row of {T} tokens, {n} predictions, {self.num_segments} segments up to "
+                             f"{self.max_seq_len} tokens, {keys} key entries does not fit {shape}")
         positions = [torch.arange(k) for k in segments]
-        ends = torch.tensor(segments, dtype=torch.int32).cumsum(0) + T if segments else torch.zeros(0, dtype=torch.int32)
-        fill = shape.num_segments + 1 - (S + 1 + len(segments))  # empty segments up to the static count
+        lengths = torch.tensor(segments, dtype=torch.int32).cumsum(0) if segments else torch.zeros(0, dtype=torch.int32)
+        fill = shape.num_segments - num_real  # empty segments up to the static count
         row.input_ids = _pad(row.input_ids, shape.num_tokens, 0)
         row.position_ids = torch.cat([row.position_ids, *positions])
-        row.cu_seq_lens = torch.cat([row.cu_seq_lens, ends.to(torch.int32),
+        row.cu_seq_lens = torch.cat([row.cu_seq_lens, (lengths + T).to(torch.int32),
                                      torch.full((fill,), shape.num_tokens, dtype=torch.int32)])
         row.max_seq_len = L
+        if self.shares_prefixes:  # padding segments attend to their own tokens; entries past the last are not read
+            own = torch.arange(T, shape.num_tokens, dtype=torch.int64)
+            row.key_index = _pad(torch.cat([self.key_index, own]), shape.num_keys, 0)
+            row.cu_keys = torch.cat([self.cu_keys, (lengths + self.cu_keys[-1]).to(torch.int32),
+                                     torch.full((fill,), keys, dtype=torch.int32)])
+            row.max_key_len = shape.max_key_len
         N = shape.num_predictions
         row.num_seqs = shape.num_segments  # indices 0..S-1 are real sequences; the last one takes the padding
         for name, value in (("pred_positions", 0), ("targets", 0), ("sampled_logprobs", 0.0), ("advantages", 0.0),
@@ -313,29 +335,45 @@ def pack_sequences(
         max_tokens: token budget of one row (one forward/backward pass).
         weights: per-sequence weight of each trained token (same order as `sequences`).
         share_prefixes: hold the prompt of sequences whose tokens before their first trained
-            token are identical (an RL group's) once per row (see the module docstring).
+            token are identical (an RL group's) once per row (see the module docstring). A group
+            that fits no row's room whole is split over the rows that have room, each piece
+            holding its own copy of the prompt, so that rows stay full.
         min_shared_tokens: shorter prompts are not shared.
     """
     units = _prompt_groups(sequences, max_tokens, min_shared_tokens) if share_prefixes else \
         [(0, [i], len(s)) for i, s in enumerate(sequences)]
-    order = sorted(range(len(units)), key=lambda u: units[u][2], reverse=True)
-    rows: list[list[int]] = []
+    rows: list[list[tuple[int, list[int]]]] = []  # per row: its (prefix, members) pieces
     room: list[int] = []
-    for u in order:
-        n = units[u][2]
-        for r, free in enumerate(room):
-            if n <= free:
-                rows[r].append(u)
-                room[r] -= n
-                break
-        else:
-            rows.append([u])
-            room.append(max(max_tokens - n, 0))
+    for prefix, members, n in sorted(units, key=lambda u: u[2], reverse=True):
+        r = next((r for r, free in enumerate(room) if n <= free), None)
+        if r is None and prefix:  # a group that fits no row whole: fill the rows that have room with pieces of it
+            for k, free in enumerate(room):
+                piece, size = [], prefix
+                for m in members:
+                    if size + len(sequences[m]) - prefix <= free:
+                        piece.append(m)
+                        size += len(sequences[m]) - prefix
+                if piece:
+                    rows[k].append((prefix, piece) if len(piece) > 1 else (0, piece))
+                    room[k] -= size
+                    members = [m for m in members if m not in piece]
+                    if not members:
+                        break
+            if not members:
+                continue
+            n = prefix + sum(len(sequences[m]) - prefix for m in members)
+            prefix = prefix if len(members) > 1 else 0
+        if r is None:
+            rows.append([])
+            room.append(max_tokens)
+            r = len(rows) - 1
+        rows[r].append((prefix, members))
+        room[r] = max(room[r] - n, 0)
     batches = []
     for row in rows:
-        members = [m for u in row for m in units[u][1]]
+        members = [m for _, piece in row for m in piece]
         local = {m: j for j, m in enumerate(members)}
-        groups = [(units[u][0], [local[m] for m in units[u][1]]) for u in row]
+        groups = [(prefix, [local[m] for m in piece]) for prefix, piece in row]
         batches.append(MicroBatch([sequences[m] for m in members],
                                   [weights[m] for m in members] if weights is not None else None, groups))
     return batches

@@ -98,7 +98,7 @@ class RowGraphs:
         """
         if capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        capture = capture and self.capture_error is None and not micro.shares_prefixes  # shared prompts: eager
+        capture = capture and self.capture_error is None
         shape = RowShape.bucket(micro) if (capture if pad is None else pad) else None
         row = micro.row(shape)
         if not capture:

@@ -162,7 +162,7 @@ class Trainer:
     Attributes:
         share_prompts: pack sequences with the same prompt (an RL group's) so that each row holds
             that prompt once (`pack_sequences(share_prefixes=True)`); on by default where tempering's
-            own forward runs on CPU.
+            own forward runs (the Llama family).
     """
 
     def __init__(self, peft_model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None,
@@ -184,10 +184,8 @@ class Trainer:
         # our own forward for the Llama family; None: run the transformers model (other architectures)
         self.decoder = PackedDecoder.maybe(peft_model, ADAPTER_NAME)
         # rows hold an RL group's shared prompt once (batching.py), with our own forward (transformers'
-        # takes whole sequences) and on CPU. Not yet on CUDA: such rows would leave the CUDA graphs for
-        # the eager path, and neither that trade nor PyTorch's varlen attention with more keys than
-        # queries in the backward has been measured there.
-        self.share_prompts = self.decoder is not None and self.params[0].device.type == "cpu"
+        # takes whole sequences); on CUDA such rows are padded and captured like any other
+        self.share_prompts = self.decoder is not None
         self._checkpointing = False
         self.rows = RowGraphs(self.params, self.params[0].device)
         self._snapshot_buffers: list[torch.Tensor] | None = None  # reused by every step's snapshot
