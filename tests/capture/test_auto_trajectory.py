@@ -214,3 +214,21 @@ def test_failed_and_abandoned_requests_are_not_recorded_but_their_listeners_are_
         traj = run(served, art.capture_auto_trajectory(rollout()))
     assert outcomes.finished == [False, False, True]
     assert [m["content"] for m in traj.messages()] == ["c", traj.messages()[1]["content"]] and len(choices_of(traj)) == 1
+
+
+def test_the_capturing_client_is_built_on_the_openai_sdks_own_http_library():
+    """openai >= 3 is built on httpx2, whose connection pool stays fast under a burst of concurrent
+    rollouts (httpx 0.28's rescans every connection per queued request); older SDKs take httpx only."""
+    from importlib.metadata import version
+
+    from tempering.capture import capturing_http_client
+
+    client = capturing_http_client()
+    if int(version("openai").split(".")[0]) >= 3:
+        import httpx2
+
+        assert isinstance(client, httpx2.AsyncClient)
+    else:
+        import httpx
+
+        assert isinstance(client, httpx.AsyncClient)
