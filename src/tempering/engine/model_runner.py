@@ -225,8 +225,7 @@ class ModelRunner:
             sources = [get(s.seq_id, -1) if s.num_pending else -1 for s in decode]
             has_sources = max(sources, default=-1) >= 0
         if decode:
-            rows = np.fromiter((s.table_row if s.table_row >= 0 and s.num_table_synced == len(s.block_table)
-                                else self._table_row(s) for s in decode), dtype=np.int64, count=len(decode))
+            rows = np.fromiter(map(self._table_row, decode), dtype=np.int64, count=len(decode))
             pos = np.asarray(lens, dtype=np.int64) - 1
             slots = (self.tables[rows, pos // bs] * bs + pos % bs).tolist()
             positions = pos.tolist()
@@ -304,9 +303,10 @@ class ModelRunner:
             self.model.bind_lora(lora, len(ids))
         has_grammar = any(s.grammar is not None for s in seqs)
         graphed = self._graphable(batch, lora)
+        fused = not (options.needs_truncation or options.num_top_logprobs)  # the fused Gumbel-max sampler can draw it
         if graphed:
             # the RL rollout case samples inside the graph: no top-k/top-p, no top logprobs, no grammar
-            in_graph = not (options.needs_truncation or options.num_top_logprobs or has_grammar)
+            in_graph = fused and not has_grammar
             hidden = self.graphs.run(
                 ids, prepared.sources, prepared.positions, ctx.slot_mapping, ctx.decode_block_tables,
                 ctx.decode_context_lens, lora[0].adapter if lora else None,
@@ -324,7 +324,7 @@ class ModelRunner:
         if not seqs:
             return None
         step = LaunchedStep(seqs, [], None, {s.seq_id: j for j, s in enumerate(seqs)})
-        if has_grammar and graphed and not (options.needs_truncation or options.num_top_logprobs):
+        if has_grammar and graphed and fused:
             step.deferred = (hidden, options, True)  # a graph computes the logits and samples: sample_deferred()
             return step
         logits = self.model.logits(hidden[prepared.sample_rows])  # [S, V]

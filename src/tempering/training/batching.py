@@ -74,7 +74,7 @@ class RowShape:
         N = min(-(-max(int(micro.loss_mask[0, 1:].sum()), 1) // step) * step, T)
         num_padding_segments = -(-(T - micro.num_tokens) // L)
         # one spare segment slot: padding predictions get a sequence index of their own
-        S = _pow2(max(micro.num_segments, len(micro.sequences)) + num_padding_segments + 1)
+        S = _pow2(micro.num_segments + num_padding_segments + 1)  # num_segments >= len(micro.sequences)
         if not micro.shares_prefixes:
             return cls(T, N, S, L)
         K = _pow2(len(micro.key_index) + T - micro.num_tokens)  # padding segments attend to themselves
@@ -280,10 +280,10 @@ class MicroBatch:
         L = shape.max_seq_len
         padding = shape.num_tokens - T
         segments = [min(L, padding - i) for i in range(0, padding, L)]  # padding as segments of at most L
-        num_real = self.num_segments + len(segments)  # segments with tokens
+        num_real = self.num_segments + len(segments)  # segments with tokens (at least S: the spare one is S's)
         keys = len(self.key_index) + padding if self.shares_prefixes else 0
         if (padding < 0 or n > shape.num_predictions or self.max_seq_len > L or num_real + 1 > shape.num_segments
-                or S + 1 > shape.num_segments or self.shares_prefixes != (shape.num_keys > 0)
+                or self.shares_prefixes != (shape.num_keys > 0)
                 or keys > shape.num_keys or self.max_key_len > shape.max_key_len):
             raise ValueError(f"a row of {T} tokens, {n} predictions, {self.num_segments} segments up to "
                              f"{self.max_seq_len} tokens, {keys} key entries does not fit {shape}")
@@ -347,21 +347,23 @@ def pack_sequences(
     for prefix, members, n in sorted(units, key=lambda u: u[2], reverse=True):
         r = next((r for r, free in enumerate(room) if n <= free), None)
         if r is None and prefix:  # a group that fits no row whole: fill the rows that have room with pieces of it
+            suffix = {m: len(sequences[m]) - prefix for m in members}
             for k, free in enumerate(room):
                 piece, size = [], prefix
                 for m in members:
-                    if size + len(sequences[m]) - prefix <= free:
+                    if size + suffix[m] <= free:
                         piece.append(m)
-                        size += len(sequences[m]) - prefix
+                        size += suffix[m]
                 if piece:
                     rows[k].append((prefix, piece) if len(piece) > 1 else (0, piece))
                     room[k] -= size
-                    members = [m for m in members if m not in piece]
+                    taken = set(piece)
+                    members = [m for m in members if m not in taken]
                     if not members:
                         break
             if not members:
                 continue
-            n = prefix + sum(len(sequences[m]) - prefix for m in members)
+            n = prefix + sum(suffix[m] for m in members)
             prefix = prefix if len(members) > 1 else 0
         if r is None:
             rows.append([])
