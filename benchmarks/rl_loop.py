@@ -18,6 +18,7 @@ utilization counter (needs `pip install nvidia-ml-py`; null without it).
     python benchmarks/rl_loop.py                  # CPU, the default model, small shapes
     python benchmarks/rl_loop.py --device cuda    # Qwen2.5-1.5B-shaped random bf16 model, 32 x 8,
                                                   # 128-token prompts, 1024 new tokens, 5 iterations
+    python benchmarks/rl_loop.py --child-process  # the server in a child process (in_process=False)
 
 On CUDA the model is built as in gpu_loop.py (random weights: speed does not depend on them) with
 the default model's tokenizer and chat template (`--tokenizer-dir`, default: the converted
@@ -108,15 +109,18 @@ class DecodeProgress(PeriodicSampler):
         self.engine = engine
 
     def read(self) -> float:
+        if self.engine is None:
+            raise RuntimeError("the engine runs in another process")
         return self.engine.stats.num_decode_tokens
 
     def __enter__(self) -> Self:
-        self.preemptions = self.engine.stats.num_preemptions
+        self.preemptions = self.engine.stats.num_preemptions if self.engine is not None else 0
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self.preemptions = self.engine.stats.num_preemptions - self.preemptions
+        if self.engine is not None:
+            self.preemptions = self.engine.stats.num_preemptions - self.preemptions
 
     def summary(self) -> dict:
         counts = [c for _, c in self.samples]
@@ -150,16 +154,26 @@ def make_prompts(tokenizer, renderer, count: int, num_tokens: int, seed: int = 0
     return prompts
 
 
-async def run(base_model: str, root: Path, device: str, shapes: dict) -> dict:
+async def run(base_model: str, root: Path, device: str, shapes: dict, in_process: bool = True) -> dict:
     import tempering as art
 
     groups, group_size, iterations = shapes["groups"], shapes["group_size"], shapes["iterations"]
     new_tokens = shapes["new_tokens"]
     model = art.TrainableModel(name="rl-loop", project="bench", base_model=base_model)
-    backend = art.LocalBackend(path=root, device=device)
+    backend = art.LocalBackend(path=root, device=device, in_process=in_process)
     await model.register(backend)
-    service = backend._registry.get(model.name)
-    prompts = iter(make_prompts(service.tokenizer, service.renderer, groups * (3 * iterations + 4), shapes["prompt_tokens"]))
+    if in_process:
+        service = backend._registry.get(model.name)
+        tokenizer, renderer, engine = service.tokenizer, service.renderer, service.engine
+    else:  # the server is in a child process: the prompts are made from the model's own tokenizer here
+        from transformers import AutoTokenizer
+
+        from tempering.chat import ChatRenderer
+        from tempering.service.base_model import resolve_base_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(base_model).model_ref)
+        renderer, engine = ChatRenderer(tokenizer), None
+    prompts = iter(make_prompts(tokenizer, renderer, groups * (3 * iterations + 4), shapes["prompt_tokens"]))
     config = art.TrainConfig(learning_rate=1e-5)  # LoRA r8 (the model's default)
     rewards = random.Random(0)
     client = model.openai_client()
@@ -176,7 +190,7 @@ async def run(base_model: str, root: Path, device: str, shapes: dict) -> dict:
     async def sequential_iteration() -> dict:
         start = time.perf_counter()
         scenarios = [next(prompts) for _ in range(groups)]
-        with DecodeProgress(service.engine) as progress:
+        with DecodeProgress(engine) as progress:
             batch = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(model, p) for _ in range(group_size)) for p in scenarios), pbar_desc=None)
         gathered = time.perf_counter()
@@ -187,14 +201,15 @@ async def run(base_model: str, root: Path, device: str, shapes: dict) -> dict:
 
     await sequential_iteration()  # warm-up: first requests, the trainer's first step (and CUDA graph captures)
 
-    with BusySampler(service.device) as busy:
+    gpu = torch.device(device)
+    with BusySampler(gpu) as busy:
         sequential = [await sequential_iteration() for _ in range(iterations)]
     sequential_busy = busy.fraction
 
     first_step = await model.get_step()
     pipeline = art.PipelineTrainer(model, backend, rollout, prompts, group_size=group_size, groups_per_step=groups,
                                    max_staleness=1, max_steps=iterations + 1, train_config=config, pbar=False)
-    with BusySampler(service.device) as busy:
+    with BusySampler(gpu) as busy:
         piped = await pipeline.train()
     rows = {r["step"]: r for r in await backend._read_history(model) if "train/reward" in r}
     piped_tokens = [rows[first_step + i]["data/step_completion_tokens"] for i in range(iterations + 1)]
@@ -208,16 +223,17 @@ async def run(base_model: str, root: Path, device: str, shapes: dict) -> dict:
     pipe_tps = sum(piped_tokens[1:]) / sum(steady)
     return {
         "benchmark": "rl_loop",
-        "device": str(service.device),
-        "dtype": str(service.dtype),
-        "machine": torch.cuda.get_device_name(service.device) if service.device.type == "cuda" else "cpu",
+        "device": device,
+        "server": "this process" if in_process else "a child process (LocalBackend(in_process=False))",
+        "machine": torch.cuda.get_device_name(gpu) if gpu.type == "cuda" else "cpu",
         "model": base_model if device == "cpu" else "Qwen2.5-1.5B-shaped random bf16 (SmolLM2 tokenizer)",
         **{k: v for k, v in shapes.items()},
         "sequential_s_per_iteration": round(seq_s, 3),
         "sequential_gather_s": round(statistics.mean(it["gather_s"] for it in sequential), 3),
         "sequential_train_s": round(statistics.mean(it["train_s"] for it in sequential), 3),
         "sequential_gather_phases": {k: round(statistics.mean(it.get(k, 0) for it in sequential), 3)
-                                     for k in ("first_token_s", "decoding_s", "tail_s", "preemptions")},
+                                     for k in ("first_token_s", "decoding_s", "tail_s", "preemptions")}
+                                    if engine is not None else None,  # measured in the engine's process only
         "sequential_trained_tokens_per_s": round(seq_tps, 1),
         "sequential_gpu_busy_fraction": sequential_busy,
         "pipelined_s_per_iteration": round(pipe_s, 3),
@@ -241,6 +257,9 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval (seconds) for this process: how long a thread holding the GIL "
                              "keeps it while the engine's thread waits (Python's default 0.005)")
+    parser.add_argument("--child-process", action="store_true",
+                        help="serve and train in a child process (LocalBackend(in_process=False)); the gather's "
+                             "phases are then not measured")
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -256,7 +275,7 @@ def main() -> None:
             base_model = str(build_model_dir(args.tokenizer_dir or default_model_dir(), Path(tmp) / "model"))
         else:
             base_model = "SmolLM2-135M-Instruct"
-        record = asyncio.run(run(base_model, Path(tmp) / "runs", args.device, shapes))
+        record = asyncio.run(run(base_model, Path(tmp) / "runs", args.device, shapes, in_process=not args.child_process))
     print(file=sys.stderr, flush=True)  # end the progress bars' line: with 2>&1 the JSON then starts a line of its own
     print(json.dumps(record), flush=True)
 

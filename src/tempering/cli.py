@@ -75,6 +75,8 @@ def serve(
     insecure: Annotated[bool, typer.Option(help="allow no API key (loopback hosts only)")] = False,
     gpus: Annotated[int, typer.Option(min=1, help="GPUs to serve and train on, one process each "
                                       "(under torchrun: its processes)")] = 1,
+    engine_config: Annotated[str | None, typer.Option(help="the engine's EngineConfig fields as a JSON object, "
+                                                      'e.g. \'{"max_num_seqs": 128}\'')] = None,
 ) -> None:
     """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port.
 
@@ -103,6 +105,7 @@ def serve(
             raise typer.BadParameter(
                 "no API key: pass --api-key or set TEMPERING_API_KEY (--insecure allows none, on a loopback host only)"
             )
+    engine = _engine_config(engine_config)
     device_type = "cpu" if device is not None and device.startswith("cpu") else "cuda"
     driver = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: rank 0 serves, the others work
@@ -113,7 +116,7 @@ def serve(
     elif gpus > 1:
         driver = Driver.start(gpus, device_type=device_type, command=worker_command(device_type, 600.0))
     try:
-        hub = ModelHub(root, device=device, driver=driver)
+        hub = ModelHub(root, device=device, driver=driver, engine_config=engine)
     except BaseException:
         if driver is not None:
             driver.close()
@@ -138,6 +141,24 @@ def serve(
     if failures:
         typer.echo(f"tempering serve stopped: {failures[0]}", err=True)
         raise typer.Exit(1)
+
+
+def _engine_config(text: str | None):
+    """`--engine-config`'s JSON object as an EngineConfig (None: the hub's default)."""
+    if text is None:
+        return None
+    import json
+
+    from .engine import EngineConfig
+    from .errors import ConfigError
+
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise TypeError(f"a JSON object is needed, got {type(fields).__name__}")
+        return EngineConfig(**fields)
+    except (ValueError, TypeError, ConfigError) as exc:
+        raise typer.BadParameter(f"--engine-config: {exc}") from None
 
 
 def main() -> None:

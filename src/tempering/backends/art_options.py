@@ -295,7 +295,8 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
     ArtOption("trainer_args", "adam_epsilon", "refused", note="tempering's AdamW uses 1e-8", accepts=(1e-8,)),
     # ---- LocalBackend(...) ----------------------------------------------------------------------------
     ArtOption("local_backend", "path", "differs", "LocalBackend(path=...)", "default ./.tempering (ART: ./.art)"),
-    ArtOption("local_backend", "in_process", "accepted", note="tempering always serves and trains in this process"),
+    ArtOption("local_backend", "in_process", "differs", "LocalBackend(in_process=...)",
+              "default True (ART: False); False runs the server in a child process, driven over HTTP"),
     ArtOption("local_backend", "gpu_cost_per_hour_usd", "ignored", note="no costs/gpu metric is logged"),
     ArtOption("local_backend", "enable_expert_replay", "ignored", note="MoE routing replay does not apply: the "
               "engine and the trainer run the same forward"),

@@ -1,4 +1,4 @@
-"""LocalBackend: serve and train in this process.
+"""LocalBackend: serve and train in this process (or, with `in_process=False`, in a child process).
 
 Each registered `TrainableModel` gets a `ModelService` (weights, engine, trainer, checkpoints).
 An OpenAI-compatible server (FastAPI + uvicorn) runs in a background thread on 127.0.0.1, on a
@@ -56,13 +56,24 @@ class LocalBackend:
         max_batch_size: most sequences the engine decodes together.
         engine_config: the engine's batching and KV-cache settings (overrides max_batch_size);
             a model's `_internal_config` engine_args override it for that model.
-        in_process, gpu_cost_per_hour_usd, enable_expert_replay: ART's options, accepted for
-            compatibility (see the compatibility table in the README).
+        in_process: False runs the server (engine and trainer) in a child process, which this
+            process drives over HTTP as a RemoteBackend (backends/child.py; the call returns that
+            backend), as ART's LocalBackend does by default: the engine and the trainer get a
+            process of their own. Not faster on the workloads measured (benchmarks/RESULTS.md).
+        gpu_cost_per_hour_usd, enable_expert_replay: ART's options, accepted for compatibility
+            (see the compatibility table in the README).
 
     Raises:
         UnknownOptionError: an option ART's LocalBackend does not have either.
         DistributedError: with `gpus` > 1, if a worker process fails to start.
     """
+
+    def __new__(cls, *args: Any, in_process: bool = True, **kwargs: Any) -> Any:
+        if in_process or cls is not LocalBackend:
+            return super().__new__(cls)
+        from .child import ChildProcessBackend  # the server in a child process (see its module)
+
+        return ChildProcessBackend(*args, **kwargs)
 
     def __init__(
         self,
