@@ -77,3 +77,8 @@ def test_serve_takes_the_engine_config_as_json():
     for bad in ("[1]", "{not json", '{"block_size": 3}', '{"no_such_field": 1}'):
         with pytest.raises(typer.BadParameter, match="--engine-config"):
             _engine_config(bad)
+
+
+def test_a_device_the_machine_lacks_stops_the_child_at_startup_with_the_reason(tmp_path):
+    with pytest.raises(BackendError, match="(?s)before serving.*not a device"):
+        art.LocalBackend(in_process=False, path=tmp_path, device="no-such-device")

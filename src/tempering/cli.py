@@ -89,6 +89,7 @@ def serve(
 
     import uvicorn
 
+    from .errors import ConfigError
     from .parallel import Driver
     from .service import create_app
     from .service.hub import ModelHub
@@ -117,9 +118,11 @@ def serve(
         driver = Driver.start(gpus, device_type=device_type, command=worker_command(device_type, 600.0))
     try:
         hub = ModelHub(root, device=device, driver=driver, engine_config=engine)
-    except BaseException:
+    except BaseException as exc:
         if driver is not None:
             driver.close()
+        if isinstance(exc, ConfigError):  # e.g. a device this machine does not have
+            raise typer.BadParameter(str(exc), param_hint="--device") from None
         raise
     application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)
     server = uvicorn.Server(uvicorn.Config(application, host=host, port=port, log_level="warning"))

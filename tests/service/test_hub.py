@@ -61,3 +61,18 @@ def test_a_failed_v1_register_leaves_no_model_json(tmp_path):
         asyncio.run(check())
     finally:
         hub.close()
+
+
+def test_a_device_this_machine_cannot_run_on_is_refused_at_once(tmp_path):
+    import torch
+
+    from tempering.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a device"):
+        ModelHub(tmp_path, device="no-such-device")
+    with pytest.raises(ConfigError, match="runs on 'cpu' or 'cuda'"):
+        ModelHub(tmp_path, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            ModelHub(tmp_path, device="cuda")
+    ModelHub(tmp_path, device="cpu").close()  # fine

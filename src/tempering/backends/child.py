@@ -14,6 +14,7 @@ against 13.73 s: a train call sends its trajectories over HTTP. See benchmarks/R
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -124,7 +125,7 @@ class ChildProcessBackend(RemoteBackend):
     async def close(self) -> None:
         """Stop the child process (its models are saved at each step) and close the connections."""
         await super().close()
-        self._stop()
+        await asyncio.to_thread(self._stop)  # waits for the child to shut down (up to 30 s, then SIGKILL)
 
     def __enter__(self) -> ChildProcessBackend:
         return self

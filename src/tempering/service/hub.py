@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..engine import EngineConfig
 from ..engine.memory import release_free_memory
 from ..errors import ConfigError, UnknownModelError
@@ -54,6 +56,8 @@ class ModelHub:
 
     def __init__(self, root: Path, *, device: str | None = None, engine_config: EngineConfig | None = None,
                  driver: Driver | None = None) -> None:
+        if device is not None and driver is None:
+            _check_device(device)
         self.root = Path(root)
         self.driver = driver
         self.dp = DataParallel() if driver is not None else None
@@ -221,3 +225,19 @@ def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2))
     os.replace(tmp, path)
+
+
+def _check_device(device: str) -> None:
+    """Refuse a device this machine cannot run on, before any model is registered.
+
+    Raises:
+        ConfigError: for a string torch does not parse as a device, or CUDA where none is available.
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r} is not a device: {exc}; use 'cpu' or 'cuda' (or 'cuda:N')") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: CUDA is not available on this machine; use 'cpu'")
+    if parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r}: tempering runs on 'cpu' or 'cuda', not {parsed.type!r}")
