@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 
 from ..engine import EngineConfig
-from ..errors import BackendError, ConfigError
+from ..errors import BackendError
 from ..service.auth import generate_api_key
-from .art_mapping import check_backend_options
+from .local import DEFAULT_ROOT, check_local_options
 from .remote import RemoteBackend
 
 __all__ = ["ChildProcessBackend"]
@@ -66,13 +66,9 @@ class ChildProcessBackend(RemoteBackend):
         enable_expert_replay: bool = True,
         startup_timeout_s: float = 600.0,
     ) -> None:
-        art_options = {"gpu_cost_per_hour_usd": gpu_cost_per_hour_usd} if gpu_cost_per_hour_usd is not None else {}
-        if not enable_expert_replay:
-            art_options["enable_expert_replay"] = enable_expert_replay
-        check_backend_options(art_options)
-        if gpus < 1:
-            raise ConfigError(f"gpus must be at least 1, got {gpus}")
-        root = Path(path) if path is not None else Path(".tempering")
+        check_local_options(gpus=gpus, gpu_cost_per_hour_usd=gpu_cost_per_hour_usd,
+                            enable_expert_replay=enable_expert_replay)
+        root = Path(path) if path is not None else DEFAULT_ROOT
         root.mkdir(parents=True, exist_ok=True)
         self.log_path = root / "server.log"
         api_key = api_key or generate_api_key()

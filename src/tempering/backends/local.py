@@ -40,7 +40,25 @@ from .base import report_nothing_learned
 if TYPE_CHECKING:
     from ..model import Model, TrainableModel
 
-__all__ = ["LocalBackend", "train_config_from_options"]
+__all__ = ["DEFAULT_ROOT", "LocalBackend", "check_local_options", "train_config_from_options"]
+
+DEFAULT_ROOT = Path(".tempering")  # where models are stored when no `path` is given
+
+
+def check_local_options(*, gpus: int, gpu_cost_per_hour_usd: float | None, enable_expert_replay: bool) -> None:
+    """Check the LocalBackend arguments that do not depend on where the server runs.
+
+    Raises:
+        ConfigError: if `gpus` < 1.
+        UnknownOptionError: an ART option ART's LocalBackend does not have either (the ones
+            tempering ignores give a warning).
+    """
+    art_options = {"gpu_cost_per_hour_usd": gpu_cost_per_hour_usd} if gpu_cost_per_hour_usd is not None else {}
+    if not enable_expert_replay:
+        art_options["enable_expert_replay"] = enable_expert_replay
+    check_backend_options(art_options)
+    if gpus < 1:
+        raise ConfigError(f"gpus must be at least 1, got {gpus}")
 
 
 class LocalBackend:
@@ -90,14 +108,10 @@ class LocalBackend:
         gpu_cost_per_hour_usd: float | None = None,
         enable_expert_replay: bool = True,
     ) -> None:
-        art_options = {"gpu_cost_per_hour_usd": gpu_cost_per_hour_usd} if gpu_cost_per_hour_usd is not None else {}
-        if not enable_expert_replay:
-            art_options["enable_expert_replay"] = enable_expert_replay
-        check_backend_options(art_options)
-        if gpus < 1:
-            raise ConfigError(f"gpus must be at least 1, got {gpus}")
+        check_local_options(gpus=gpus, gpu_cost_per_hour_usd=gpu_cost_per_hour_usd,
+                            enable_expert_replay=enable_expert_replay)
         self._model_options: dict[str, ModelOptions] = {}
-        self.path = Path(path) if path is not None else Path(".tempering")
+        self.path = Path(path) if path is not None else DEFAULT_ROOT
         self._failure: DistributedError | None = None
         self._driver = None
         if gpus > 1:
