@@ -46,6 +46,8 @@ def tiny(arch: str, device: str, dtype: torch.dtype):
 
 
 DEVICES = [("cpu", torch.float32)] + ([("cuda", torch.bfloat16)] if torch.cuda.is_available() else [])
+# a second GPU: the engine's thread must make it its current device (Triton and CUDA graphs launch there)
+DEVICES += [("cuda:1", torch.bfloat16)] if torch.cuda.device_count() >= 2 else []
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])

@@ -148,7 +148,7 @@ def test_statistics_are_the_eager_trainers(default_model_dir):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def gpu_trainer(seed=0):
+def gpu_trainer(seed=0, device="cuda"):
     import transformers
 
     from tempering.types import LoRAConfig
@@ -156,7 +156,7 @@ def gpu_trainer(seed=0):
     torch.manual_seed(seed)
     config = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
     return Trainer.new(model, LoRAConfig(rank=8), seed=seed)
 
@@ -296,3 +296,21 @@ def test_on_a_gpu_rows_with_shared_prompts_give_the_gradient_of_whole_sequences(
         assert shared_stats[i].item() == pytest.approx(whole_stats[i].item(), rel=1e-2, abs=1e-4), name
     for a, b in zip(whole_grads, shared_grads):
         assert (b - a).norm() <= 3e-2 * a.norm() + 1e-7
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_trainer_on_the_second_gpu_steps_from_a_thread_whose_current_device_is_the_first():
+    """CUDA's current device is per thread; the service steps from its own threads. A trainer on
+    cuda:1 gives there what it gives on cuda:0 (graphs and Triton kernels launched on its GPU)."""
+    import concurrent.futures
+
+    config = CONFIGS["ppo"].model_copy(update={"learning_rate": 1e-3, "micro_batch_tokens": 512, "cuda_graphs": True})
+    params = []
+    for device in ("cuda:0", "cuda:1"):
+        trainer = gpu_trainer(device=device)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for seqs in gpu_batches():
+                pool.submit(trainer.step, seqs, config).result()
+        params.append([p.detach().float().cpu() for p in trainer.params])
+    for a, b in zip(*params):
+        assert (b - a).norm() <= 2e-2 * a.norm() + 1e-6

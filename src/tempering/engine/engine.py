@@ -31,11 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..errors import EngineError
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .grammar import GrammarMask, MaskWorker, PendingMasks
 from .grammar import advance as advance_grammars
+from .lifetime import close_at_exit
 from .lora import EngineAdapter, collect_adapter
 from .memory import release_free_memory
 from .model_runner import LaunchedStep, ModelRunner, SampledTokens
@@ -116,6 +119,7 @@ class Engine:
         self.stats = EngineStats()
         self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
         self._thread.start()
+        close_at_exit(self)
 
     @property
     def device(self):
@@ -145,8 +149,10 @@ class Engine:
         return await asyncio.wrap_future(self.submit(prompt_ids, params, n=n, policy=policy))
 
     def close(self) -> None:
-        """Stop the worker; unfinished requests fail with EngineError."""
+        """Stop the worker; unfinished requests fail with EngineError. A second call does nothing."""
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
@@ -186,6 +192,8 @@ class Engine:
     # ---- worker ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":  # the current device is per thread: Triton and CUDA graphs launch on it
+            torch.cuda.set_device(self.device)
         while True:
             with self._cond:
                 idle = not self._inbox and not self.scheduler.has_work and not self._launched

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import EngineError
 from .grammar import GrammarMask, GrammarMatcher, advance
+from .lifetime import close_at_exit
 from .request import Completion, GenerationRequest, Policy, TokenCallback, new_request
 from .sampler import sample, sampling_tensors
 from .sampling_params import SamplingParams, row_seed
@@ -90,6 +91,7 @@ class HFEngine:
         self._rng = random.Random()
         self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
         self._thread.start()
+        close_at_exit(self)
 
     @property
     def device(self) -> torch.device:
@@ -119,8 +121,10 @@ class HFEngine:
         return await asyncio.wrap_future(self.submit(prompt_ids, params, n=n, policy=policy))
 
     def close(self) -> None:
-        """Stop the worker; queued requests fail with EngineError."""
+        """Stop the worker; queued requests fail with EngineError. A second call does nothing."""
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
@@ -130,6 +134,8 @@ class HFEngine:
     # ---- worker -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":  # the current device is per thread: Triton and CUDA graphs launch on it
+            torch.cuda.set_device(self.device)
         while True:
             batch = self._next_batch()
             if batch is None:

@@ -288,6 +288,18 @@ class Trainer:
         return self._undoable(lambda: self._step(sequences, config, on_update, version), commit)
 
     def _undoable(self, run: Callable[[], StepMetrics], commit: Callable[[], None] | None) -> StepMetrics:
+        """`_undoable_on_this_thread` with the trainer's GPU as the calling thread's current CUDA device.
+
+        A step may run on any thread (the service's train thread, a worker rank's call thread), and
+        CUDA's current device is per thread (0 unless set): Triton kernels and CUDA graphs launch
+        on the current device, so a trainer on cuda:1 stepped from such a thread failed with
+        "Pointer argument cannot be accessed from Triton".
+        """
+        device = self.params[0].device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return self._undoable_on_this_thread(run, commit)
+
+    def _undoable_on_this_thread(self, run: Callable[[], StepMetrics], commit: Callable[[], None] | None) -> StepMetrics:
         """`run()` then `commit()`; if either raises, the adapter, optimizer and RNG go back to before.
 
         The RNG states are saved now; the adapter and optimizer tensors only before the first
