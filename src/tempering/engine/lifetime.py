@@ -12,8 +12,11 @@ every open engine there lets each worker finish its step and return.
 from __future__ import annotations
 
 import atexit
+import logging
 import weakref
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 
 class _Closable(Protocol):
@@ -31,4 +34,7 @@ def close_at_exit(engine: _Closable) -> None:
 @atexit.register
 def _close_open_engines() -> None:
     for engine in list(_open_engines):
-        engine.close()
+        try:
+            engine.close()
+        except Exception:  # the others still close
+            log.exception("closing an engine at exit failed")
