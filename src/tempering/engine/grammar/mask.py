@@ -291,8 +291,7 @@ class MaskWorker:
     def close(self) -> None:
         """Stop the helper once its current job is done (waits up to 60 s for it)."""
         self._jobs.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=60)
+        self._thread.join(timeout=60)
 
     def _run(self) -> None:
         executor = None
