@@ -34,7 +34,7 @@ from .context import StepContext
 from .layers.triton_sampler import gumbel_sample
 from .lora import EngineAdapter, LoRASegment
 
-__all__ = ["DecodeGraphs"]
+__all__ = ["DecodeGraphs", "StagedDecode"]
 
 log = logging.getLogger("tempering")
 
@@ -44,6 +44,17 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor | None  # [bucket, H], written by each replay (None when the graph samples)
     adapter: EngineAdapter | None  # kept alive: the graph reads its tensors' addresses
+
+
+@dataclass(slots=True)
+class StagedDecode:
+    """A decode step whose inputs are in the graph buffers (`DecodeGraphs.stage`), to be replayed."""
+
+    batch_size: int
+    bucket: int
+    adapter: EngineAdapter | None
+    sample: bool
+    captured: _Captured | None  # None: capture failed, run eagerly
 
 
 class DecodeGraphs:
@@ -101,7 +112,8 @@ class DecodeGraphs:
         adapter: EngineAdapter | None,
         sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
-        """Replay the decode step of a decode-only batch (all tensors already on the device).
+        """Replay the decode step of a decode-only batch (all tensors already on the device):
+        `stage` then `replay`.
 
         Args:
             input_ids: [B] int64 (any value where `sources` points to a pending token).
@@ -114,6 +126,21 @@ class DecodeGraphs:
 
         Returns:
             the hidden states [B, H], or None when the graph sampled.
+        """
+        staged = self.stage(input_ids, sources, positions, slot_mapping, block_tables, context_lens, adapter,
+                            sampling is not None)
+        return self.replay(staged, sampling)
+
+    def stage(self, input_ids: torch.Tensor, sources: torch.Tensor | None, positions: torch.Tensor,
+              slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+              adapter: EngineAdapter | None, sample: bool) -> StagedDecode:
+        """The first half of `run` (same arguments; `sample`: the graph will sample): queue the copies
+        of the step's inputs into the graph's buffers, capturing the graph on first use.
+
+        Nothing staged reads `last_tokens` or the buffers a masked sampling reads, so a step can be
+        staged before the previous step's deferred sampling is queued (`sample_masked`), taking
+        this host work off the path between the grammar masks and the next forward. The copies
+        queue behind the previous step's forward, which read the same buffers.
         """
         B, width = block_tables.shape
         bucket = self.bucket_for(B)
@@ -130,15 +157,21 @@ class DecodeGraphs:
             self.slot_mapping[B:bucket].zero_()
             self.context_lens[B:bucket].zero_()
             self.sources[B:bucket].fill_(-1)
-        if sampling is not None:
+        key = (bucket, id(adapter) if adapter is not None else 0, sample)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, adapter, sample)
+        return StagedDecode(B, bucket, adapter, sample, self.graphs[key])
+
+    def replay(self, staged: StagedDecode, sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+               ) -> torch.Tensor | None:
+        """The second half of `run`: the sampling options (when the graph samples), then the replay."""
+        B, bucket = staged.batch_size, staged.bucket
+        if staged.sample:
             for static, values in zip((self.temperature, self.seeds, self.counters), sampling):
                 static[:B].copy_(values)
-        key = (bucket, id(adapter) if adapter is not None else 0, sampling is not None)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, adapter, sampling is not None)
-        captured = self.graphs[key]
+        captured = staged.captured
         if captured is None:
-            hidden = self._forward(bucket, adapter, sampling is not None)
+            hidden = self._forward(bucket, staged.adapter, staged.sample)
             return hidden[:B] if hidden is not None else None
         captured.graph.replay()
         return captured.hidden[:B] if captured.hidden is not None else None
@@ -192,14 +225,31 @@ class DecodeGraphs:
             self.pool = graph.pool()
         return graph, out
 
-    def sample_masked(self, hidden: torch.Tensor, sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                      bits: torch.Tensor, mask_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample a decode step's rows under grammar bitmasks from a captured graph: logits, then the
-        fused Gumbel-max sampler reading the packed words; the ids land in `last_tokens[:B]`.
+    def stage_masked(self, hidden: torch.Tensor, sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """The first half of a masked sampling (`sample_masked`), queued right after the step's forward
+        while the host fills its bitmasks: copy the hidden states and sampling options in.
 
         Args:
-            hidden: [B, H] the step's hidden states (its forward graph's output).
+            hidden: [B, H] the step's hidden states (its forward graph's output, which the next
+                forward overwrites).
             sampling: (temperature [B] float32, seeds [B] int64, counters [B] int64) on the device.
+        """
+        B = hidden.shape[0]
+        if self.hidden is None or self.hidden.shape[1] != hidden.shape[1]:
+            self.hidden = torch.zeros(self.max_batch_size, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+            self.sample_graphs.clear()
+        self.hidden[:B].copy_(hidden)
+        for static, values in zip((self.temperature, self.seeds, self.counters), sampling):
+            static[:B].copy_(values)
+
+    def sample_masked(self, batch_size: int, bits: torch.Tensor, mask_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample a decode step's rows under grammar bitmasks from a captured graph: logits, then the
+        fused Gumbel-max sampler reading the packed words; the ids land in `last_tokens[:B]`.
+        Call `stage_masked` first, with nothing staged in between that writes the sampling options
+        (a decode step staged with `DecodeGraphs.stage` copies its own only at `replay`).
+
+        Args:
+            batch_size: B, the rows of the step.
             bits: [C, W] int32 bitmasks of the constrained rows (pinned host memory: copied without
                 blocking), C <= the largest bucket.
             mask_index: [B] int32 each row's bitmask row, -1 for a free row (pinned host memory).
@@ -208,19 +258,15 @@ class DecodeGraphs:
             (logprobs [B] float32 of the sampled ids under the unmasked distribution, the number of
             allowed tokens per row [B] int32), views of static buffers the next call overwrites.
         """
-        B, C = hidden.shape[0], bits.shape[0]
+        B, C = batch_size, bits.shape[0]
         bucket = self.bucket_for(B)
-        if self.hidden is None or self.mask_bits is None or self.mask_bits.shape[1] != bits.shape[1]:
-            self.hidden = torch.zeros(self.max_batch_size, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-            self.mask_bits = torch.zeros(self.max_batch_size, bits.shape[1], dtype=torch.int32, device=hidden.device)
+        if self.mask_bits is None or self.mask_bits.shape[1] != bits.shape[1]:
+            self.mask_bits = torch.zeros(self.max_batch_size, bits.shape[1], dtype=torch.int32, device=self.mask_index.device)
             self.sample_graphs.clear()
-        self.hidden[:B].copy_(hidden)
         self.mask_bits[:C].copy_(bits, non_blocking=True)
         self.mask_index[:B].copy_(mask_index, non_blocking=True)
         if bucket > B:
             self.mask_index[B:bucket].fill_(-1)
-        for static, values in zip((self.temperature, self.seeds, self.counters), sampling):
-            static[:B].copy_(values)
         if bucket not in self.sample_graphs:
             self.sample_graphs[bucket], _ = self._record(lambda: self._sample_masked(bucket),
                                                          f"masked sampling, bucket {bucket}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import random
 import threading
@@ -36,7 +35,7 @@ import torch
 from ..errors import EngineError
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .grammar import GrammarMask, MaskWorker, PendingMasks
+from .grammar import GrammarMask, MaskWorker, ReadyMasks
 from .grammar import advance as advance_grammars
 from .lifetime import close_at_exit
 from .lora import EngineAdapter, collect_adapter
@@ -244,7 +243,9 @@ class Engine:
         3. processes t's tokens (stops, completions), schedules t+2 and prepares its inputs
            (sending them to the device): the consume runs beside the processing and scheduling,
            the fill beside the preparing;
-        4. samples t+1 with the masks, then launches t+2's forward, which queues right behind.
+        4. stages t+2 (its inputs into its CUDA graph's buffers) while the helper may still be
+           filling, then samples t+1 with the masks and launches t+2's forward, which queues right
+           behind: only the sampling and the graph launch stand between the masks and the forward.
         So the host work of a step overlaps the device's forward also under structured outputs.
         """
         older, newest = self._to_collect, self._in_flight
@@ -259,24 +260,27 @@ class Engine:
             if self.mask_thread:  # the helper consumes t's tokens, then fills t+1's masks
                 masks = self._mask_worker().submit(matchers, pinned=self.runner.is_cuda, consume=consume)
             else:
-                masks = concurrent.futures.Future()
-                masks.set_result(GrammarMask.compute(matchers, pinned=self.runner.is_cuda, consume=consume))
+                masks = ReadyMasks(GrammarMask.compute(matchers, pinned=self.runner.is_cuda, consume=consume))
         elif consume:
             advance_grammars(consume)
         if sampled is not None:
             self._process(sampled)
         batch = self.scheduler.schedule()
-        if isinstance(masks, PendingMasks):  # let the helper into its fill call (the GIL: see MaskWorker)
+        if masks is not None:  # let the helper into its fill call (the GIL: see MaskWorker)
             masks.wait_filling()
         prepared = self.runner.prepare(batch, newest) if batch else None
-        if masks is not None:  # t+1's sampling goes in the device's queue before t+2's forward, which reads it
-            self.runner.sample_deferred(newest, masks.result())
         launched = None
-        if prepared is not None:
-            with self.lock:
+        # held from staging to launch: the adapter copy staged and the version stamped stay the step's
+        with self.lock:
+            if prepared is not None:  # t+2's inputs into its graph's buffers while the masks are filled
+                self.runner.stage(prepared)
+            if masks is not None:  # t+1's sampling goes in the device's queue before t+2's forward, which reads it
+                self.runner.sample_deferred(newest, masks)
+            if prepared is not None:
                 launched = self.runner.launch(prepared)
                 if launched is not None:  # the version of the weights this step reads, stamped on its tokens
                     launched.versions = [s.request.policy.version for s in launched.seqs]
+        if prepared is not None:
             stats = self.stats
             stats.num_steps += 1
             stats.num_decode_tokens += len(batch.decode)

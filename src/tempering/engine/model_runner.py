@@ -15,7 +15,9 @@ device→host synchronization.
 Structured outputs: when a sampling row follows a grammar, `launch()` stops after the logits and
 `sample_deferred()` samples later with the grammar bitmasks, which the engine fills once the
 matchers consumed the previous step's tokens, while the device runs the forward. A decode-only
-step that ran from a CUDA graph is sampled by a second graph (logits and masked sampling).
+step that ran from a CUDA graph is sampled by a second graph (logits and masked sampling), and
+the next step is staged (`stage()`: its inputs copied into its graph's buffers) before that
+sampling, so that its launch right after it is one graph replay.
 
 Each running sequence owns a row of a host block table that grows as the block manager hands
 it blocks, so a step copies its rows with one numpy gather instead of rebuilding Python lists.
@@ -25,19 +27,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .config import EngineConfig
 from .context import PrefillSpan, StepContext
-from .grammar import GrammarMask
+from .grammar import GrammarMask, PendingMasks, ReadyMasks
 from .layers.attention import paged_decode_attention
 from .lora import EngineAdapter, LoRASegment
 from .models import LlamaFamilyModel
 from .sampler import SamplingTensors, sample, sampling_flags
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+if TYPE_CHECKING:  # cuda_graphs is imported on GPUs only
+    from .cuda_graphs import StagedDecode
 
 __all__ = ["LaunchedStep", "ModelRunner", "PreparedStep", "SampledTokens"]
 
@@ -118,6 +124,8 @@ class PreparedStep:
     ctx: StepContext
     sample_rows: torch.Tensor
     options: SamplingTensors
+    lora: list[LoRASegment] | None = None  # set by `ModelRunner.stage`
+    staged: StagedDecode | None = None  # a decode step whose inputs are in its CUDA graph's buffers
 
 
 class ModelRunner:
@@ -290,29 +298,48 @@ class ModelRunner:
         return PreparedStep(batch, seqs, i(f_ids), i(f_src) if has_sources else None, i(f_pos), ctx, i(f_rows), options)
 
     @torch.inference_mode()
+    def stage(self, prepared: PreparedStep) -> None:
+        """The part of `launch` that does not read the previous step's sampled ids, so that it may
+        run before that step's deferred sampling is queued (structured outputs: while the host
+        fills its grammar masks, which are then followed only by the sampling and this launch).
+
+        Binds the batch's adapter (refreshing the copy of A the spare rows hold) and, for a
+        decode-only step replayed from a CUDA graph, queues its inputs into the graph's buffers.
+        A step that runs eagerly stages nothing more (its forward reads the sampled ids).
+        """
+        batch, options = prepared.batch, prepared.options
+        lora = prepared.lora = self._lora_segments(batch)
+        if lora:  # the spare-rows LoRA path: refresh the copy of A if the trainer changed it
+            self.model.bind_lora(lora, len(prepared.ids))
+        if not self._graphable(batch, lora):
+            return
+        has_grammar = any(s.grammar is not None for s in prepared.seqs)
+        fused = not (options.needs_truncation or options.num_top_logprobs)  # the fused Gumbel-max sampler can draw it
+        ctx = prepared.ctx
+        # the RL rollout case samples inside the graph: no top-k/top-p, no top logprobs, no grammar
+        prepared.staged = self.graphs.stage(
+            prepared.ids, prepared.sources, prepared.positions, ctx.slot_mapping, ctx.decode_block_tables,
+            ctx.decode_context_lens, lora[0].adapter if lora else None, fused and not has_grammar)
+
+    @torch.inference_mode()
     def launch(self, prepared: PreparedStep) -> LaunchedStep | None:
-        """Run a prepared step's forward and sampling; returns its sampling rows (None if no
-        sequence samples). Does not wait for the device.
+        """Run a prepared step's forward and sampling (after `stage`, which it calls if the caller
+        did not); returns its sampling rows (None if no sequence samples). Does not wait for the device.
 
         The step the batch was prepared against must have been sampled (launched, or
         `sample_deferred`): decode rows read their pending newest token from `last_tokens`.
         """
+        if prepared.lora is None:
+            self.stage(prepared)
         batch, seqs, ids, ctx, options = prepared.batch, prepared.seqs, prepared.ids, prepared.ctx, prepared.options
-        lora = self._lora_segments(batch)
-        if lora:  # the spare-rows LoRA path: refresh the copy of A if the trainer changed it
-            self.model.bind_lora(lora, len(ids))
+        lora = prepared.lora
         has_grammar = any(s.grammar is not None for s in seqs)
-        graphed = self._graphable(batch, lora)
         fused = not (options.needs_truncation or options.num_top_logprobs)  # the fused Gumbel-max sampler can draw it
-        if graphed:
-            # the RL rollout case samples inside the graph: no top-k/top-p, no top logprobs, no grammar
-            in_graph = fused and not has_grammar
-            hidden = self.graphs.run(
-                ids, prepared.sources, prepared.positions, ctx.slot_mapping, ctx.decode_block_tables,
-                ctx.decode_context_lens, lora[0].adapter if lora else None,
-                (options.temperature, options.seeds, options.counters) if in_graph else None,
-            )
-            if in_graph:
+        staged = prepared.staged
+        if staged is not None:  # a decode-only step, replayed from its CUDA graph
+            sampling = (options.temperature, options.seeds, options.counters)
+            hidden = self.graphs.replay(staged, sampling if staged.sample else None)
+            if staged.sample:
                 step = LaunchedStep(seqs, [], self.last_tokens[:len(seqs)], {s.seq_id: j for j, s in enumerate(seqs)})
                 self._copy_to_host(step, self.graphs.logprobs[:len(seqs)])
                 return step
@@ -324,8 +351,9 @@ class ModelRunner:
         if not seqs:
             return None
         step = LaunchedStep(seqs, [], None, {s.seq_id: j for j, s in enumerate(seqs)})
-        if has_grammar and graphed and fused:
-            step.deferred = (hidden, options, True)  # a graph computes the logits and samples: sample_deferred()
+        if has_grammar and staged is not None and fused:  # a graph computes the logits and samples: sample_deferred()
+            self.graphs.stage_masked(hidden, (options.temperature, options.seeds, options.counters))
+            step.deferred = (hidden, options, True)
             return step
         logits = self.model.logits(hidden[prepared.sample_rows])  # [S, V]
         if has_grammar:  # structured outputs: sampled by sample_deferred()
@@ -334,24 +362,27 @@ class ModelRunner:
         self._sample(step, logits, options)
         return step
 
-    def sample_deferred(self, step: LaunchedStep, computed: tuple[list[int], torch.Tensor] | None) -> None:
-        """Sample a step that has grammar rows, with bitmasks filled after the matchers consumed
-        the previous step's tokens (`computed`: `GrammarMask.compute`'s result, on the host while
-        the device runs the step's forward). Rows whose sample ended meanwhile may be sampled
-        free: their token is dropped anyway."""
+    @torch.inference_mode()
+    def sample_deferred(self, step: LaunchedStep, masks: PendingMasks | ReadyMasks) -> None:
+        """Sample a step that has grammar rows, with the bitmasks that `masks` fills once the matchers
+        consumed the previous step's tokens (`GrammarMask.compute`'s result, on the host while the
+        device runs the step's forward; waited for here). Rows whose sample ended meanwhile may be
+        sampled free: their token is dropped anyway."""
         values, options, graphed = step.deferred
         step.deferred = None
         num_rows = len(step.seqs)
-        if graphed and computed is not None:  # logits and masked sampling in one graph launch
-            rows, bits = computed
-            index = GrammarMask.row_index_host(rows, num_rows, pinned=True)
-            logprobs, num_allowed = self.graphs.sample_masked(
-                values, (options.temperature, options.seeds, options.counters), bits, index)
-            step.grammar_mask = GrammarMask.sampled(rows, num_rows, num_allowed)
-            step.grammar_mask.counts_to_host()
-            step.token_ids = self.last_tokens[:num_rows]
-            self._copy_to_host(step, logprobs)
-            return
+        if graphed:  # logits and masked sampling in one graph launch
+            index = GrammarMask.row_index_host(masks.rows, num_rows, pinned=True) if masks.rows else None
+            computed = masks.result()
+            if computed is not None:
+                rows, bits = computed
+                logprobs, num_allowed = self.graphs.sample_masked(num_rows, bits, index)
+                step.grammar_mask = GrammarMask.sampled(rows, num_rows, num_allowed)
+                step.grammar_mask.counts_to_host()
+                step.token_ids = self.last_tokens[:num_rows]
+                self._copy_to_host(step, logprobs)
+                return
+        computed = masks.result()
         logits = self.model.logits(values) if graphed else values
         step.grammar_mask = GrammarMask.to_device(computed, num_rows, self.device)
         self._sample(step, logits, options)

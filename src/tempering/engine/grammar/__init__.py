@@ -14,7 +14,7 @@ from .compiler import (
     import_llguidance,
     llguidance_installed,
 )
-from .mask import GrammarMask, MaskWorker, PendingMasks, advance
+from .mask import GrammarMask, MaskWorker, PendingMasks, ReadyMasks, advance
 from .spec import GrammarSpec
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "GrammarMatcher",
     "MaskWorker",
     "PendingMasks",
+    "ReadyMasks",
     "GrammarSpec",
     "advance",
     "default_num_shards",

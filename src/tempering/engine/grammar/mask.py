@@ -37,7 +37,7 @@ import torch
 
 from .compiler import GrammarMatcher, default_num_shards, import_llguidance
 
-__all__ = ["GrammarMask", "MaskWorker", "PendingMasks", "advance", "unpack_bitmask"]
+__all__ = ["GrammarMask", "MaskWorker", "PendingMasks", "ReadyMasks", "advance", "unpack_bitmask"]
 
 log = logging.getLogger("tempering")
 
@@ -313,10 +313,15 @@ class MaskWorker:
 
 
 class PendingMasks:
-    """A step's masks being computed by `MaskWorker`."""
+    """A step's masks being computed by `MaskWorker`.
+
+    Attributes:
+        rows: the batch rows that follow a grammar (known before the masks are filled).
+    """
 
     def __init__(self, plan: _MaskPlan) -> None:
         self.plan = plan
+        self.rows = plan.rows
         self.future: concurrent.futures.Future | None = None  # None: the step had no grammar work
         self.filling: threading.Event | None = None
 
@@ -332,6 +337,20 @@ class PendingMasks:
         if self.future is not None:
             self.future.result()
         return self.plan.finish()
+
+
+class ReadyMasks:
+    """`GrammarMask.compute`'s result, computed on the calling thread, behind `PendingMasks`' interface."""
+
+    def __init__(self, computed: tuple[list[int], torch.Tensor] | None) -> None:
+        self.computed = computed
+        self.rows = computed[0] if computed is not None else []
+
+    def wait_filling(self) -> None:
+        pass
+
+    def result(self) -> tuple[list[int], torch.Tensor] | None:
+        return self.computed
 
 
 def advance(pairs: list[tuple[GrammarMatcher, int]]) -> None:
