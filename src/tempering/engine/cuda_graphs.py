@@ -101,41 +101,19 @@ class DecodeGraphs:
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        sources: torch.Tensor | None,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        adapter: EngineAdapter | None,
-        sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """Replay the decode step of a decode-only batch (all tensors already on the device):
-        `stage` then `replay`.
+    def stage(self, input_ids: torch.Tensor, sources: torch.Tensor | None, positions: torch.Tensor,
+              slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+              adapter: EngineAdapter | None, sample: bool) -> StagedDecode:
+        """Queue the copies of a decode-only batch's inputs (all on the device) into the buffers of
+        its graph, capturing the graph on first use; `replay` then runs it.
 
         Args:
             input_ids: [B] int64 (any value where `sources` points to a pending token).
             sources: [B] int64 row of `last_tokens` holding the row's newest token, or -1; None: all known.
             positions, slot_mapping: [B] int64; block_tables: [B, width] int; context_lens: [B] int.
             adapter: the LoRA of every row, or None.
-            sampling: (temperature [B] float32, seeds [B] int64, counters [B] int64) to sample
-                inside the graph (fused Gumbel-max); the ids land in `last_tokens[:B]` and their
-                logprobs in `logprobs[:B]`.
-
-        Returns:
-            the hidden states [B, H], or None when the graph sampled.
-        """
-        staged = self.stage(input_ids, sources, positions, slot_mapping, block_tables, context_lens, adapter,
-                            sampling is not None)
-        return self.replay(staged, sampling)
-
-    def stage(self, input_ids: torch.Tensor, sources: torch.Tensor | None, positions: torch.Tensor,
-              slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-              adapter: EngineAdapter | None, sample: bool) -> StagedDecode:
-        """The first half of `run` (same arguments; `sample`: the graph will sample): queue the copies
-        of the step's inputs into the graph's buffers, capturing the graph on first use.
+            sample: the graph also samples (fused Gumbel-max; `replay` copies the options in): the
+                ids land in `last_tokens[:B]` and their logprobs in `logprobs[:B]`.
 
         Nothing staged reads `last_tokens` or the buffers a masked sampling reads, so a step can be
         staged before the previous step's deferred sampling is queued (`sample_masked`), taking
@@ -164,7 +142,12 @@ class DecodeGraphs:
 
     def replay(self, staged: StagedDecode, sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
                ) -> torch.Tensor | None:
-        """The second half of `run`: the sampling options (when the graph samples), then the replay."""
+        """Run a staged step: copy the sampling options in (`sampling`: (temperature [B] float32,
+        seeds [B] int64, counters [B] int64), when the graph samples), then replay its graph.
+
+        Returns:
+            the hidden states [B, H], or None when the graph sampled.
+        """
         B, bucket = staged.batch_size, staged.bucket
         if staged.sample:
             for static, values in zip((self.temperature, self.seeds, self.counters), sampling):

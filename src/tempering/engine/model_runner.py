@@ -124,7 +124,9 @@ class PreparedStep:
     ctx: StepContext
     sample_rows: torch.Tensor
     options: SamplingTensors
-    lora: list[LoRASegment] | None = None  # set by `ModelRunner.stage`
+    lora: list[LoRASegment] | None = None  # set by `ModelRunner.stage`, as are the two flags below
+    has_grammar: bool = False  # some sampling row follows a grammar
+    fused: bool = False  # every sampling row can be drawn by the fused Gumbel-max sampler
     staged: StagedDecode | None = None  # a decode step whose inputs are in its CUDA graph's buffers
 
 
@@ -311,15 +313,15 @@ class ModelRunner:
         lora = prepared.lora = self._lora_segments(batch)
         if lora:  # the spare-rows LoRA path: refresh the copy of A if the trainer changed it
             self.model.bind_lora(lora, len(prepared.ids))
+        prepared.has_grammar = any(s.grammar is not None for s in prepared.seqs)
+        prepared.fused = not (options.needs_truncation or options.num_top_logprobs)
         if not self._graphable(batch, lora):
             return
-        has_grammar = any(s.grammar is not None for s in prepared.seqs)
-        fused = not (options.needs_truncation or options.num_top_logprobs)  # the fused Gumbel-max sampler can draw it
         ctx = prepared.ctx
         # the RL rollout case samples inside the graph: no top-k/top-p, no top logprobs, no grammar
         prepared.staged = self.graphs.stage(
             prepared.ids, prepared.sources, prepared.positions, ctx.slot_mapping, ctx.decode_block_tables,
-            ctx.decode_context_lens, lora[0].adapter if lora else None, fused and not has_grammar)
+            ctx.decode_context_lens, lora[0].adapter if lora else None, prepared.fused and not prepared.has_grammar)
 
     @torch.inference_mode()
     def launch(self, prepared: PreparedStep) -> LaunchedStep | None:
@@ -332,10 +334,7 @@ class ModelRunner:
         if prepared.lora is None:
             self.stage(prepared)
         batch, seqs, ids, ctx, options = prepared.batch, prepared.seqs, prepared.ids, prepared.ctx, prepared.options
-        lora = prepared.lora
-        has_grammar = any(s.grammar is not None for s in seqs)
-        fused = not (options.needs_truncation or options.num_top_logprobs)  # the fused Gumbel-max sampler can draw it
-        staged = prepared.staged
+        lora, has_grammar, staged = prepared.lora, prepared.has_grammar, prepared.staged
         if staged is not None:  # a decode-only step, replayed from its CUDA graph
             sampling = (options.temperature, options.seeds, options.counters)
             hidden = self.graphs.replay(staged, sampling if staged.sample else None)
@@ -351,7 +350,7 @@ class ModelRunner:
         if not seqs:
             return None
         step = LaunchedStep(seqs, [], None, {s.seq_id: j for j, s in enumerate(seqs)})
-        if has_grammar and staged is not None and fused:  # a graph computes the logits and samples: sample_deferred()
+        if has_grammar and staged is not None and prepared.fused:  # a graph computes the logits and samples: sample_deferred()
             self.graphs.stage_masked(hidden, (options.temperature, options.seeds, options.counters))
             step.deferred = (hidden, options, True)
             return step
@@ -371,18 +370,16 @@ class ModelRunner:
         values, options, graphed = step.deferred
         step.deferred = None
         num_rows = len(step.seqs)
-        if graphed:  # logits and masked sampling in one graph launch
-            index = GrammarMask.row_index_host(masks.rows, num_rows, pinned=True) if masks.rows else None
-            computed = masks.result()
-            if computed is not None:
-                rows, bits = computed
-                logprobs, num_allowed = self.graphs.sample_masked(num_rows, bits, index)
-                step.grammar_mask = GrammarMask.sampled(rows, num_rows, num_allowed)
-                step.grammar_mask.counts_to_host()
-                step.token_ids = self.last_tokens[:num_rows]
-                self._copy_to_host(step, logprobs)
-                return
-        computed = masks.result()
+        index = GrammarMask.row_index_host(masks.rows, num_rows, pinned=True) if graphed and masks.rows else None
+        computed = masks.result()  # (the index was built while the helper filled the masks)
+        if graphed and computed is not None:  # logits and masked sampling in one graph launch
+            rows, bits = computed
+            logprobs, num_allowed = self.graphs.sample_masked(num_rows, bits, index)
+            step.grammar_mask = GrammarMask.sampled(rows, num_rows, num_allowed)
+            step.grammar_mask.counts_to_host()
+            step.token_ids = self.last_tokens[:num_rows]
+            self._copy_to_host(step, logprobs)
+            return
         logits = self.model.logits(values) if graphed else values
         step.grammar_mask = GrammarMask.to_device(computed, num_rows, self.device)
         self._sample(step, logits, options)
