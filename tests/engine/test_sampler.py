@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from tempering.engine.sampler import gumbel_sample_reference, hash_uniform, sample, sampling_tensors
@@ -93,3 +94,61 @@ def test_gumbel_max_greedy_rows_and_batch_invariance():
     other, _ = gumbel_sample_reference(logits[1:2].repeat(64, 1), temperature[1:2].repeat(64), torch.arange(64),
                                        torch.ones(64, dtype=torch.long))
     assert len(set(other.tolist())) > 10  # different seeds draw different tokens
+
+
+def _unmix32(h: int) -> int:
+    """The inverse of murmur3's 32-bit finalizer (sampler._mix32)."""
+    m = 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * pow(0xC2B2AE35, -1, 1 << 32)) & m
+    h ^= (h >> 13) ^ (h >> 26)
+    h = (h * pow(0x85EBCA6B, -1, 1 << 32)) & m
+    return h ^ (h >> 16)
+
+
+def test_gumbel_max_never_draws_a_token_the_distribution_excludes_from_an_extreme_hash():
+    """A hash at the top of its range must not give an infinite Gumbel (a uniformly random token).
+
+    The row's seed is chosen so that token 7's hash is 2^32 - 1 (murmur3's finalizer is a
+    bijection). Token 7 has probability ~e^-60: it may not be drawn, and the noise stays finite.
+    """
+    from tempering.engine.sampler import _MASK32, _mix32, gumbel_noise
+
+    token = 7
+    h2 = _unmix32(0xFFFFFFFF) ^ token  # counter 0: h2 = mix(h1 ^ 0)
+    seed = _unmix32(_unmix32(h2)) ^ 0x9E3779B9
+    h = _mix32(_mix32(_mix32(torch.tensor([seed]) ^ 0x9E3779B9) ^ 0)[:, None] ^ torch.arange(16)[None, :])
+    assert int(h[0, token]) == 0xFFFFFFFF  # the crafted seed hits the top of the range
+    logits = torch.zeros(1, 16)
+    logits[0, token] = -60.0
+    ids, _ = gumbel_sample_reference(logits, torch.ones(1), torch.tensor([seed]), torch.zeros(1, dtype=torch.long))
+    assert ids.item() != token
+    extremes = torch.cat([torch.arange(0, 4096), _MASK32 - torch.arange(0, 4096)])
+    noise = gumbel_noise(extremes)
+    assert torch.isfinite(noise).all() and noise.max() < 17 and noise.min() > -3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_sampler_draws_no_token_outside_the_distribution():
+    """No hash may give an infinite Gumbel: 16,384 rows of a 152k vocabulary where one token has
+    all the mass but ~1.4e-8 draw only that token (before the fix, ~0.45% of rows drew a
+    uniformly random one), and the crafted worst-case hash of test_sampler does not win."""
+    from tempering.engine.layers.triton_sampler import gumbel_sample
+
+    B, V = 4096, 151936
+    logits = torch.full((B, V), -30.0, device="cuda", dtype=torch.bfloat16)
+    logits[:, 3] = 0.0
+    temperature = torch.ones(B, device="cuda")
+    off = 0
+    for counter in range(4):
+        ids, _, _ = gumbel_sample(logits, temperature, torch.arange(B, device="cuda"),
+                                  torch.full((B,), counter, device="cuda"))
+        off += int((ids != 3).sum())
+    assert off == 0
+    token = 7
+    seed = _unmix32(_unmix32(_unmix32(0xFFFFFFFF) ^ token)) ^ 0x9E3779B9  # token 7's hash is 2^32 - 1
+    logits = torch.zeros(1, 16, device="cuda")
+    logits[0, token] = -60.0
+    ids, _, _ = gumbel_sample(logits, torch.ones(1, device="cuda"), torch.tensor([seed], device="cuda"),
+                              torch.zeros(1, dtype=torch.long, device="cuda"))
+    assert ids.item() != token

@@ -53,8 +53,12 @@ def _chunk_kernel(Logits, Temperature, Seeds, Counters, PartMax, PartSum, PartSc
     h = _mix32(seed ^ 0x9E3779B9)
     h = _mix32(h ^ counter)
     h = _mix32(h ^ cols.to(tl.uint32))
-    u = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (h + 0.5) / 2^32, in (0, 1)
-    gumbel = -tl.log(-tl.log(u))
+    # u = (k + 0.5) / 2^23 from the hash's top 23 bits: exact in float32 and never 1 (from all 32
+    # bits, float32 rounding made u = 1 for 128 hashes in 2^32, an infinite Gumbel that drew a
+    # uniformly random token in ~0.45% of the rows of a 152k vocabulary); -log u kept above
+    # 2^-24, its value at the largest u, wherever log rounds near 1 (`gumbel_noise` is the twin)
+    u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    gumbel = -tl.log(tl.maximum(-tl.log(u), 5.960464477539063e-08))
     score = tl.where(greedy, x, x + gumbel)
     score = tl.where(valid, score, float("-inf"))
     out = row * num_chunks + chunk
