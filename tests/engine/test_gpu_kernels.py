@@ -135,7 +135,7 @@ def test_fused_sampler_draws_the_same_tokens_as_its_pytorch_twin():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("N", [1, 37, 256])
+@pytest.mark.parametrize("N", [1, 37, 256, 1000])
 def test_lora_kernels_match_the_pytorch_path(dtype, N):
     """Shrink/expand over fused slices (one without LoRA), and the SwiGLU fusion, against plain matmuls."""
     from tempering.engine.layers import triton_lora
