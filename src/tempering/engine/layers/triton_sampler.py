@@ -2,7 +2,8 @@
 
 Gumbel-max: `argmax_v (x_v + g_v)`, with x = logits / T and g_v = -log(-log u_v) for uniform
 u_v, is an exact sample of softmax(x) (Gumbel 1954; the "exponential race" vLLM and nano-vllm
-use). Here u_v is a counter-based hash of (row seed, token index in the sample, vocabulary id),
+use). Here u_v is a counter-based hash of (row seed, token index in the sample, vocabulary id)
+on a grid of 2^23 values in (0, 1) (sampler.gumbel_noise gives the mapping and why),
 so a seeded row draws the same token whatever shares its batch, with no generator state and no
 host sync. The logprob is `x_tok - logsumexp(x)` (T = 1 for greedy rows, which take the argmax
 of x): the row's distribution before any mask, the one the trainer recomputes.
