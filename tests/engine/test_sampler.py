@@ -106,6 +106,12 @@ def _unmix32(h: int) -> int:
     return h ^ (h >> 16)
 
 
+def _seed_with_top_hash(token: int) -> int:
+    """A row seed whose hash for `token` at counter 0 is 2^32 - 1 (the kernel's chain of finalizers, inverted)."""
+    h2 = _unmix32(0xFFFFFFFF) ^ token  # counter 0: h2 = mix(h1 ^ 0)
+    return _unmix32(_unmix32(h2)) ^ 0x9E3779B9
+
+
 def test_gumbel_max_never_draws_a_token_the_distribution_excludes_from_an_extreme_hash():
     """A hash at the top of its range must not give an infinite Gumbel (a uniformly random token).
 
@@ -115,8 +121,7 @@ def test_gumbel_max_never_draws_a_token_the_distribution_excludes_from_an_extrem
     from tempering.engine.sampler import _MASK32, _mix32, gumbel_noise
 
     token = 7
-    h2 = _unmix32(0xFFFFFFFF) ^ token  # counter 0: h2 = mix(h1 ^ 0)
-    seed = _unmix32(_unmix32(h2)) ^ 0x9E3779B9
+    seed = _seed_with_top_hash(token)
     h = _mix32(_mix32(_mix32(torch.tensor([seed]) ^ 0x9E3779B9) ^ 0)[:, None] ^ torch.arange(16)[None, :])
     assert int(h[0, token]) == 0xFFFFFFFF  # the crafted seed hits the top of the range
     logits = torch.zeros(1, 16)
@@ -146,7 +151,7 @@ def test_fused_sampler_draws_no_token_outside_the_distribution():
         off += int((ids != 3).sum())
     assert off == 0
     token = 7
-    seed = _unmix32(_unmix32(_unmix32(0xFFFFFFFF) ^ token)) ^ 0x9E3779B9  # token 7's hash is 2^32 - 1
+    seed = _seed_with_top_hash(token)
     logits = torch.zeros(1, 16, device="cuda")
     logits[0, token] = -60.0
     ids, _, _ = gumbel_sample(logits, torch.ones(1, device="cuda"), torch.tensor([seed], device="cuda"),

@@ -313,17 +313,17 @@ class MaskWorker:
 
 
 class PendingMasks:
-    """A step's masks being computed by `MaskWorker`.
-
-    Attributes:
-        rows: the batch rows that follow a grammar (known before the masks are filled).
-    """
+    """A step's masks being computed by `MaskWorker`."""
 
     def __init__(self, plan: _MaskPlan) -> None:
         self.plan = plan
-        self.rows = plan.rows
         self.future: concurrent.futures.Future | None = None  # None: the step had no grammar work
         self.filling: threading.Event | None = None
+
+    @property
+    def rows(self) -> list[int]:
+        """The batch rows that follow a grammar (known before the masks are filled)."""
+        return self.plan.rows
 
     def wait_filling(self) -> None:
         """Block (the GIL free) until the helper has consumed the tokens and entered its fill
