@@ -169,6 +169,53 @@ def test_lora_kernels_match_the_pytorch_path(dtype, N):
     assert (fused.float() - activation.silu_and_mul(plain).float()).abs().max() <= tol * 10
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N", [1, 37, 256])
+def test_lora_deltas_fused_into_the_next_kernel_equal_expand_then_that_kernel(dtype, N):
+    """add + RMSNorm with the o/down delta, and rotary + KV store with the q/k/v delta (k without LoRA),
+    against `lora_expand_` followed by the plain kernel, reading x A^T from spare rows as the model does."""
+    from tempering.engine.layers import triton_lora, triton_ops
+
+    torch.manual_seed(0)
+    H, r, heads, kv_heads, D, blocks, page = 1536, 8, 12, 2, 128, 16, 16
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    full = torch.randn(N, H + 8, device="cuda", dtype=dtype)  # the GEMM's output, x A^T in its spare rows
+    y, t = full[:, :H], full[:, H:]
+    B = torch.randn(H, r, device="cuda") * 0.05
+    residual, weight = torch.randn(N, H, device="cuda", dtype=dtype), torch.rand(H, device="cuda").to(dtype)
+    fused = triton_lora.add_rms_norm_lora(y, t, B.to(dtype).T.contiguous(), 2.0, residual, weight, 1e-6)
+    expanded = y.clone()
+    triton_lora.lora_expand_(expanded, t, [B], [slice(0, H)], [2.0])
+    for a, b in zip(fused, triton_ops.add_rms_norm(expanded, residual, weight, 1e-6)):
+        assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+    assert torch.equal(y, full[:, :H])  # the projection's output is left as it was
+
+    width = (heads + 2 * kv_heads) * D
+    qkv_full = torch.randn(N, width + 16, device="cuda", dtype=dtype)
+    qkv, t = qkv_full[:, :width], qkv_full[:, width:]
+    columns = [slice(0, heads * D), slice((heads + kv_heads) * D, width)]  # q and v
+    Bs = [torch.randn(c.stop - c.start, r, device="cuda") * 0.05 for c in columns]
+    cos, sin = (torch.randn(N, D, device="cuda", dtype=dtype) for _ in range(2))
+    slots = torch.randperm(blocks * page, device="cuda")[:N]
+    results = []
+    for fuse in (True, False):
+        x = qkv.clone()
+        q, k, v = (x[:, a * D:b * D].view(N, b - a, D) for a, b in ((0, heads), (heads, heads + kv_heads),
+                                                                      (heads + kv_heads, heads + 2 * kv_heads)))
+        caches = [torch.full((blocks, page, kv_heads, D), float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
+        if fuse:
+            slices = [(0, Bs[0].to(dtype).T.contiguous(), 2.0), None, (r, Bs[1].to(dtype).T.contiguous(), 0.5)]
+            triton_lora.rotary_and_store_lora_(q, k, v, cos, sin, *caches, slots, t, slices)
+        else:
+            triton_lora.lora_expand_(x, t, Bs, columns, [2.0, 0.5])
+            triton_ops.rotary_and_store_(q, k, v, cos, sin, *caches, slots)
+        results.append((q, *caches))
+    for a, b in zip(*results):
+        written = ~torch.isnan(b)
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert (a[written].float() - b[written].float()).abs().max() <= tol * b[written].float().abs().max()
+
+
 def test_lora_expand_leaves_columns_without_lora_untouched():
     from tempering.engine.layers import triton_lora
 

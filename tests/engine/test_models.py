@@ -153,12 +153,14 @@ def test_engine_with_a_live_lora_matches_the_peft_forward(arch, targets, device,
 
 @pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])
 @pytest.mark.parametrize("targets", [ALL, ("q_proj", "v_proj", "up_proj", "down_proj")], ids=["all", "some"])
-def test_spare_rows_lora_matches_peft_and_follows_in_place_updates(targets, device, dtype):
-    """The fast path (the adapter's A in spare rows of the base weights; the PyTorch twin on CPU) is
-    exact, and an in-place change of A or B (what the optimizer does) is served at the next request."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_spare_rows_lora_matches_peft_and_follows_in_place_updates(arch, targets, device, dtype):
+    """The fast path (the adapter's A in spare rows of the base weights, the q/k/v, o and down deltas
+    fused into the next kernels with shadows of B^T; the PyTorch twins on CPU) is exact, and an
+    in-place change of A or B (what the optimizer does) is served at the next request."""
     from tempering.engine.models import LlamaFamilyModel
 
-    model = tiny("qwen2", device, dtype)
+    model = tiny(arch, device, dtype)
     decoder = LlamaFamilyModel(model, 512, max_lora_rank=8, spare_rows=True)
     engine = Engine(decoder, NullTokenizer(), stop_token_ids=[0], lock=threading.RLock(),
                     config=EngineConfig(num_kv_blocks=64, block_size=16), max_seq_len=512, peft_model=lambda: peft_model)
@@ -179,8 +181,8 @@ def test_spare_rows_lora_matches_peft_and_follows_in_place_updates(targets, devi
                         p.mul_(1.5)
         spare = decoder.spare_rows.full[0]["qkv"][decoder.spare_rows.num_out["qkv"]:].float()
         assert spare.abs().sum() > 0  # the spare rows hold A's copy ...
-        assert torch.equal(model.model.layers[0].self_attn.q_proj.base_layer.weight,
-                           decoder.layers[0].qkv[:model.config.hidden_size])  # ... and the base weights are untouched
+        q_weight = model.model.layers[0].self_attn.q_proj.base_layer.weight
+        assert torch.equal(q_weight, decoder.layers[0].qkv[:q_weight.shape[0]])  # ... and the base weights are untouched
     finally:
         engine.close()
 

@@ -14,6 +14,9 @@ Three ways, fastest first:
   fused into the SwiGLU kernel for gate/up. A and B are read from the trainer's tensors; the
   copy of A (r·in values per module) is refreshed whenever any A changed in place (the
   optimizer step; PyTorch's version counters tell), before the next engine step.
+  For a decode-sized batch the q/k/v, o and down expands are fused into the kernels that read
+  their outputs next (rotary + KV store, add + RMSNorm), which read B^T from shadows in the
+  model dtype ([r, out] per module, refreshed with the copy of A).
 - Two Triton kernels per projection, a shrink and an expand over all its slices (mixed batches).
 - PyTorch matmuls in the adapter's dtype (CPU).
 """
@@ -27,9 +30,9 @@ import torch.nn.functional as F
 
 from ..modeling.lora import AdapterWeights, collect_adapter
 
-__all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_lora", "collect_adapter",
-           "linear_with_lora", "lora_silu_and_mul",
-           "spare_rows_for"]
+__all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_lora",
+           "add_rms_norm_with_lora", "collect_adapter", "linear_with_lora", "lora_silu_and_mul", "rotary_and_store_with_lora",
+           "spare_rows_for", "FUSED_MAX_ROWS"]
 
 try:  # the CUDA kernels need Triton, which CPU builds of torch do not bring
     from .layers import triton_lora
@@ -37,6 +40,8 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton_lora = None
 
 GROUPS = ("qkv", "o", "gate_up", "down")
+SHADOWED = ("qkv", "o", "down")  # groups whose expand can be fused into the next kernel (they get B^T shadows)
+FUSED_MAX_ROWS = 512  # batches up to this size fuse those expands (decode); larger ones (prefill) launch them
 
 
 @dataclass(slots=True)
@@ -49,6 +54,8 @@ class LoRAGroup:
         columns: per slice, its output columns in the fused projection.
         scales: per slice, alpha / r.
         use_kernels: every slice has the same rank, contiguous tensors, at most 3 slices.
+        BT: per slice B^T [r, out_s] in the model dtype, a copy kept by `SpareRows.bind` (None
+            until the adapter is first bound; only for the groups in SHADOWED).
     """
 
     A: list[torch.Tensor]
@@ -56,6 +63,7 @@ class LoRAGroup:
     columns: list[slice]
     scales: list[float]
     use_kernels: bool
+    BT: list[torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -121,11 +129,12 @@ class SpareRows:
         return spare_rows_for(num_slices * max_rank, num_out)
 
     def bind(self, adapter: EngineAdapter) -> bool:
-        """Make the spare rows hold `adapter`'s current A (a copy only when it changed); False if it does not fit."""
+        """Make the spare rows hold `adapter`'s current A and its shadows of B^T its current B
+        (copies only when some A or B changed); False if it does not fit."""
         if adapter is not self.bound:
             if not self.fits(adapter):
                 return False
-            dsts, srcs = [], []
+            dsts, srcs, shadows, bs = [], [], [], []
             for full, layer in zip(self.full, adapter.layers):
                 for group, g in layer.items():
                     if g is None:
@@ -135,33 +144,93 @@ class SpareRows:
                         dsts.append(full[group][row:row + a.shape[0]])
                         srcs.append(a)
                         row += a.shape[0]
-            self.bound, self._copies, self._version = adapter, (dsts, srcs), -1
-        dsts, srcs = self._copies
-        version = sum(a._version for a in srcs)  # bumped by every in-place change (optimizer, load, undo)
+                    if group in SHADOWED:
+                        if g.BT is None:  # kept with the adapter: graphs captured for it read these addresses
+                            g.BT = [torch.empty(b.shape[1], b.shape[0], dtype=full[group].dtype, device=b.device)
+                                    for b in g.B]
+                        shadows += g.BT
+                        bs += [b.T for b in g.B]
+            self.bound, self._copies, self._version = adapter, (dsts, srcs, shadows, bs), -1
+        dsts, srcs, shadows, bs = self._copies
+        # bumped by every in-place change (optimizer, load, undo)
+        version = sum(a._version for a in srcs) + sum(b._version for b in bs)
         if version != self._version:
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)
+                for shadow, b in zip(shadows, bs):
+                    shadow.copy_(b)
             self._version = version
         return True
 
 
 def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor | None, num_out: int,
-                     g: LoRAGroup | None) -> torch.Tensor:
+                     g: LoRAGroup | None, defer: bool = False) -> tuple[torch.Tensor, "Deferred | None"]:
     """x W^T (+ b) plus the bound adapter's delta of group `g`: x A^T comes from the spare rows.
 
     Args:
         x: [N, in]; full_w: [num_out + spare, in]; full_b: [num_out + spare] or None.
+        defer: leave the delta to the kernel that reads the output next (`add_rms_norm_with_lora`,
+            `rotary_and_store_with_lora`) when `g` has shadows of B^T; else add it here.
 
     Returns:
-        [N, num_out], a view with row stride num_out + spare_rows_for(S·r, num_out).
+        ([N, num_out], a view with row stride num_out + spare_rows_for(S·r, num_out); the delta
+        still to add, or None).
     """
     rows = num_out + (spare_rows_for(g.num_rows, num_out) if g is not None else 0)
     y = F.linear(x, full_w[:rows], full_b[:rows] if full_b is not None else None)  # [N, rows]
     out = y[:, :num_out]
-    if g is not None:
-        t = y[:, num_out:num_out + g.num_rows]
-        (triton_lora.lora_expand_ if _kernels_for(y) else _expand_reference_)(out, t, g.B, g.columns, g.scales)
-    return out
+    if g is None:
+        return out, None
+    t = y[:, num_out:num_out + g.num_rows]
+    if defer and g.BT is not None:
+        return out, Deferred(t, g)
+    (triton_lora.lora_expand_ if _kernels_for(y) else _expand_reference_)(out, t, g.B, g.columns, g.scales)
+    return out, None
+
+
+@dataclass(slots=True)
+class Deferred:
+    """A LoRA delta not yet added to a projection's output: t = x A^T [N, S·r] (spare rows) and its group."""
+
+    t: torch.Tensor
+    group: LoRAGroup
+
+    def add_to_(self, y: torch.Tensor) -> torch.Tensor:
+        """y += the delta, in PyTorch from the B^T shadows (the CPU twin of the fused kernels)."""
+        g, t = self.group, self.t
+        rank = g.BT[0].shape[0]
+        for s, (bt, cols, scale) in enumerate(zip(g.BT, g.columns, g.scales)):
+            delta = (t[:, s * rank:(s + 1) * rank].float() * scale).to(y.dtype).float() @ bt.float()
+            y[:, cols] = (y[:, cols].float() + delta).to(y.dtype)
+        return y
+
+
+def add_rms_norm_with_lora(x: torch.Tensor, deferred: Deferred | None, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float, add_rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + Δ + residual), x + Δ + residual) with Δ a deferred o/down delta (one slice, all columns)."""
+    if deferred is None:
+        return add_rms_norm(x, residual, weight, eps)
+    if _kernels_for(x):
+        g = deferred.group
+        return triton_lora.add_rms_norm_lora(x, deferred.t, g.BT[0], g.scales[0], residual, weight, eps)
+    return add_rms_norm(deferred.add_to_(x), residual, weight, eps)
+
+
+def rotary_and_store_with_lora(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                               deferred: Deferred | None, qkv: torch.Tensor, rotary_and_store_) -> None:
+    """`rotary_and_store_` of q, k, v (views of `qkv`) with a deferred q/k/v delta added first."""
+    if deferred is None:
+        return rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    if not _kernels_for(qkv):
+        deferred.add_to_(qkv)
+        return rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    g = deferred.group
+    rank = g.BT[0].shape[0]
+    starts = (0, q.shape[1] * q.shape[2], q.shape[1] * q.shape[2] + k.shape[1] * k.shape[2])  # q, k, v columns in qkv
+    by_start = {c.start: (s * rank, bt, scale) for s, (c, bt, scale) in enumerate(zip(g.columns, g.BT, g.scales))}
+    slices = [by_start.get(start) for start in starts]
+    triton_lora.rotary_and_store_lora_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, deferred.t, slices)
 
 
 def spare_rows_for(num_rows: int, num_out: int) -> int:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lora_expand_", "lora_shrink", "silu_and_mul_lora"]
+__all__ = ["add_rms_norm_lora", "lora_expand_", "lora_shrink", "rotary_and_store_lora_", "silu_and_mul_lora"]
 
 MAX_SLICES = 3
 
@@ -261,3 +261,152 @@ def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tens
         BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, PRECISION=_precision(gate_up.dtype), num_warps=num_warps,
     )
     return y
+
+
+@triton.jit
+def _add_rms_norm_lora_kernel(Y, T, BT, R, W, Out, ROut, H, stride_y, stride_t, stride_r, stride_o, stride_ro, scale, eps,
+                              RANK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0)
+    delta = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(RANK):  # s · x A^T rounded to the model dtype, as in _slice_delta
+        tk = (tl.load(T + row * stride_t + k).to(tl.float32) * scale).to(y.dtype).to(tl.float32)
+        delta += tk * tl.load(BT + k * H + cols, mask=mask, other=0.0).to(tl.float32)
+    x = (y.to(tl.float32) + delta).to(y.dtype)  # the projection's output as lora_expand_ would store it
+    x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(y.dtype)  # rounded like HF's add
+    tl.store(ROut + row * stride_ro + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    var = tl.sum(x32 * x32, axis=0) / H
+    normed = (x32 * tl.rsqrt(var + eps)).to(y.dtype)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Out + row * stride_o + cols, (w * normed).to(y.dtype), mask=mask)
+
+
+def add_rms_norm_lora(y: torch.Tensor, t: torch.Tensor, BT: torch.Tensor, scale: float, residual: torch.Tensor,
+                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lora_expand_` of one slice over all columns, then `triton_ops.add_rms_norm`, in one launch.
+
+    Per row: x = y + scale · t @ BT, residual' = x + residual, out = RMSNorm(residual'). One
+    program per row; BT is the adapter's B^T in the model dtype (a shadow the spare rows keep),
+    so a row reads r · H contiguous values of it (fp32 B [H, r] read per row costs more than the
+    launch this saves: measured on an H100, see benchmarks/RESULTS.md).
+
+    Args:
+        y: [N, H] the projection's base output (rows may be strided); not changed.
+        t: [N, r] x A^T in the model dtype (the spare rows of the same GEMM; rows may be strided).
+        BT: [r, H] contiguous, model dtype.
+        residual: [N, H]; weight: [H] the norm's gain.
+
+    Returns:
+        (RMSNorm(x + residual), x + residual), each [N, H].
+    """
+    N, H = y.shape
+    out = torch.empty(N, H, dtype=y.dtype, device=y.device)
+    new_residual = torch.empty_like(out)
+    _add_rms_norm_lora_kernel[(N,)](
+        y, t, BT, residual, weight, out, new_residual, H, y.stride(0), t.stride(0), residual.stride(0), out.stride(0),
+        new_residual.stride(0), float(scale), eps, RANK=BT.shape[0], BLOCK=triton.next_power_of_2(H), num_warps=8,
+    )
+    return out, new_residual
+
+
+@triton.jit
+def _heads_delta(Tp, BT, width, cols, mask, scale, like, RANK: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """Σ_k round(scale · t_k) · BT[k, cols] in float32 for a [BLOCK_H, HALF] block of head columns."""
+    delta = tl.zeros([BLOCK_H, HALF], tl.float32)
+    for k in tl.static_range(RANK):
+        tk = (tl.load(Tp + k).to(tl.float32) * scale).to(like.dtype).to(tl.float32)
+        delta += tk * tl.load(BT + k * width + cols, mask=mask, other=0.0).to(tl.float32)
+    return delta
+
+
+@triton.jit
+def _load_heads(X, Tp, BT, width, scale, heads, d, hmask, HAS: tl.constexpr, RANK: tl.constexpr,
+                BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """Both halves of a token's heads at X ([heads, 1] pointers), with the LoRA delta added when HAS."""
+    m = hmask[:, None]
+    x1 = tl.load(X + d[None, :], mask=m, other=0.0)
+    x2 = tl.load(X + HALF + d[None, :], mask=m, other=0.0)
+    if HAS:
+        cols = heads[:, None] * (2 * HALF) + d[None, :]
+        x1 = (x1.to(tl.float32) + _heads_delta(Tp, BT, width, cols, m, scale, x1, RANK, BLOCK_H, HALF)).to(x1.dtype)
+        x2 = (x2.to(tl.float32) + _heads_delta(Tp, BT, width, cols + HALF, m, scale, x1, RANK, BLOCK_H, HALF)).to(x1.dtype)
+    return x1, x2
+
+
+@triton.jit
+def _rotate_halves(x1, x2, cos1, cos2, sin1, sin2):
+    """HF's x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype."""
+    o1 = ((x1 * cos1).to(x1.dtype) + (-x2 * sin1).to(x1.dtype)).to(x1.dtype)
+    o2 = ((x2 * cos2).to(x1.dtype) + (x1 * sin2).to(x1.dtype)).to(x1.dtype)
+    return o1, o2
+
+
+@triton.jit
+def _rotary_store_lora_kernel(
+    Q, K, V, Cos, Sin, KCache, VCache, Slots, T, BTq, BTk, BTv,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c, stride_cs, stride_ch, stride_t,
+    num_heads, num_kv_heads, t_col_q, t_col_k, t_col_v, scale_q, scale_k, scale_v,
+    HAS_Q: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr, RANK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+):
+    t = tl.program_id(0)
+    d = tl.arange(0, HALF)
+    cos1 = tl.load(Cos + t * stride_c + d)[None, :]
+    cos2 = tl.load(Cos + t * stride_c + HALF + d)[None, :]
+    sin1 = tl.load(Sin + t * stride_c + d)[None, :]
+    sin2 = tl.load(Sin + t * stride_c + HALF + d)[None, :]
+    t_row = T + t * stride_t
+    qh = tl.arange(0, BLOCK_Q)
+    qmask = qh < num_heads
+    q = Q + t * stride_qt + qh[:, None] * stride_qh
+    x1, x2 = _load_heads(q, t_row + t_col_q, BTq, num_heads * 2 * HALF, scale_q, qh, d, qmask, HAS_Q, RANK, BLOCK_Q, HALF)
+    o1, o2 = _rotate_halves(x1, x2, cos1, cos2, sin1, sin2)
+    tl.store(q + d[None, :], o1, mask=qmask[:, None])
+    tl.store(q + HALF + d[None, :], o2, mask=qmask[:, None])
+    kh = tl.arange(0, BLOCK_KV)
+    kmask = kh < num_kv_heads
+    kv_width = num_kv_heads * 2 * HALF
+    slot = tl.load(Slots + t).to(tl.int64)
+    x1, x2 = _load_heads(K + t * stride_kt + kh[:, None] * stride_kh, t_row + t_col_k, BTk, kv_width, scale_k, kh, d,
+                         kmask, HAS_K, RANK, BLOCK_KV, HALF)
+    k1, k2 = _rotate_halves(x1, x2, cos1, cos2, sin1, sin2)
+    kc = KCache + slot * stride_cs + kh[:, None] * stride_ch
+    tl.store(kc + d[None, :], k1, mask=kmask[:, None])
+    tl.store(kc + HALF + d[None, :], k2, mask=kmask[:, None])
+    v1, v2 = _load_heads(V + t * stride_vt + kh[:, None] * stride_vh, t_row + t_col_v, BTv, kv_width, scale_v, kh, d,
+                         kmask, HAS_V, RANK, BLOCK_KV, HALF)
+    vc = VCache + slot * stride_cs + kh[:, None] * stride_ch
+    tl.store(vc + d[None, :], v1, mask=kmask[:, None])
+    tl.store(vc + HALF + d[None, :], v2, mask=kmask[:, None])
+
+
+def rotary_and_store_lora_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, t: torch.Tensor,
+                           slices: list[tuple[int, torch.Tensor, float] | None]) -> None:
+    """`triton_ops.rotary_and_store_` with the q/k/v LoRA delta added first (the q/k/v expand, fused).
+
+    q gets its delta and rotation in place; k and v get theirs on the way to the cache (k and v
+    themselves are not changed: only the cache is read afterwards).
+
+    Args:
+        q, k, v, cos, sin, k_cache, v_cache, slot_mapping: as `triton_ops.rotary_and_store_`.
+        t: [N, S·r] x A^T in the model dtype (the q/k/v GEMM's spare rows; rows may be strided).
+        slices: for q, k and v, (first column of its x A^T in t, its B^T [r, width] in the model
+            dtype, contiguous, its scale alpha / r), or None where that projection has no LoRA.
+    """
+    N, heads, D = q.shape
+    kv_heads = k.shape[1]
+    cache_k = k_cache.view(-1, kv_heads, D)
+    some = next(s for s in slices if s is not None)
+    cols, bts, scales = zip(*[(s[0], s[1], s[2]) if s is not None else (0, some[1], 0.0) for s in slices])
+    _rotary_store_lora_kernel[(N,)](
+        q, k, v, cos, sin, cache_k, v_cache.view(-1, kv_heads, D), slot_mapping, t, *bts,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), cache_k.stride(0), cache_k.stride(1), t.stride(0), heads, kv_heads, *cols,
+        *[float(s) for s in scales],
+        HAS_Q=slices[0] is not None, HAS_K=slices[1] is not None, HAS_V=slices[2] is not None, RANK=some[1].shape[0],
+        HALF=D // 2, BLOCK_Q=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
+    )

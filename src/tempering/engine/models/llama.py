@@ -22,12 +22,15 @@ from ...modeling.weights import base_layer, extend_linear, full_rows, fuse_linea
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention
 from ..lora import (
+    FUSED_MAX_ROWS,
     EngineAdapter,
     LoRASegment,
     SpareRows,
     add_lora,
+    add_rms_norm_with_lora,
     linear_with_lora,
     lora_silu_and_mul,
+    rotary_and_store_with_lora,
     silu_and_mul_with_lora,
     triton_lora,
 )
@@ -204,17 +207,24 @@ class LlamaFamilyModel:
 
     def _forward_spare_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
                             kv_cache: torch.Tensor, adapter: EngineAdapter) -> torch.Tensor:
-        """`forward` for a batch that uses the adapter bound to the spare rows (x A^T from the base GEMMs)."""
+        """`forward` for a batch that uses the adapter bound to the spare rows (x A^T from the base GEMMs).
+
+        A decode-sized batch (at most FUSED_MAX_ROWS rows) leaves the q/k/v, o and down deltas to
+        the kernels that read those outputs next (engine/lora.py); Qwen3's q/k norm, which sits
+        between q/k/v and the rotation, keeps the q/k/v expand.
+        """
         N = x.shape[0]
         ops = self.ops
-        residual = None
+        fuse = N <= FUSED_MAX_ROWS
+        residual, deferred = None, None
         for i, layer in enumerate(self.layers):
             groups = adapter.layers[i]
             if residual is None:
                 h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
-            else:
-                h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
-            qkv = linear_with_lora(h, full_rows(layer.qkv), full_rows(layer.qkv_bias), layer.qkv.shape[0], groups["qkv"])
+            else:  # with the previous layer's down delta, if deferred
+                h, residual = add_rms_norm_with_lora(x, deferred, residual, layer.input_norm, self.eps, ops.add_rms_norm)
+            qkv, deferred = linear_with_lora(h, full_rows(layer.qkv), full_rows(layer.qkv_bias), layer.qkv.shape[0],
+                                             groups["qkv"], defer=fuse and layer.q_norm is None)
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
@@ -222,14 +232,15 @@ class LlamaFamilyModel:
                 q = ops.rms_norm(q, layer.q_norm, self.eps)
                 k = ops.rms_norm(k, layer.k_norm, self.eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
+            rotary_and_store_with_lora(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, deferred, qkv,
+                                       ops.rotary_and_store_)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
-            attn_out = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"])
-            h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
+            attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"], defer=fuse)
+            h, residual = add_rms_norm_with_lora(attn_out, deferred, residual, layer.post_norm, self.eps, ops.add_rms_norm)
             act = silu_and_mul_with_lora(h, full_rows(layer.gate_up), 2 * self.intermediate_size, groups["gate_up"],
                                          ops.silu_and_mul)
-            x = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"])
-        return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
+            x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"], defer=fuse)
+        return add_rms_norm_with_lora(x, deferred, residual, self.norm, self.eps, ops.add_rms_norm)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, H] → [S, V] logits in the model dtype (the sampler reads them in float32)."""
