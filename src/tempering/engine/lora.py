@@ -14,9 +14,10 @@ Three ways, fastest first:
   fused into the SwiGLU kernel for gate/up. A and B are read from the trainer's tensors; the
   copy of A (r·in values per module) is refreshed whenever any A changed in place (the
   optimizer step; PyTorch's version counters tell), before the next engine step.
-  For a decode-sized batch the q/k/v, o and down expands are fused into the kernels that read
-  their outputs next (rotary + KV store, add + RMSNorm), which read B^T from shadows in the
-  model dtype ([r, out] per module, refreshed with the copy of A).
+  The q/k/v, o and down expands are fused into the kernels that read their outputs next
+  (rotary + KV store, add + RMSNorm), which read B^T from shadows in the model dtype ([r, out]
+  per module, refreshed with the copy of A): faster at every batch size measured (256 to 8192
+  rows on an H100, benchmarks/RESULTS.md).
 - Two Triton kernels per projection, a shrink and an expand over all its slices (mixed batches).
 - PyTorch matmuls in the adapter's dtype (CPU).
 """
@@ -32,7 +33,7 @@ from ..modeling.lora import AdapterWeights, collect_adapter
 
 __all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_lora",
            "add_rms_norm_with_lora", "collect_adapter", "linear_with_lora", "lora_silu_and_mul", "rotary_and_store_with_lora",
-           "spare_rows_for", "FUSED_MAX_ROWS"]
+           "spare_rows_for"]
 
 try:  # the CUDA kernels need Triton, which CPU builds of torch do not bring
     from .layers import triton_lora
@@ -41,7 +42,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 GROUPS = ("qkv", "o", "gate_up", "down")
 SHADOWED = ("qkv", "o", "down")  # groups whose expand can be fused into the next kernel (they get B^T shadows)
-FUSED_MAX_ROWS = 512  # batches up to this size fuse those expands (decode); larger ones (prefill) launch them
 
 
 @dataclass(slots=True)

@@ -22,7 +22,6 @@ from ...modeling.weights import base_layer, extend_linear, full_rows, fuse_linea
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention
 from ..lora import (
-    FUSED_MAX_ROWS,
     EngineAdapter,
     LoRASegment,
     SpareRows,
@@ -209,13 +208,12 @@ class LlamaFamilyModel:
                             kv_cache: torch.Tensor, adapter: EngineAdapter) -> torch.Tensor:
         """`forward` for a batch that uses the adapter bound to the spare rows (x A^T from the base GEMMs).
 
-        A decode-sized batch (at most FUSED_MAX_ROWS rows) leaves the q/k/v, o and down deltas to
-        the kernels that read those outputs next (engine/lora.py); Qwen3's q/k norm, which sits
-        between q/k/v and the rotation, keeps the q/k/v expand.
+        The q/k/v, o and down deltas are left to the kernels that read those outputs next
+        (engine/lora.py); Qwen3's q/k norm, which sits between q/k/v and the rotation, keeps the
+        q/k/v expand.
         """
         N = x.shape[0]
         ops = self.ops
-        fuse = N <= FUSED_MAX_ROWS
         residual, deferred = None, None
         for i, layer in enumerate(self.layers):
             groups = adapter.layers[i]
@@ -224,7 +222,7 @@ class LlamaFamilyModel:
             else:  # with the previous layer's down delta, if deferred
                 h, residual = add_rms_norm_with_lora(x, deferred, residual, layer.input_norm, self.eps, ops.add_rms_norm)
             qkv, deferred = linear_with_lora(h, full_rows(layer.qkv), full_rows(layer.qkv_bias), layer.qkv.shape[0],
-                                             groups["qkv"], defer=fuse and layer.q_norm is None)
+                                             groups["qkv"], defer=layer.q_norm is None)
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
@@ -235,11 +233,11 @@ class LlamaFamilyModel:
             rotary_and_store_with_lora(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, deferred, qkv,
                                        ops.rotary_and_store_)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
-            attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"], defer=fuse)
+            attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"], defer=True)
             h, residual = add_rms_norm_with_lora(attn_out, deferred, residual, layer.post_norm, self.eps, ops.add_rms_norm)
             act = silu_and_mul_with_lora(h, full_rows(layer.gate_up), 2 * self.intermediate_size, groups["gate_up"],
                                          ops.silu_and_mul)
-            x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"], defer=fuse)
+            x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"], defer=True)
         return add_rms_norm_with_lora(x, deferred, residual, self.norm, self.eps, ops.add_rms_norm)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
