@@ -100,6 +100,36 @@ def test_iterate_dataset_covers_every_item_each_epoch_in_a_per_epoch_order():
     assert [x for b in batches[:3] for x in b.items] != [x for b in batches[3:] for x in b.items]
 
 
+def test_art_helpers_take_their_arguments_by_position_as_in_art():
+    """ART's signatures allow positional arguments: `iterate_dataset(data, 4)`, `retry(5)`,
+    `limit_concurrency(2, key_fn)`."""
+    assert [b.items for b in art.utils.iterate_dataset(list(range(4)), 2, 1, 0, False)] == \
+        [b.items for b in art.utils.iterate_dataset(list(range(4)), groups_per_step=2, use_tqdm=False)]
+    calls = []
+
+    @art.retry(3, 0)
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ValueError
+        return "ok"
+
+    assert flaky() == "ok" and len(calls) == 3
+    art.utils.limit_concurrency(2, lambda *a, **k: "key")
+
+
+def test_engine_config_may_be_a_dict_of_its_fields_and_a_wrong_key_is_named():
+    from tempering.backends.art_mapping import as_engine_config
+    from tempering.engine import EngineConfig
+
+    assert as_engine_config({"max_num_seqs": 8}, 256) == EngineConfig(max_num_seqs=8)
+    assert as_engine_config(None, 64) == EngineConfig(max_num_seqs=64)
+    with pytest.raises(art.UnknownOptionError, match="max_seqs"):
+        as_engine_config({"max_seqs": 8}, 256)
+    with pytest.raises(art.ConfigError, match="EngineConfig"):
+        as_engine_config("max_num_seqs=8", 256)
+
+
 def test_iterate_dataset_resumes_at_initial_step_with_the_same_batches_and_leaves_random_alone():
     import random
 

@@ -27,6 +27,7 @@ __all__ = [
     "DistributedError",
     "EngineError",
     "MissingDependencyError",
+    "RequestAborted",
     "TemperingError",
     "TrajectoryError",
     "UnknownModelError",
@@ -65,6 +66,10 @@ class CheckpointError(TemperingError, OSError):
 
 class EngineError(TemperingError, RuntimeError):
     """The rollout engine failed, or was used after it was closed."""
+
+
+class RequestAborted(EngineError):
+    """A generation request was stopped before it finished (`Engine.abort`: its client went away)."""
 
 
 class BackendError(TemperingError, RuntimeError):

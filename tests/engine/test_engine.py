@@ -177,3 +177,58 @@ def test_adapter_is_read_live_from_the_trainer_tensors(setup, hf_model):
     finally:
         holder["peft"] = None
         trainer.peft_model.unload()  # take the LoRA layers out of the shared model again
+
+
+def test_an_aborted_request_stops_at_once_frees_its_blocks_and_spares_the_others(setup):
+    """What the server does when a client disconnects: `abort` ends the request's samples at the
+    next step (not at max_tokens), frees their KV blocks, fails only its future, and cancels a
+    request still queued."""
+    import concurrent.futures
+
+    from tempering.errors import RequestAborted
+
+    engine, _, _, renderer, _ = setup
+    free_before = engine.blocks.num_free_blocks
+    started = threading.Event()
+    counts = [0]
+
+    def on_token(*_):
+        counts[0] += 1
+        started.set()
+
+    long = SamplingParams(max_tokens=2000, temperature=1.0, ignore_eos=True, seed=1)
+    doomed = engine.submit(prompt(renderer, QUESTIONS[0]), long, n=3, policy=BasePolicy(), on_token=on_token)
+    other = engine.submit(prompt(renderer, QUESTIONS[1]), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                          policy=BasePolicy())
+    assert started.wait(120)
+    engine.abort(doomed)
+    with pytest.raises(RequestAborted):
+        doomed.result(timeout=30)
+    assert counts[0] < 3 * 2000
+    assert len(other.result(timeout=120)[0].token_ids) == 24  # the request beside it is untouched
+    engine.abort(other)  # done already: nothing happens
+    assert len(other.result()[0].token_ids) == 24
+    queued = concurrent.futures.Future()  # a request the worker has not admitted yet is cancelled outright
+    engine.abort(queued)
+    assert queued.cancelled()
+    after = engine.submit(prompt(renderer, QUESTIONS[2]), SamplingParams(max_tokens=8, temperature=0), policy=BasePolicy())
+    assert after.result(timeout=120)[0].token_ids
+    assert engine.blocks.num_free_blocks == free_before  # the aborted samples' blocks came back
+
+
+def test_tiny_temperatures_are_greedy_and_top_p_zero_keeps_the_top_token(setup):
+    """T below 1e-5 would overflow float32 logits / T (NaN logprobs): it samples greedily, and
+    reports the greedy logprobs' temperature; top_p = 0 (or one that rounds to 0 in float32) keeps
+    the most likely token instead of removing every token."""
+    engine, _, _, renderer, _ = setup
+    p = prompt(renderer, QUESTIONS[1])
+    greedy = engine.submit(p, SamplingParams(max_tokens=12, temperature=0), policy=BasePolicy()).result(timeout=120)[0]
+    for params in (SamplingParams(max_tokens=12, temperature=1e-40, seed=3), SamplingParams(max_tokens=12, temperature=1e-300),
+                   SamplingParams(max_tokens=12, temperature=1.0, top_p=0.0, seed=3),
+                   SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-300, seed=3)):
+        c = engine.submit(p, params, policy=BasePolicy()).result(timeout=120)[0]
+        assert c.token_ids == greedy.token_ids, params
+        assert all(lp == lp and lp <= 0 for lp in c.logprobs)  # finite (no NaN)
+    assert SamplingParams(temperature=1e-300).logprob_temperature == 1.0
+    with pytest.raises(ConfigError, match="top_k"):
+        SamplingParams(top_k=2**70)

@@ -23,6 +23,7 @@ __all__ = [
     "ArtOptionWarning",
     "ModelOptions",
     "apply_train_defaults",
+    "as_engine_config",
     "check_backend_options",
     "engine_config_with",
     "lora_config_from_art",
@@ -195,6 +196,30 @@ def apply_train_defaults(config: TrainConfig, defaults: Mapping[str, Any]) -> Tr
     """`config` with `defaults` filled in where the caller did not set the field itself."""
     unset = {k: v for k, v in defaults.items() if k not in config.model_fields_set}
     return TrainConfig(**{**config.model_dump(exclude_unset=True), **unset}) if unset else config
+
+
+def as_engine_config(value: Any, max_batch_size: int) -> Any:
+    """`LocalBackend(engine_config=...)` as an EngineConfig: None (max_num_seqs = max_batch_size),
+    an EngineConfig, or a dict of its fields (as `tempering serve --engine-config` takes).
+
+    Raises:
+        UnknownOptionError: for a dict key that is not an EngineConfig field.
+        ConfigError: for any other type.
+    """
+    from ..engine import EngineConfig
+
+    if value is None:
+        return EngineConfig(max_num_seqs=max_batch_size)
+    if isinstance(value, EngineConfig):
+        return value
+    if isinstance(value, Mapping):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise UnknownOptionError(f"engine_config has no option(s) {unknown}; EngineConfig's fields are {sorted(fields)}")
+        return EngineConfig(**value)
+    raise ConfigError(f"engine_config must be a tempering.engine.EngineConfig or a dict of its fields, "
+                      f"got {type(value).__name__}")
 
 
 def engine_config_with(base: Any, updates: Mapping[str, Any]) -> Any:

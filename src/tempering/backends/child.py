@@ -32,6 +32,7 @@ import httpx
 from ..engine import EngineConfig
 from ..errors import BackendError
 from ..service.auth import generate_api_key
+from .art_mapping import as_engine_config
 from .local import DEFAULT_ROOT, check_local_options
 from .remote import RemoteBackend
 
@@ -61,7 +62,7 @@ class ChildProcessBackend(RemoteBackend):
         port: int = 0,
         api_key: str | None = None,
         max_batch_size: int = 256,
-        engine_config: EngineConfig | None = None,
+        engine_config: EngineConfig | dict | None = None,
         gpu_cost_per_hour_usd: float | None = None,
         enable_expert_replay: bool = True,
         startup_timeout_s: float = 600.0,
@@ -73,7 +74,7 @@ class ChildProcessBackend(RemoteBackend):
         self.log_path = root / "server.log"
         api_key = api_key or generate_api_key()
         port = port or _free_port(host)
-        engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
+        engine_config = as_engine_config(engine_config, max_batch_size)
         command = [sys.executable, "-m", "tempering.cli", "serve", "--host", host, "--port", str(port),
                    "--root", str(root), "--gpus", str(gpus), "--engine-config", json.dumps(dataclasses.asdict(engine_config))]
         if device is not None:

@@ -29,6 +29,7 @@ from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
 from .art_mapping import (
     ModelOptions,
     apply_train_defaults,
+    as_engine_config,
     check_backend_options,
     engine_config_with,
     merge_lora,
@@ -72,7 +73,8 @@ class LocalBackend:
         host, port: where the OpenAI-compatible server listens (default 127.0.0.1 and a free port).
         api_key: the server's key (default: a random one per backend).
         max_batch_size: most sequences the engine decodes together.
-        engine_config: the engine's batching and KV-cache settings (overrides max_batch_size);
+        engine_config: the engine's batching and KV-cache settings (overrides max_batch_size): a
+            `tempering.engine.EngineConfig` or a dict of its fields;
             a model's `_internal_config` engine_args override it for that model.
         in_process: False runs the server (engine and trainer) in a child process, which this
             process drives over HTTP as a RemoteBackend (backends/child.py; the call returns that
@@ -103,7 +105,7 @@ class LocalBackend:
         port: int = 0,
         api_key: str | None = None,
         max_batch_size: int = 256,
-        engine_config: EngineConfig | None = None,
+        engine_config: EngineConfig | dict | None = None,
         in_process: bool = True,
         gpu_cost_per_hour_usd: float | None = None,
         enable_expert_replay: bool = True,
@@ -119,7 +121,7 @@ class LocalBackend:
             self._driver = Driver.start(gpus, device_type=device_type, command=worker_command(device_type, 600.0))
         try:
             self.hub = ModelHub(self.path, device=device, driver=self._driver,
-                                engine_config=engine_config or EngineConfig(max_num_seqs=max_batch_size))
+                                engine_config=as_engine_config(engine_config, max_batch_size))
         except BaseException:
             if self._driver is not None:
                 self._driver.close()

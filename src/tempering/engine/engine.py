@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EngineError
+from ..errors import EngineError, RequestAborted
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .grammar import GrammarMask, MaskWorker, ReadyMasks
@@ -107,6 +107,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.blocks)
         self.max_seq_len = min(max_seq_len, self.blocks.capacity_tokens)
         self._inbox: collections.deque[GenerationRequest] = collections.deque()
+        self._aborts: collections.deque = collections.deque()  # futures of requests to stop
         self._pending: dict[int, list[Sequence]] = {}  # id(request) -> its sequences
         self._cond = threading.Condition()
         self._closed = False
@@ -146,6 +147,20 @@ class Engine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy) -> list[Completion]:
         """`submit` for asyncio callers."""
         return await asyncio.wrap_future(self.submit(prompt_ids, params, n=n, policy=policy))
+
+    def abort(self, future) -> None:
+        """Stop the request behind `future` (from `submit`), e.g. when its client went away.
+
+        A request still queued is cancelled; a running one has its samples ended at the worker's
+        next step, their KV blocks freed, and its future fails with RequestAborted. A request
+        already done is left as it is. Any thread.
+        """
+        if future.cancel():  # not admitted yet
+            return
+        with self._cond:
+            if not self._closed and not future.done():
+                self._aborts.append(future)
+                self._cond.notify()
 
     def close(self) -> None:
         """Stop the worker; unfinished requests fail with EngineError. A second call does nothing."""
@@ -204,8 +219,12 @@ class Engine:
                     return
                 arrivals = list(self._inbox)
                 self._inbox.clear()
+                aborts = list(self._aborts)
+                self._aborts.clear()
             for request in arrivals:
                 self._admit(request)
+            for future in aborts:
+                self._abort(future)
             if not self.scheduler.has_work and not self._launched:
                 continue
             try:
@@ -231,6 +250,23 @@ class Engine:
         self._pending[id(request)] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _abort(self, future) -> None:
+        """End every sample of the request behind `future` now (tokens still being sampled are dropped)."""
+        key = next((k for k, seqs in self._pending.items() if seqs[0].request.future is future), None)
+        if key is None:  # finished (or failed) meanwhile
+            return
+        for seq in self._pending.pop(key):
+            if seq.is_finished:
+                continue
+            if seq.num_pending:  # a launched step's token for it is skipped when collected (_process)
+                del seq.token_ids[len(seq.token_ids) - seq.num_pending:]
+                seq.num_pending = 0
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+            self.runner.release(seq)
+        if not future.done():
+            future.set_exception(RequestAborted("the request was aborted (its client went away or cancelled it)"))
 
     def _step(self) -> None:
         """One turn of the pipeline: collect the older launched step, launch the next one.

@@ -120,6 +120,11 @@ class HFEngine:
         """`submit` for asyncio callers."""
         return await asyncio.wrap_future(self.submit(prompt_ids, params, n=n, policy=policy))
 
+    def abort(self, future) -> None:
+        """Cancel the request behind `future` if it is still queued (a batch already running
+        finishes: transformers' `generate` cannot be stopped part-way)."""
+        future.cancel()
+
     def close(self) -> None:
         """Stop the worker; queued requests fail with EngineError. A second call does nothing."""
         with self._cond:

@@ -142,6 +142,7 @@ def sample(logits: torch.Tensor, options: SamplingTensors, grammar_mask: Grammar
             ranks = torch.arange(probs.shape[-1], device=probs.device)
             remove = (options.top_k[:, None] > 0) & (ranks[None, :] >= options.top_k[:, None])
             remove |= (probs.cumsum(-1) - probs) >= options.top_p[:, None]  # keep the token crossing top_p
+            remove[:, 0] = False  # and always the most likely one (top_p = 0, or one that rounds to 0 in float32)
             drawn = order.gather(1, _invert_cdf(sorted_lp.masked_fill(remove, float("-inf")), u)[:, None])[:, 0]
         else:
             drawn = _invert_cdf(drawable, u)

@@ -10,7 +10,10 @@ if TYPE_CHECKING:
 
 from ..errors import ConfigError
 
-__all__ = ["SamplingParams", "row_seed"]
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "row_seed"]
+
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (as vLLM's _SAMPLING_EPS)
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -19,8 +22,10 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most new tokens per sample, including the final stop token.
-        temperature: 0 means greedy decoding; otherwise logits are divided by it.
-        top_p: nucleus sampling mass in (0, 1]; 1 turns it off.
+        temperature: 0 means greedy decoding; otherwise logits are divided by it. Values below
+            MIN_TEMPERATURE become 0 (float32 logits / T would overflow; vLLM does the same).
+        top_p: nucleus sampling mass in [0, 1]; 1 turns it off; the most likely token is always
+            kept, so 0 samples among the top token only.
         top_k: sample among the k most likely tokens; 0 or -1 turns it off.
         seed: makes sampling reproducible: the same seed gives the same tokens, whatever else
             shares the batch; the n samples of one request use different streams.
@@ -50,10 +55,12 @@ class SamplingParams:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ConfigError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ConfigError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in [0, 1], got {self.top_p}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise ConfigError(f"top_k must be -1, 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
         if not 0 <= self.num_top_logprobs <= 20:
             raise ConfigError(f"top_logprobs must be in [0, 20], got {self.num_top_logprobs}")
         if any(not s for s in self.stop):

@@ -135,7 +135,7 @@ class WorkerLink:
                 continue
             with self._lock:
                 entry = self._pending.pop(request_id, None)
-            if entry is None:
+            if entry is None or entry[0].cancelled():  # cancelled here (its client went away): drop the reply
                 continue
             if kind == "done":
                 entry[0].set_result(message[2])

@@ -238,6 +238,14 @@ class ModelService:
             return self.router.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
         return self._submit_local(prompt_ids, params, n=n, step=step, on_token=on_token)
 
+    def abort(self, future: concurrent.futures.Future) -> None:
+        """Stop the generation behind `future` (from `submit`): its client went away.
+
+        On another rank's replica (multi-GPU) only a request not yet sent is cancelled; one
+        already running there finishes.
+        """
+        self.engine.abort(future)
+
     def _submit_local(self, prompt_ids: list[int], params: SamplingParams, *, n: int, step: int | None,
                       on_token: Any) -> concurrent.futures.Future:
         return self.engine.submit(prompt_ids, params, n=n, policy=self.policy(step), on_token=on_token)

@@ -39,7 +39,6 @@ class DatasetBatch(Generic[T]):
 
 def iterate_dataset(
     dataset: Sequence[T],
-    *,
     groups_per_step: int = 1,
     num_epochs: int = 1,
     initial_step: int = 0,

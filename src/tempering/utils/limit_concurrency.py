@@ -13,7 +13,7 @@ __all__ = ["limit_concurrency"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def limit_concurrency(n: int, *, derive_key: Callable[..., Hashable] | None = None) -> Callable[[F], F]:
+def limit_concurrency(n: int, derive_key: Callable[..., Hashable] | None = None) -> Callable[[F], F]:
     """Decorator: let at most `n` calls of an async function run at once; the others wait.
 
     With `derive_key`, the limit applies per key: `derive_key(*args, **kwargs)` (the decorated

@@ -15,7 +15,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def retry(
-    *,
     max_attempts: int = 3,
     delay: float = 0.25,
     backoff_factor: float = 2.0,
