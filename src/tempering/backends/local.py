@@ -84,7 +84,8 @@ class LocalBackend:
             (see the compatibility table in the README).
 
     Raises:
-        UnknownOptionError: an option ART's LocalBackend does not have either.
+        TypeError: an option neither this nor ART's LocalBackend has (Python's unexpected-keyword
+            error).
         DistributedError: with `gpus` > 1, if a worker process fails to start.
     """
 
