@@ -42,6 +42,11 @@ def test_in_process_false_trains_through_a_child_process_that_stops_on_close(tmp
         reply = await client.chat.completions.create(model=model.get_inference_name(1), max_tokens=2,
                                                      messages=[{"role": "user", "content": "Hi"}])
         assert reply.choices[0].message.content is not None
+        # ART's fork, over HTTP: the latest step at or before not_after_step
+        fork = art.TrainableModel(name="fork", project="p", base_model=str(default_model_dir))
+        with pytest.raises(art.UnknownModelError, match="at or before step 0"):
+            await backend._experimental_fork_checkpoint(fork, from_model="child", not_after_step=0)
+        assert await backend._experimental_fork_checkpoint(fork, from_model="child", not_after_step=5) == 1
         await backend.close()
         assert process.returncode is not None  # the child is gone
         assert (tmp_path / "server.log").exists()

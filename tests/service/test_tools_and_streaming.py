@@ -177,3 +177,45 @@ def test_streamed_tool_calls_match_non_streaming(served):
         expected = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]
         assert streamed.calls.get(i, []) == expected
         assert streamed.content[i] == (choice.message.content or "")
+
+
+def test_a_client_that_disconnects_stops_its_generation(served):
+    """A streamed request whose client closes the connection, and a plain one whose client times
+    out, are aborted on the engine (their samples stop and free their blocks) instead of running to
+    max_tokens; the server goes on serving."""
+    import time
+
+    model, backend, _ = served
+    engine = backend.hub.service(model.name).engine
+    client = model.openai_client()
+    body = {"model": model.name, "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "max_tokens": 3000, "ignore_eos": True, "temperature": 1.0}
+
+    async def idle_within(seconds):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not engine._pending and not engine.scheduler.has_work:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def go():
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=60,
+                                     headers={"Authorization": f"Bearer {client.api_key}"}) as http:
+            before = engine.stats.num_decode_tokens
+            async with http.stream("POST", "chat/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                for _ in range(6):
+                    await anext(lines)
+            assert await idle_within(15)
+            assert engine.stats.num_decode_tokens - before < 1000
+            before = engine.stats.num_decode_tokens
+            with pytest.raises(httpx.TimeoutException):
+                await http.post("chat/completions", json={**body, "n": 2}, timeout=1.0)
+            assert await idle_within(15)
+            assert engine.stats.num_decode_tokens - before < 2000
+            ok = await http.post("chat/completions", json={**body, "max_tokens": 4})
+            assert ok.status_code == 200
+
+    run(served, go())

@@ -280,19 +280,16 @@ class LocalBackend:
         """Saved steps of `model` with the metrics logged for them."""
         return self.hub.checkpoints(model.project, model.name)
 
-    async def fork_checkpoint(self, model: Model, *, from_project: str, from_model: str, step: int | None = None) -> int:
-        """Copy a checkpoint of another model into `model` (before registering it); returns the step."""
-        return await asyncio.to_thread(self.hub.fork, project=model.project, name=model.name,
-                                       from_project=from_project, from_name=from_model, step=step)
+    async def fork_checkpoint(self, model: Model, *, from_project: str, from_model: str, step: int | None = None,
+                              not_after_step: int | None = None) -> int:
+        """Copy a checkpoint of another model into `model` (before registering it); returns the step.
+
+        `step` None: the latest one, at or before `not_after_step` if given."""
+        return await asyncio.to_thread(self.hub.fork, project=model.project, name=model.name, from_project=from_project,
+                                       from_name=from_model, step=step, not_after_step=not_after_step)
 
     async def _experimental_fork_checkpoint(self, model: Model, from_model: str, from_project: str | None = None,
                                             not_after_step: int | None = None, verbose: bool = False) -> int:
         """ART's name: fork the latest checkpoint of `from_model` (at or before `not_after_step`)."""
-        from ..storage import list_checkpoints as saved
-
-        project = from_project or model.project
-        steps = [c.step for c in saved(self.hub.paths(project, from_model).checkpoints_dir)
-                 if not_after_step is None or c.step <= not_after_step]
-        if not steps:
-            raise ConfigError(f"{project}/{from_model} has no checkpoint to fork (not after step {not_after_step})")
-        return await self.fork_checkpoint(model, from_project=project, from_model=from_model, step=max(steps))
+        return await self.fork_checkpoint(model, from_project=from_project or model.project, from_model=from_model,
+                                          not_after_step=not_after_step)

@@ -223,12 +223,22 @@ class RemoteBackend:
         """Saved steps of `model` with the metrics logged for them."""
         return (await self._request("GET", f"/v1/models/{model.name}/checkpoints"))["checkpoints"]
 
-    async def fork_checkpoint(self, model: Model, *, from_project: str, from_model: str, step: int | None = None) -> int:
-        """Copy a checkpoint of another model into `model` (before registering it); returns the step."""
+    async def fork_checkpoint(self, model: Model, *, from_project: str, from_model: str, step: int | None = None,
+                              not_after_step: int | None = None) -> int:
+        """Copy a checkpoint of another model into `model` (before registering it); returns the step.
+
+        `step` None: the latest one, at or before `not_after_step` if given."""
         response = await self._request("POST", f"/v1/models/{model.name}/fork", json={
             "project": model.project, "from_project": from_project, "from_model": from_model, "step": step,
+            "not_after_step": not_after_step,
         })
         return int(response["step"])
+
+    async def _experimental_fork_checkpoint(self, model: Model, from_model: str, from_project: str | None = None,
+                                            not_after_step: int | None = None, verbose: bool = False) -> int:
+        """ART's name: fork the latest checkpoint of `from_model` (at or before `not_after_step`)."""
+        return await self.fork_checkpoint(model, from_project=from_project or model.project, from_model=from_model,
+                                          not_after_step=not_after_step)
 
 
 def _decode(response: httpx.Response, body: bytes | None = None) -> Any:

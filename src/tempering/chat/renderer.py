@@ -57,6 +57,7 @@ class ChatRenderer:
         *,
         tool_choice: Any = None,
         turns: TurnCache | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of `messages` followed by the assistant header (and a forced tool-call start).
 
@@ -66,15 +67,19 @@ class ChatRenderer:
                 conversation's prompt stays the same from turn to turn); the server just does not
                 parse calls then.
             turns: exact ids of earlier sampled turns to reuse.
+            template_kwargs: extra variables of the chat template (e.g. Qwen3's `enable_thinking`).
 
         Returns:
             list[int] of length T (the prompt), with any BOS the template adds.
         """
-        return self._encode(self.render_text(messages, tools, tool_choice=tool_choice, turns=turns), messages, turns)
+        text = self.render_text(messages, tools, tool_choice=tool_choice, turns=turns, template_kwargs=template_kwargs)
+        return self._encode(text, messages, turns)
 
-    def render_text(self, messages, tools=None, *, tool_choice: Any = None, turns: TurnCache | None = None) -> str:
+    def render_text(self, messages, tools=None, *, tool_choice: Any = None, turns: TurnCache | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt as text (see render_prompt)."""
-        text = self._text(self.prepare(messages, tools, turns), tools if self.template_renders_tools else None, True)
+        text = self._text(self.prepare(messages, tools, turns), tools if self.template_renders_tools else None, True,
+                          template_kwargs)
         prefix = forced_prefix(tool_choice) if tools else None
         return text + (prefix or "")
 
@@ -114,8 +119,8 @@ class ChatRenderer:
             return turns.encode(text, [m for m in messages if m.get("role") == "assistant"])
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _text(self, messages, tools, add_generation_prompt: bool) -> str:
-        kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "tokenize": False}
+    def _text(self, messages, tools, add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:
+        kwargs: dict[str, Any] = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt, "tokenize": False}
         if tools:
             kwargs["tools"] = tools
         return self.tokenizer.apply_chat_template(messages, **kwargs)

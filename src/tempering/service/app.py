@@ -9,6 +9,7 @@ import logging
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError, EngineError, TemperingError, UnknownModelError
@@ -27,6 +28,14 @@ def _error(status: int, message: str, *, type_: str, param: str | None = None, c
         status_code=status,
         content={"error": {"message": message, "type": type_, "param": param, "code": code}},
     )
+
+
+def _path(loc: tuple) -> str:
+    """A validation error's location as a JSON path: `messages[1].tool_calls[0].function.name`."""
+    path = ""
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
 
 
 class BodyLimit:
@@ -127,13 +136,25 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            message = f"request body is not valid JSON: {first.get('ctx', {}).get('error')} at char {first['loc'][-1]}"
+            return _error(422, message, type_="invalid_request_error")
+        if isinstance(first.get("input"), bytes):  # FastAPI parses the body as JSON only when it is declared so
+            return _error(422, "the request body must be a JSON object; send it with Content-Type: application/json",
+                          type_="invalid_request_error")
         problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            problems.append(f"{where or 'body'}: {err.get('msg')}")
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return _error(422, "invalid request: " + "; ".join(problems), type_="invalid_request_error", param=param)
+        for err in errors:
+            where, message = _path(err.get("loc", ())), str(err.get("msg")).removeprefix("Value error, ")
+            problems.append(f"{where} is required" if err.get("type") == "missing" else f"{where}: {message}" if where else message)
+        return _error(422, "invalid request: " + "; ".join(problems), type_="invalid_request_error",
+                      param=_path(first.get("loc", ())) or None)
+
+    @app.exception_handler(TemplateError)
+    async def _template(request: Request, exc: TemplateError) -> JSONResponse:
+        return _error(400, f"the model's chat template cannot render these messages: {exc}", type_="invalid_request_error",
+                      param="messages")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -87,6 +87,7 @@ class StreamState:
 async def sse_chat_stream(
     *,
     submit: Callable[..., Any],
+    abort: Callable[[Any], None],
     model: str,
     prompt_ids: list[int],
     n: int,
@@ -99,6 +100,8 @@ async def sse_chat_stream(
 
     Args:
         submit: `submit(on_token)` queues the request and returns its concurrent Future.
+        abort: `abort(future)` stops the generation; called when the stream ends early (the
+            client disconnected: Starlette cancels the stream's task).
         states: one StreamState per choice.
         token_entry: (token id, logprob, top logprobs) → a logprobs `content` entry; None when
             the request did not ask for logprobs (`logprobs` is then null in every chunk).
@@ -114,46 +117,50 @@ async def sse_chat_stream(
 
     future = submit(on_token)
     future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
-    chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
-        data = {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices, **extra}
-        return f"data: {json.dumps(data)}\n\n"
-
-    yield event([
-        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
-         "prompt_token_ids": prompt_ids}
-        for i in range(n)
-    ])
-    while (item := await queue.get()) is not None:
-        i, token_id, logprob, top = item
-        text = states[i].push(token_id)
-        yield event([{
-            "index": i, "delta": {"content": text} if text else {}, "finish_reason": None,
-            "logprobs": {"content": [token_entry(token_id, logprob, top)]} if token_entry is not None else None,
-            "token_ids": [token_id], "sampled_logprobs": [logprob],
-        }])
     try:
-        completions = future.result()
-    except Exception as exc:  # the engine failed: tell the client in the stream, then end it
-        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+        chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+            data = {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices, **extra}
+            return f"data: {json.dumps(data)}\n\n"
+
+        yield event([
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+             "prompt_token_ids": prompt_ids}
+            for i in range(n)
+        ])
+        while (item := await queue.get()) is not None:
+            i, token_id, logprob, top = item
+            text = states[i].push(token_id)
+            yield event([{
+                "index": i, "delta": {"content": text} if text else {}, "finish_reason": None,
+                "logprobs": {"content": [token_entry(token_id, logprob, top)]} if token_entry is not None else None,
+                "token_ids": [token_id], "sampled_logprobs": [logprob],
+            }])
+        try:
+            completions = future.result()
+        except Exception as exc:  # the engine failed: tell the client in the stream, then end it
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        for i, completion in enumerate(completions):
+            final = finish(i, completion)
+            message = final["message"]
+            delta: dict[str, Any] = {}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            rest = states[i].rest(message.get("content"))
+            if rest:
+                delta["content"] = rest
+            extra = {"grammar_forced": final["grammar_forced"]} if "grammar_forced" in final else {}
+            yield event([{"index": i, "delta": delta, "logprobs": None, "finish_reason": final["finish_reason"],
+                          "logprob_temperature": completion.logprob_temperature,
+                          "policy_versions": completion.policy_versions, **extra}])
+        if include_usage:
+            num_completion = sum(len(c.token_ids) for c in completions)
+            yield event([], usage={"prompt_tokens": len(prompt_ids), "completion_tokens": num_completion,
+                                   "total_tokens": len(prompt_ids) + num_completion})
         yield "data: [DONE]\n\n"
-        return
-    for i, completion in enumerate(completions):
-        final = finish(i, completion)
-        message = final["message"]
-        delta: dict[str, Any] = {}
-        if message.get("tool_calls"):
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-        rest = states[i].rest(message.get("content"))
-        if rest:
-            delta["content"] = rest
-        extra = {"grammar_forced": final["grammar_forced"]} if "grammar_forced" in final else {}
-        yield event([{"index": i, "delta": delta, "logprobs": None, "finish_reason": final["finish_reason"],
-                      "logprob_temperature": completion.logprob_temperature,
-                      "policy_versions": completion.policy_versions, **extra}])
-    if include_usage:
-        num_completion = sum(len(c.token_ids) for c in completions)
-        yield event([], usage={"prompt_tokens": len(prompt_ids), "completion_tokens": num_completion,
-                               "total_tokens": len(prompt_ids) + num_completion})
-    yield "data: [DONE]\n\n"
+    finally:  # the client left (Starlette cancelled this stream) or the stream is done
+        if not future.done():
+            abort(future)

@@ -181,8 +181,10 @@ class ModelHub:
         keep = set(keep_steps) | {self.step(project, name)}
         return delete_checkpoints(self.paths(project, name).checkpoints_dir, keep)
 
-    def fork(self, *, project: str, name: str, from_project: str, from_name: str, step: int | None = None) -> int:
-        """Copy checkpoint `step` (default: the latest) of another model into this one, at the same step.
+    def fork(self, *, project: str, name: str, from_project: str, from_name: str, step: int | None = None,
+             not_after_step: int | None = None) -> int:
+        """Copy checkpoint `step` (default: the latest, at or before `not_after_step` if given) of
+        another model into this one, at the same step.
 
         The target must not be registered yet (register it afterwards to serve the fork).
 
@@ -196,7 +198,12 @@ class ModelHub:
         saved = {c.step: c.path for c in list_checkpoints(source.checkpoints_dir)}
         if not saved:
             raise UnknownModelError(f"{from_project}/{from_name} has no checkpoints to fork")
-        step = max(saved) if step is None else step
+        if step is None:
+            candidates = [s for s in saved if not_after_step is None or s <= not_after_step]
+            if not candidates:
+                raise UnknownModelError(f"{from_project}/{from_name} has no checkpoint at or before step {not_after_step}; "
+                                        f"saved: {sorted(saved)}")
+            step = max(candidates)
         if step not in saved:
             raise UnknownModelError(f"{from_project}/{from_name} has no checkpoint of step {step}; saved: {sorted(saved)}")
         target = self.paths(project, name)

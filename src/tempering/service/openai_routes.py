@@ -20,6 +20,9 @@ With `tools`, the model's `<tool_call>{...}</tool_call>` text becomes OpenAI `to
 call (that forced text is part of `prompt_token_ids`, not of the sampled `token_ids`).
 `stream=true` sends server-sent events (chat_stream.py).
 
+A field tempering does not implement gets a 400 naming it whenever it would change the results
+(`logit_bias`, `min_p`, ...: `_reject_unsupported`), as does a field OpenAI does not define.
+
 Structured outputs (service/structured.py): `response_format`, vLLM's `guided_*` and
 `structured_outputs`, and "required"/named tool calls constrain sampling with a grammar. Such a
 choice also carries `grammar_forced`: per sampled token, whether the grammar allowed only that
@@ -31,11 +34,14 @@ when the server can constrain (llguidance is installed); without it, constrained
 from __future__ import annotations
 
 import asyncio
+import codecs
+import functools
+import re
 import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat.tools import TOOL_CALL_END, forced_prefix, parse_tool_calls
@@ -45,13 +51,35 @@ from ..errors import ConfigError
 from .chat_stream import StreamState, sse_chat_stream
 from .registry import ServiceRegistry
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .structured import request_spec, tool_call_spec
+from .structured import compile_checked, request_spec, tool_call_spec
 
 __all__ = ["build_openai_router"]
 
 
+async def _generated(request: Request, service: Any, future: Any) -> Any:
+    """The result of a generation's concurrent Future, stopping the generation if the client
+    disconnects first (as vLLM does): a client that timed out, and the copy its SDK retries, do
+    not leave orphaned samples on the engine."""
+    result = asyncio.wrap_future(future)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not future.done():  # the client left (or this handler was cancelled)
+            service.abort(future)
+    if not result.done():
+        raise HTTPException(499, "the client closed the connection; the generation was stopped")
+    return result.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def build_openai_router(registry: ServiceRegistry) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(dependencies=[Depends(_valid_unicode)])
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -64,7 +92,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         }
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         _reject_unsupported(body)
         service, step = registry.resolve(body.model)
         if step is not None:  # a saved step's adapter may have to be loaded: not on the event loop
@@ -80,7 +108,10 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             raise ConfigError("tool_choice forces a tool call, whose arguments follow the tool's schema; "
                               "drop response_format/guided_*/structured_outputs, or use tool_choice 'auto'")
         grammar = await _compiled(service, spec or call_spec)
-        prompt_ids = service.renderer.render_prompt(body.messages, prompt_tools, tool_choice=body.tool_choice, turns=service.turns)
+        prompt_ids = service.renderer.render_prompt([m.template_dict() for m in body.messages], prompt_tools,
+                                                    tool_choice=body.tool_choice, turns=service.turns,
+                                                    template_kwargs=body.chat_template_kwargs)
+        _check_tokens(service, body, prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
         params = _params(body, max_tokens, service.max_seq_len - len(prompt_ids), num_top, grammar)
@@ -104,13 +135,14 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
                                   tools_on=bool(tools), stop=params.stop) for _ in range(body.n)]
             events = sse_chat_stream(
                 submit=lambda on_token: service.submit(prompt_ids, params, n=body.n, step=step, on_token=on_token),
+                abort=service.abort,
                 model=body.model, prompt_ids=prompt_ids, n=body.n, states=states,
                 token_entry=(lambda t, lp, top: _logprob_entry(decode, t, lp, top, num_top)) if body.logprobs else None,
                 finish=lambda i, c: finish(c), include_usage=bool((body.stream_options or {}).get("include_usage")),
             )
             return StreamingResponse(events, media_type="text/event-stream")
 
-        completions = await asyncio.wrap_future(service.submit(prompt_ids, params, n=body.n, step=step))
+        completions = await _generated(request, service, service.submit(prompt_ids, params, n=body.n, step=step))
         choices = []
         for i, c in enumerate(completions):
             choice = {"index": i, **finish(c)}
@@ -127,7 +159,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         return _response("chat.completion", body.model, choices, len(prompt_ids), completions)
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> JSONResponse:
+    async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
         _reject_unsupported(body)
         service, step = registry.resolve(body.model)
         if step is not None:
@@ -136,13 +168,11 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             prompt_ids = service.tokenizer(body.prompt, add_special_tokens=True)["input_ids"]
         else:
             prompt_ids = list(body.prompt)
-            vocab = len(service.tokenizer)
-            if any(not 0 <= t < vocab for t in prompt_ids):
-                raise HTTPException(400, f"prompt token ids must be in [0, {vocab})")
+        _check_tokens(service, body, prompt_ids)
         num_top = body.logprobs or 0
         grammar = await _compiled(service, request_spec(body))
         params = _params(body, body.max_tokens or 16, service.max_seq_len - len(prompt_ids), num_top, grammar)
-        results = await asyncio.wrap_future(service.submit(prompt_ids, params, n=body.n, step=step))
+        results = await _generated(request, service, service.submit(prompt_ids, params, n=body.n, step=step))
         decode = _token_decoder(service.tokenizer)
         choices = []
         for i, c in enumerate(results):
@@ -179,17 +209,119 @@ def _checked_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise HTTPException(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+        if not _TOOL_NAME.fullmatch(fn["name"]):
+            raise HTTPException(400, f"tools[{i}].function.name {fn['name']!r} must be 1 to 64 letters, digits, '_' or '-' "
+                                     "(as OpenAI requires)")
+        if fn["name"] in names:
+            raise HTTPException(400, f"tools[{i}].function.name {fn['name']!r} is taken by an earlier tool; give each tool its own name")
         names.add(fn["name"])
     if isinstance(choice, dict) and choice["function"].get("name") not in names:
         raise HTTPException(400, f"tool_choice names {choice['function'].get('name')!r}, which is not in tools {sorted(names)}")
     return body.tools
 
 
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# OpenAI fields that change nothing sampled here
+_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# Fields (OpenAI's and vLLM's) that would change the results: refused unless they hold the value that
+# changes nothing (null always does). field: (that value, what to do instead); None: any value is refused.
+_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "logit_bias": ({}, "constrain the output with guided_choice, guided_regex or response_format instead"),
+    "min_p": (0, "use top_p or top_k"),
+    "min_tokens": (0, "ignore_eos=true samples exactly max_tokens tokens"),
+    "repetition_penalty": (1, "leave it at 1"),
+    "include_stop_str_in_output": (False, "the text ends before the stop string; token_ids holds every sampled token"),
+    "skip_special_tokens": (True, "the text never holds special tokens; token_ids holds them"),
+    "guided_whitespace_pattern": (None, "JSON is generated without free whitespace"),
+    # changes nothing for tempering's models' templates, so it would be silently ignored
+    "reasoning_effort": (None, 'to turn off a Qwen3 model\'s thinking send chat_template_kwargs={"enable_thinking": false}'),
+}
+_UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED,
+    "functions": (None, 'send them as tools=[{"type": "function", "function": {...}}]'),
+    "function_call": (None, "use tool_choice"),
+    # true (or null) is what tempering does: every call the model writes in its turn is returned
+    "parallel_tool_calls": (True, "every call the model makes in its turn is returned; send true or leave it out"),
+    "prediction": (None, "leave it out"),
+    "modalities": (["text"], 'only text output is supported; send ["text"] or leave it out'),
+    "audio": (None, "only text output is supported"),
+    "continue_final_message": (False, "the reply is always a new assistant turn"),
+    "add_generation_prompt": (True, "the prompt always ends with the assistant turn's header"),
+}
+_UNSUPPORTED_COMPLETIONS = {
+    **_UNSUPPORTED,
+    "best_of": (1, "sample n completions and pick among them yourself"),
+    "suffix": (None, "leave it out"),
+    "echo": (False, "prepend the prompt yourself (prompt_token_ids holds its ids)"),
+}
+
+
 def _reject_unsupported(body: Any) -> None:
+    """400 for a field that tempering would ignore although it changes results, or for a combination OpenAI refuses."""
     if isinstance(body, CompletionRequest) and body.stream:
         raise HTTPException(400, "stream=true is supported on /v1/chat/completions only; send stream=false")
     if body.presence_penalty or body.frequency_penalty:
         raise HTTPException(400, "presence_penalty and frequency_penalty are not supported; leave them at 0")
+    table = _UNSUPPORTED_CHAT if isinstance(body, ChatCompletionRequest) else _UNSUPPORTED_COMPLETIONS
+    extra = body.model_extra or {}
+    for name, value in extra.items():
+        if name in table and value != table[name][0]:
+            raise HTTPException(400, f"{name} is not supported by tempering; {table[name][1]}")
+    unknown = sorted(set(extra) - set(table) - _HARMLESS)
+    if unknown:
+        raise HTTPException(400, f"Unrecognized request argument supplied: {', '.join(unknown)} "
+                                 "(not supported by tempering; check the spelling, or leave it out)")
+    if body.max_tokens is not None and getattr(body, "max_completion_tokens", None) not in (None, body.max_tokens):
+        raise HTTPException(400, f"max_tokens ({body.max_tokens}) and max_completion_tokens ({body.max_completion_tokens}) "
+                                 "differ; send only one of them")
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise HTTPException(400, "top_logprobs needs logprobs=true")
+        if body.stream_options is not None and not body.stream:
+            raise HTTPException(400, "stream_options needs stream=true")
+
+
+def _check_tokens(service: Any, body: Any, prompt_ids: list[int]) -> None:
+    """400 for token ids outside the vocabulary, or a prompt that leaves no room to sample."""
+    given = {"stop_token_ids": body.stop_token_ids}
+    if isinstance(getattr(body, "prompt", None), list):
+        given["prompt token ids"] = prompt_ids
+    for name, ids in given.items():
+        vocab = len(service.tokenizer) if ids else 0
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HTTPException(400, f"{name} must be in [0, {vocab}) (the model's vocabulary); {bad} is not")
+    if len(prompt_ids) >= service.max_seq_len:
+        raise HTTPException(400, f"the prompt has {len(prompt_ids)} tokens but at most {service.max_seq_len - 1} fit in "
+                                 f"the model's context of {service.max_seq_len}; shorten it")
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate, paired or not
+_SURROGATE = re.compile("[\ud800-\udfff]")  # one that json.loads left unpaired
+
+
+async def _valid_unicode(request: Request) -> None:
+    """400 naming the first string of the body that holds an unpaired UTF-16 surrogate (half an emoji,
+    as JavaScript's `slice` leaves it), which no tokenizer can encode."""
+    if request.method != "POST" or not _SURROGATE_ESCAPE.search(await request.body()):
+        return
+    try:
+        data = await request.json()
+    except (ValueError, RecursionError):
+        return  # the body's validation reports it
+    todo = [("", data)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str) and (found := _SURROGATE.search(value)):
+            path = path.encode("utf-8", "backslashreplace").decode()  # the path itself may hold one (in a key)
+            raise HTTPException(400, f"{path or 'the body'} holds an unpaired UTF-16 surrogate \\u{ord(found.group()):04x}; "
+                                     "send whole characters (both halves of a surrogate pair)")
+        if isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                where = f"{path}.{key}" if path else key
+                todo += [(where, item), (f"the key {where}", key)]
+        elif isinstance(value, list):
+            todo += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]
 
 
 async def _compiled(service: Any, spec: GrammarSpec | None) -> CompiledGrammar | None:
@@ -200,7 +332,7 @@ async def _compiled(service: Any, spec: GrammarSpec | None) -> CompiledGrammar |
     """
     if spec is None:
         return None
-    return await asyncio.to_thread(service.grammars.compile, spec)
+    return await asyncio.to_thread(compile_checked, service.grammars, spec)
 
 
 def _forced(c: Completion) -> dict[str, Any]:
@@ -209,8 +341,6 @@ def _forced(c: Completion) -> dict[str, Any]:
 
 
 def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar: CompiledGrammar | None = None) -> SamplingParams:
-    if room < 1:
-        raise HTTPException(400, "the prompt fills the model's whole context; shorten it")
     return SamplingParams(
         max_tokens=min(max_tokens or room, room),
         temperature=body.temperature,
@@ -225,26 +355,71 @@ def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar:
     )
 
 
-def _token_decoder(tokenizer: Any):
-    cache: dict[int, str] = {}
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE (GPT-2's alphabet): the character that stands for each byte in the vocabulary → the byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
-    def decode(token_id: int) -> str:
-        text = cache.get(token_id)
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+class _TokenDecoder:
+    """A request's per-token texts (`decode(id)`) and raw bytes (`decode.bytes(id)`: a token can hold
+    part of a UTF-8 character, whose text is then U+FFFD), cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
         if text is None:
-            text = cache[token_id] = tokenizer.decode([token_id])
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    return decode
+    def bytes(self, token_id: int) -> list[int]:
+        data = self._bytes.get(token_id)
+        if data is None:
+            data = self._bytes[token_id] = list(self._raw(token_id))
+        return data
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+        return type(decoder).__name__ == "ByteLevel"
+
+    @functools.cached_property
+    def _added(self) -> dict[int, Any]:
+        return self.tokenizer.added_tokens_decoder  # stored as plain text, also in a byte-level vocabulary
+
+    def _raw(self, token_id: int) -> bytes:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(token, str):
+            if self._byte_level and token_id not in self._added:
+                try:
+                    return bytes(_byte_decoder()[ch] for ch in token)
+                except KeyError:
+                    pass
+            if match := _BYTE_TOKEN.fullmatch(token):
+                return bytes([int(match.group(1), 16)])
+        return self(token_id).encode("utf-8")
+
+
+def _token_decoder(tokenizer: Any) -> _TokenDecoder:
+    return _TokenDecoder(tokenizer)
 
 
 def _logprob_entry(decode, token_id: int, logprob: float, top: list[tuple[int, float]], num_top: int) -> dict[str, Any]:
-    text = decode(token_id)
     return {
-        "token": text,
+        "token": decode(token_id),
         "logprob": logprob,
-        "bytes": list(text.encode("utf-8")),
+        "bytes": decode.bytes(token_id),
         "top_logprobs": [
-            {"token": decode(a), "logprob": lp, "bytes": list(decode(a).encode("utf-8"))} for a, lp in top
+            {"token": decode(a), "logprob": lp, "bytes": decode.bytes(a)} for a, lp in top
         ] if num_top else [],
     }
 
@@ -252,10 +427,11 @@ def _logprob_entry(decode, token_id: int, logprob: float, top: list[tuple[int, f
 def _completion_logprobs(decode, c: Completion, num_top: int) -> dict[str, Any]:
     """The legacy completions API's `logprobs` object of one choice."""
     tokens = [decode(t) for t in c.token_ids]
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     offsets, pos = [], 0
-    for tok in tokens:
+    for t in c.token_ids:  # a character split over tokens counts at its last token
         offsets.append(pos)
-        pos += len(tok)
+        pos += len(utf8.decode(bytes(decode.bytes(t))))
     return {
         "tokens": tokens,
         "token_logprobs": c.logprobs,

@@ -58,11 +58,11 @@ class ServiceRegistry:
         Raises:
             UnknownModelError: naming the valid names.
         """
-        name, _, step_text = served_name.partition("@")
+        name, at, step_text = served_name.partition("@")
         service = self.get(name)
         step = None
-        if step_text:
-            step = int(step_text) if step_text.isdigit() else -1
+        if at:  # ASCII digits only: int() also takes "٠", isdigit() also "²"
+            step = int(step_text) if step_text.isascii() and step_text.isdigit() else -1
         if service is None or (step is not None and step < 0):
             raise UnknownModelError(f"model {served_name!r} does not exist; valid names: {self.served_names()}")
         return service, step

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from ..types import LoRAConfig, TrainConfig, TrainSFTConfig, Trajectory, TrajectoryGroup
 
 __all__ = [
     "ChatCompletionRequest",
+    "ChatMessage",
     "CheckpointDeleteRequest",
     "CompletionRequest",
     "ForkRequest",
@@ -21,17 +22,24 @@ __all__ = [
 
 MAX_MESSAGES = 4096
 MAX_STOP = 16
+# apply_chat_template's own arguments (and the template's `messages`): set by the server, not by chat_template_kwargs
+_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 class _SamplingFields(BaseModel):
-    # Unknown fields are ignored, as vLLM does; OpenAI SDKs send only known ones.
-    model_config = ConfigDict(extra="ignore")
+    # Undeclared fields are kept in `model_extra`: the routes refuse those that would change results
+    # (openai_routes._reject_unsupported).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=300)
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, description="extension: 0 or -1 = off")
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0, description="0 keeps only the most likely token")
+    top_k: int = Field(default=0, ge=-1, le=2**31 - 1, description="extension: 0 or -1 = off")
     n: int = Field(default=1, ge=1, le=128)
     stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP, description="extension")
@@ -48,6 +56,12 @@ class _SamplingFields(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI takes null for an optional parameter (LangChain and LiteLLM send it): the default applies."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
@@ -63,38 +77,92 @@ class _SamplingFields(BaseModel):
         return value
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: Any) -> Any:
+        if isinstance(part, dict) and part.get("type") != "text":
+            raise ValueError(f"content parts of type {part.get('type')!r} are not supported; send text parts")
+        return part
+
+
+def _as_parts(content: Any) -> Any:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if content is not None and not isinstance(content, list):
+        raise ValueError("content must be a string or a list of text parts")
+    return content
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: Any = "{}"  # a JSON string (OpenAI); rendered as sent
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """One message; its other keys (name, tool_call_id, ...) reach the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[list[TextPart] | None, BeforeValidator(_as_parts)] = Field(
+        default=None, description="a string or a list of text parts")
+    tool_calls: list[AssistantToolCall] | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: `developer` as `system` (OpenAI's newer name), text parts joined."""
+        message = self.model_dump(exclude_unset=True)
+        if self.role == "developer":
+            message["role"] = "system"
+        if self.content is not None:
+            message["content"] = "".join(p.text for p in self.content)
+        return message
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=256)
     tool_choice: Any = None
-    stream_options: dict[str, Any] | None = None
+    # include_obfuscation: OpenAI's padding of stream chunks against side channels; nothing to pad here
+    stream_options: dict[Literal["include_usage", "include_obfuscation"], StrictBool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="extension (vLLM): variables of the chat template, e.g. {'enable_thinking': false} for Qwen3")
 
-    @field_validator("messages")
+    @field_validator("chat_template_kwargs")
     @classmethod
-    def _messages(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for i, m in enumerate(messages):
-            if m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-                raise ValueError(f"messages[{i}] has role {m.get('role')!r}; use system, user, assistant or tool")
-            if m.get("role") == "developer":  # OpenAI's newer name for system
-                m = messages[i] = {**m, "role": "system"}
-            content = m.get("content")
-            if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-                if len(texts) != len(content):
-                    raise ValueError(f"messages[{i}] has non-text content parts; only text is supported")
-                messages[i] = {**m, "content": "".join(texts)}
-            elif content is not None and not isinstance(content, str):
-                raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        return messages
+    def _template_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(kwargs.keys() & _TEMPLATE_ARGS)
+        if taken:
+            raise ValueError(f"{taken} cannot be set here: the server sets them")
+        return kwargs
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(max_length=1_000_000)
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            raise ValueError("batched prompts are not supported; send one request per prompt")
+        return prompt
 
 
 class _Strict(BaseModel):
@@ -137,3 +205,4 @@ class ForkRequest(_Strict):
     from_project: str = Field(min_length=1, max_length=128)
     from_model: str = Field(min_length=1, max_length=128)
     step: int | None = Field(default=None, ge=0)
+    not_after_step: int | None = Field(default=None, ge=0, description="with step unset: the latest step at or before it")

@@ -13,18 +13,23 @@ Accepted, at most one per request:
   complete call of that function (or, for "required", of one of `tools`) whose arguments follow
   the tool's parameter schema, closed by `</tool_call>`.
 
-Every problem is a ConfigError (HTTP 400) naming the field.
+Every problem is a ConfigError (HTTP 400) naming the field; so is a grammar that allows no output
+at all (`compile_checked`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..chat.tools import TOOL_CALL_END
-from ..engine.grammar import GrammarSpec
+from ..engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from ..errors import ConfigError
 
-__all__ = ["request_spec", "tool_call_spec"]
+__all__ = ["compile_checked", "request_spec", "tool_call_spec"]
+
+MAX_CHOICES = 50_000  # llguidance panics past ~65k grammar symbols
+_BACKTRACE = re.compile(r"\s*<backtrace>.*?</backtrace>", re.DOTALL)
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _VLLM_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -87,6 +92,25 @@ def tool_call_spec(tools: list[dict[str, Any]], tool_choice: Any) -> GrammarSpec
     return None
 
 
+def compile_checked(grammars: GrammarCompiler, spec: GrammarSpec) -> CompiledGrammar:
+    """`grammars.compile(spec)`, refusing a grammar in which no output can start.
+
+    Raises:
+        ConfigError: as `compile` does (without llguidance's Rust backtrace), or when the first token
+            can only end the sample: a JSON schema with no finite instance, such as {"$ref": "#"}.
+    """
+    try:
+        compiled = grammars.compile(spec)
+    except ConfigError as exc:
+        raise ConfigError(_BACKTRACE.sub("", str(exc))) from None
+    probe = compiled.matcher().inner  # a fresh copy; the lexer states its first mask builds are shared with the engine's
+    probe.compute_bitmask()
+    if probe.is_error() and not probe.is_accepting():
+        raise ConfigError(f"{spec.where} has no finite instance: no output can satisfy it (e.g. a schema whose $ref "
+                          "cycle has no way out); fix it")
+    return compiled
+
+
 def _parameters(fn: dict[str, Any], index: int) -> dict[str, Any]:
     params = fn.get("parameters")
     if params is None:  # OpenAI: no parameters means a function that takes none
@@ -135,5 +159,7 @@ def _spec(kind: str, value: Any, *, where: str) -> GrammarSpec:
     if kind == "regex":
         return GrammarSpec.regex(value, where=where)
     if kind == "choice":
+        if isinstance(value, list) and len(value) > MAX_CHOICES:
+            raise ConfigError(f"{where} has {len(value)} choices; at most {MAX_CHOICES} are supported")
         return GrammarSpec.choice(value, where=where)
     return GrammarSpec.grammar(value, where=where)

@@ -88,7 +88,7 @@ def build_train_router(hub: ModelHub, jobs: TrainJobs) -> APIRouter:
     async def fork(name: str, body: ForkRequest) -> dict[str, int]:
         step = await asyncio.to_thread(
             hub.fork, project=body.project, name=name, from_project=body.from_project, from_name=body.from_model,
-            step=body.step,
+            step=body.step, not_after_step=body.not_after_step,
         )
         return {"step": step}
 
