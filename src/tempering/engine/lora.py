@@ -197,12 +197,8 @@ class Deferred:
 
     def add_to_(self, y: torch.Tensor) -> torch.Tensor:
         """y += the delta, in PyTorch from the B^T shadows (the CPU twin of the fused kernels)."""
-        g, t = self.group, self.t
-        rank = g.BT[0].shape[0]
-        for s, (bt, cols, scale) in enumerate(zip(g.BT, g.columns, g.scales)):
-            delta = (t[:, s * rank:(s + 1) * rank].float() * scale).to(y.dtype).float() @ bt.float()
-            y[:, cols] = (y[:, cols].float() + delta).to(y.dtype)
-        return y
+        g = self.group
+        return _expand_reference_(y, self.t, [bt.T for bt in g.BT], g.columns, g.scales)
 
 
 def add_rms_norm_with_lora(x: torch.Tensor, deferred: Deferred | None, residual: torch.Tensor, weight: torch.Tensor,

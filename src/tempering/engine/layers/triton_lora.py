@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_ops import _rotate_halves, _store_rms_norm
+
 __all__ = ["add_rms_norm_lora", "lora_expand_", "lora_shrink", "rotary_and_store_lora_", "silu_and_mul_lora"]
 
 MAX_SLICES = 3
@@ -277,11 +279,7 @@ def _add_rms_norm_lora_kernel(Y, T, BT, R, W, Out, ROut, H, stride_y, stride_t, 
     x = (y.to(tl.float32) + delta).to(y.dtype)  # the projection's output as lora_expand_ would store it
     x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(y.dtype)  # rounded like HF's add
     tl.store(ROut + row * stride_ro + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
-    var = tl.sum(x32 * x32, axis=0) / H
-    normed = (x32 * tl.rsqrt(var + eps)).to(y.dtype)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Out + row * stride_o + cols, (w * normed).to(y.dtype), mask=mask)
+    _store_rms_norm(x, W, Out + row * stride_o, cols, mask, H, eps)
 
 
 def add_rms_norm_lora(y: torch.Tensor, t: torch.Tensor, BT: torch.Tensor, scale: float, residual: torch.Tensor,
@@ -334,14 +332,6 @@ def _load_heads(X, Tp, BT, width, scale, heads, d, hmask, HAS: tl.constexpr, RAN
         x1 = (x1.to(tl.float32) + _heads_delta(Tp, BT, width, cols, m, scale, x1, RANK, BLOCK_H, HALF)).to(x1.dtype)
         x2 = (x2.to(tl.float32) + _heads_delta(Tp, BT, width, cols + HALF, m, scale, x1, RANK, BLOCK_H, HALF)).to(x1.dtype)
     return x1, x2
-
-
-@triton.jit
-def _rotate_halves(x1, x2, cos1, cos2, sin1, sin2):
-    """HF's x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype."""
-    o1 = ((x1 * cos1).to(x1.dtype) + (-x2 * sin1).to(x1.dtype)).to(x1.dtype)
-    o2 = ((x2 * cos2).to(x1.dtype) + (x1 * sin2).to(x1.dtype)).to(x1.dtype)
-    return o1, o2
 
 
 @triton.jit

@@ -31,11 +31,17 @@ def _rms_norm_kernel(X, R, W, Y, ROut, stride_x, stride_r, stride_y, stride_ro, 
     if HAS_RESIDUAL:
         x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(x.dtype)  # rounded like HF's add
         tl.store(ROut + row * stride_ro + cols, x, mask=mask)
+    _store_rms_norm(x, W, Y + row * stride_y, cols, mask, H, eps)
+
+
+@triton.jit
+def _store_rms_norm(x, W, Y, cols, mask, H, eps):
+    """Y[cols] = W * RMSNorm(x) for one row x [BLOCK] (float32 statistics, rounded as HF's module)."""
     x32 = x.to(tl.float32)
     var = tl.sum(x32 * x32, axis=0) / H
     normed = (x32 * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Y + row * stride_y + cols, (w * normed).to(x.dtype), mask=mask)
+    tl.store(Y + cols, (w * normed).to(x.dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,6 +98,12 @@ def _rotate(base, cos1, cos2, sin1, sin2, d, hmask, HALF: tl.constexpr):
     """The rotated halves of the heads at `base` ([heads, 1] pointers), rounded as HF rounds."""
     x1 = tl.load(base + d[None, :], mask=hmask[:, None], other=0.0)
     x2 = tl.load(base + HALF + d[None, :], mask=hmask[:, None], other=0.0)
+    return _rotate_halves(x1, x2, cos1, cos2, sin1, sin2)
+
+
+@triton.jit
+def _rotate_halves(x1, x2, cos1, cos2, sin1, sin2):
+    """HF's x * cos + rotate_half(x) * sin of the halves x1, x2, each product and the sum rounded to the model dtype."""
     o1 = ((x1 * cos1).to(x1.dtype) + (-x2 * sin1).to(x1.dtype)).to(x1.dtype)
     o2 = ((x2 * cos2).to(x1.dtype) + (x1 * sin2).to(x1.dtype)).to(x1.dtype)
     return o1, o2
