@@ -180,6 +180,88 @@ def test_a_new_two_process_backend_resumes_from_the_checkpoint_on_both_ranks(tra
     assert step == 2
 
 
+DEDICATED = {"trainer_gpu_ids": [0], "inference_gpu_ids": [1]}
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def dedicated(request, tiny_model_dir, tmp_path_factory):
+    """Dedicated mode (ART's trainer/inference GPU ids): rank 0 trains, rank 1 serves; two steps."""
+    path = tmp_path_factory.mktemp("dedicated")
+
+    async def run() -> dict:
+        b = backend(path, request.param)
+        try:
+            model = art.TrainableModel(name="tiny-dedicated", project="mgpu", base_model=str(tiny_model_dir),
+                                       _internal_config=DEDICATED)
+            await model.register(b)
+            service = b.hub.service("tiny-dedicated")
+            link = service.workers[0]
+            prompt = service.renderer.render_prompt([{"role": "user", "content": "Tell me a story."}])
+            greedy = SamplingParams(max_tokens=6, temperature=0.0)
+
+            def on_rank_1(step=None):
+                completion = service._submit_remote(link, prompt, greedy, n=1, step=step, on_token=None).result(60)[0]
+                return completion.logprobs, completion.policy_versions
+
+            seen: dict = {"before": on_rank_1(), "rank_0_before": replica_probes(service)[0][1]}
+            for step in (1, 2):
+                groups = await groups_from_rollouts(model)
+                seen[f"result_{step}"] = await model.train(groups, config=art.TrainConfig(learning_rate=5e-2))
+                seen[f"live_{step}"] = on_rank_1()
+                seen[f"saved_{step}"] = on_rank_1(step=step)
+            seen["requests_per_replica"] = list(service.router.num_requests)
+            seen["rank_0_after"] = service._submit_local(prompt, greedy, n=1, step=None, on_token=None).result(60)[0].logprobs
+            seen["step"] = await model.get_step()
+            return seen
+        finally:
+            await b.close()
+
+    return asyncio.run(run()), path
+
+
+def test_dedicated_mode_serves_from_rank_1_only_and_trains_on_rank_0(dedicated):
+    seen, path = dedicated
+    assert seen["requests_per_replica"] == [6]  # one replica (rank 1): 3 groups x 2 steps
+    assert seen["step"] == 2 and seen["result_2"].metrics["loss/grad_norm"] > 0
+    checkpoints = path / "mgpu" / "models" / "tiny-dedicated" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["0001", "0002"]
+
+
+def test_dedicated_mode_broadcasts_each_step_to_the_serving_rank(dedicated):
+    seen, _ = dedicated
+    before, versions_before = seen["before"]
+    assert max(abs(a - b) for a, b in zip(before, seen["rank_0_before"])) < 1e-5  # the same base on both ranks
+    assert set(versions_before) == {0}
+    for step in (1, 2):
+        live, versions = seen[f"live_{step}"]
+        saved, _ = seen[f"saved_{step}"]  # the checkpoint rank 0 wrote, loaded from disk on rank 1
+        assert set(versions) == {step}  # rank 1 stamps the received step's version
+        assert max(abs(a - b) for a, b in zip(live, saved)) < 1e-5  # what it serves is that step's adapter
+    assert max(abs(a - b) for a, b in zip(before, seen["live_1"][0])) > 1e-3  # and the steps changed it
+    assert max(abs(a - b) for a, b in zip(seen["live_1"][0], seen["live_2"][0])) > 1e-3
+    # rank 0's own engine serves nothing, but reads the same live adapter as its trainer
+    assert max(abs(a - b) for a, b in zip(seen["rank_0_after"], seen["live_2"][0])) < 1e-5
+
+
+def test_dedicated_mode_needs_the_gpus_it_names(tmp_path, tiny_model_dir):
+    with pytest.raises(art.errors.ConfigError, match="gpus=N"):
+        art.LocalBackend(path=tmp_path, device="cpu", dedicated=True)
+    with pytest.raises(art.errors.ConfigError, match="inference_gpu_ids"):
+        art.TrainableModel(name="m", project="p", base_model="x", _internal_config={"trainer_gpu_ids": [0]})
+    with pytest.raises(art.errors.UnsupportedOptionError, match="trainer_gpu_ids=\\[0\\]"):
+        art.TrainableModel(name="m", project="p", base_model="x",
+                           _internal_config={"trainer_gpu_ids": [0, 1], "inference_gpu_ids": [2]})
+
+    async def run():
+        async with art.LocalBackend(path=tmp_path, device="cpu", engine_config=ENGINE) as b:
+            model = art.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), _internal_config=DEDICATED)
+            with pytest.raises(art.errors.ConfigError, match="LocalBackend\\(gpus=2\\)"):
+                await model.register(b)
+            assert not (tmp_path / "p" / "models" / "m" / "model.json").exists()
+
+    asyncio.run(run())
+
+
 async def server_stops(base_url: str, *, within_s: float, seen: list | None = None) -> bool:
     """Whether the server stops answering within `within_s` (it shuts down gracefully). `seen`
     collects (time, status, client port) of the answers that came, for a failure message."""

@@ -77,12 +77,15 @@ def serve(
                                       "(under torchrun: its processes)")] = 1,
     engine_config: Annotated[str | None, typer.Option(help="the engine's EngineConfig fields as a JSON object, "
                                                       'e.g. \'{"max_num_seqs": 128}\'')] = None,
+    dedicated: Annotated[bool, typer.Option(help="with --gpus N: GPU 0 trains and the others serve (ART's "
+                                            "dedicated mode), for every trainable model")] = False,
 ) -> None:
     """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port.
 
     With --gpus N (or under `torchrun --nproc-per-node N -m tempering.cli serve ...`) every GPU
     holds the model, an engine replica and a data-parallel trainer; this process is rank 0 and
-    serves HTTP. If a worker process dies, the server stops with its error (exit code 1).
+    serves HTTP. With --dedicated, GPU 0 trains and the others serve, receiving the adapter after
+    every step. If a worker process dies, the server stops with its error (exit code 1).
     """
     import ipaddress
     import os
@@ -117,12 +120,12 @@ def serve(
     elif gpus > 1:
         driver = Driver.start(gpus, device_type=device_type, command=worker_command(device_type, 600.0))
     try:
-        hub = ModelHub(root, device=device, driver=driver, engine_config=engine)
+        hub = ModelHub(root, device=device, driver=driver, engine_config=engine, dedicated=dedicated)
     except BaseException as exc:
         if driver is not None:
             driver.close()
-        if isinstance(exc, ConfigError):  # e.g. a device this machine does not have
-            raise typer.BadParameter(str(exc), param_hint="--device") from None
+        if isinstance(exc, ConfigError):  # a device this machine does not have, --dedicated on one GPU
+            raise typer.BadParameter(str(exc), param_hint="--dedicated" if "dedicated" in str(exc) else "--device") from None
         raise
     application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)
     server = uvicorn.Server(uvicorn.Config(application, host=host, port=port, log_level="warning"))

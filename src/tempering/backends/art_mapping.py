@@ -46,12 +46,21 @@ class ModelOptions:
         lora: LoRAConfig fields.
         train: TrainConfig fields used as the default of every step (a step's own value wins).
         max_seq_len: the model's max sequence length in tokens (None: the model's context length).
+        placement: ART's `trainer_gpu_ids` / `inference_gpu_ids`, as given.
+        num_gpus: with both ids given (dedicated mode: rank 0 trains, the others serve), the
+            GPUs the backend must run on; None otherwise.
     """
 
     engine: dict[str, Any] = field(default_factory=dict)
     lora: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     max_seq_len: int | None = None
+    placement: dict[str, Any] = field(default_factory=dict)
+    num_gpus: int | None = None
+
+    @property
+    def dedicated(self) -> bool:
+        return self.num_gpus is not None
 
 
 def _accepts(option: ArtOption, value: Any) -> bool:
@@ -125,9 +134,35 @@ def resolve_internal_config(config: Mapping[str, Any] | None, *, warn: bool = Tr
     for section in ("init_args", "engine_args", "peft_args", "trainer_args"):
         if config.get(section) is not None:
             _apply_section(section, config[section], out, ignored)
+    if out.placement:
+        out.num_gpus = _dedicated_gpus(out.placement.get("trainer_gpu_ids"), out.placement.get("inference_gpu_ids"))
     if warn:
         _warn_ignored(ignored, "_internal_config")
     return out
+
+
+def _dedicated_gpus(trainer: Any, inference: Any) -> int:
+    """The GPUs dedicated mode runs on, from ART's `trainer_gpu_ids` and `inference_gpu_ids`.
+
+    Raises:
+        ConfigError: if only one is given, or either is not a list of GPU indices.
+        UnsupportedOptionError: for a placement tempering does not run: it trains on GPU 0 alone
+            and serves from every other GPU of the run.
+    """
+    if trainer is None or inference is None:
+        given, missing = ("trainer_gpu_ids", "inference_gpu_ids") if inference is None else ("inference_gpu_ids", "trainer_gpu_ids")
+        raise ConfigError(f"_internal_config has {given} but not {missing}; dedicated mode needs both "
+                          "(e.g. trainer_gpu_ids=[0], inference_gpu_ids=[1])")
+    for key, ids in (("trainer_gpu_ids", trainer), ("inference_gpu_ids", inference)):
+        if not isinstance(ids, list | tuple) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ConfigError(f"_internal_config[{key!r}] must be a non-empty list of GPU indices, got {ids!r}")
+    if list(trainer) != [0]:
+        raise UnsupportedOptionError(f"trainer_gpu_ids={list(trainer)!r}: in dedicated mode tempering trains on GPU 0 "
+                                     "alone; use trainer_gpu_ids=[0]")
+    if sorted(inference) != list(range(1, len(inference) + 1)) or len(set(inference)) != len(inference):
+        raise UnsupportedOptionError(f"inference_gpu_ids={list(inference)!r}: tempering serves from GPUs 1..N-1 of a "
+                                     f"run on N GPUs; use inference_gpu_ids={list(range(1, len(inference) + 1))!r}")
+    return 1 + len(inference)
 
 
 def lora_config_from_art(config: Mapping[str, Any], *, warn: bool = True) -> dict[str, Any]:

@@ -65,6 +65,7 @@ class ChildProcessBackend(RemoteBackend):
         engine_config: EngineConfig | dict | None = None,
         gpu_cost_per_hour_usd: float | None = None,
         enable_expert_replay: bool = True,
+        dedicated: bool = False,
         startup_timeout_s: float = 600.0,
     ) -> None:
         check_local_options(gpus=gpus, gpu_cost_per_hour_usd=gpu_cost_per_hour_usd,
@@ -79,6 +80,8 @@ class ChildProcessBackend(RemoteBackend):
                    "--root", str(root), "--gpus", str(gpus), "--engine-config", json.dumps(dataclasses.asdict(engine_config))]
         if device is not None:
             command += ["--device", device]
+        if dedicated:
+            command += ["--dedicated"]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                             env={**os.environ, "TEMPERING_API_KEY": api_key})

@@ -8,7 +8,10 @@ steps run in a worker thread, so the user's event loop keeps running.
 `LocalBackend(gpus=N)` runs on N GPUs: this process is rank 0 (GPU 0, the server) and starts one
 worker process per other GPU through torch.distributed (parallel/launch.py); each GPU holds the
 model, an engine replica and a data-parallel trainer. If a worker dies, the server stops and every
-later call raises its DistributedError.
+later call raises its DistributedError. With `dedicated=True` (or, per model, ART's
+`_internal_config` `trainer_gpu_ids=[0]`, `inference_gpu_ids=[1, ...]`) GPU 0 only trains and
+the others only serve, receiving the adapter after every step: rollouts never share a GPU with a
+training step, which is what a PipelineTrainer needs to overlap the two.
 """
 
 from __future__ import annotations
@@ -82,11 +85,14 @@ class LocalBackend:
             process of their own. Not faster on the workloads measured (benchmarks/RESULTS.md).
         gpu_cost_per_hour_usd, enable_expert_replay: ART's options, accepted for compatibility
             (see the compatibility table in the README).
+        dedicated: with `gpus` > 1, GPU 0 trains and the others serve, for every trainable model
+            (a model's `_internal_config` trainer/inference GPU ids choose it per model).
 
     Raises:
         TypeError: an option neither this nor ART's LocalBackend has (Python's unexpected-keyword
             error).
         DistributedError: with `gpus` > 1, if a worker process fails to start.
+        ConfigError: `dedicated` with one GPU.
     """
 
     def __new__(cls, *args: Any, in_process: bool = True, **kwargs: Any) -> Any:
@@ -110,6 +116,7 @@ class LocalBackend:
         in_process: bool = True,
         gpu_cost_per_hour_usd: float | None = None,
         enable_expert_replay: bool = True,
+        dedicated: bool = False,
     ) -> None:
         check_local_options(gpus=gpus, gpu_cost_per_hour_usd=gpu_cost_per_hour_usd,
                             enable_expert_replay=enable_expert_replay)
@@ -121,7 +128,7 @@ class LocalBackend:
             device_type = "cpu" if device is not None and device.startswith("cpu") else "cuda"
             self._driver = Driver.start(gpus, device_type=device_type, command=worker_command(device_type, 600.0))
         try:
-            self.hub = ModelHub(self.path, device=device, driver=self._driver,
+            self.hub = ModelHub(self.path, device=device, driver=self._driver, dedicated=dedicated,
                                 engine_config=as_engine_config(engine_config, max_batch_size))
         except BaseException:
             if self._driver is not None:
@@ -191,6 +198,8 @@ class LocalBackend:
         trainable = getattr(model, "trainable", False)
         options = resolve_internal_config(getattr(model, "_internal_config", None))
         lora = merge_lora(getattr(model, "lora_config", None), options)
+        if trainable and options.dedicated:
+            self.hub.check_dedicated_gpus(options.num_gpus, model.name)
         self._model_options[model.name] = options
         await asyncio.to_thread(
             self.hub.register,
@@ -201,6 +210,7 @@ class LocalBackend:
             lora=lora,
             engine_config=engine_config_with(self.hub.engine_config, options.engine),
             max_seq_len=options.max_seq_len,
+            dedicated=True if options.dedicated else None,
         )
         if trainable:
             await asyncio.to_thread(self._ensure_server)

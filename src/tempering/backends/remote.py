@@ -122,9 +122,10 @@ class RemoteBackend:
     async def register(self, model: Model) -> None:
         """Register `model` on the server (which loads it, or resumes it from its checkpoints).
 
-        Of a model's ART `_internal_config`, the LoRA settings (`peft_args`) and the step
-        defaults (`trainer_args`) apply; engine settings are the server's (`tempering serve`), so
-        `engine_args`/`init_args` options are ignored here with a warning.
+        Of a model's ART `_internal_config`, the LoRA settings (`peft_args`), the step defaults
+        (`trainer_args`) and dedicated mode (`trainer_gpu_ids`/`inference_gpu_ids`, checked
+        against the server's GPUs) apply; engine settings are the server's (`tempering serve`),
+        so `engine_args`/`init_args` options are ignored here with a warning.
         """
         trainable = getattr(model, "trainable", False)
         options = resolve_internal_config(getattr(model, "_internal_config", None))
@@ -140,6 +141,7 @@ class RemoteBackend:
             "base_model": model.base_model if trainable else None,
             "lora_config": lora.model_dump() if lora is not None else None,
             "model_json": model.model_dump(mode="json", exclude={"inference_api_key"}),
+            **({"dedicated_gpus": options.num_gpus} if options.dedicated else {}),
         })
 
     async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:

@@ -52,10 +52,15 @@ class ModelHub:
         engine_config: the engines' batching and KV-cache settings.
         driver: in a multi-GPU run, rank 0's Driver (the workers); the models then run on every
             rank, and `device` is the driver's.
+        dedicated: in a multi-GPU run, the default placement of trainable models: rank 0 trains,
+            the other ranks serve (ModelService); False: every rank does both.
+
+    Raises:
+        ConfigError: for a device this machine does not have, or `dedicated` on one GPU.
     """
 
     def __init__(self, root: Path, *, device: str | None = None, engine_config: EngineConfig | None = None,
-                 driver: Driver | None = None) -> None:
+                 driver: Driver | None = None, dedicated: bool = False) -> None:
         if device is not None and driver is None:
             _check_device(device)
         self.root = Path(root)
@@ -63,6 +68,9 @@ class ModelHub:
         self.dp = DataParallel() if driver is not None else None
         self.device = str(driver.device) if driver is not None else device
         self.engine_config = engine_config or EngineConfig()
+        if dedicated:
+            self._check_dedicated()
+        self.dedicated = dedicated
         self.registry = ServiceRegistry()
         # every training call runs on this one thread: its memory stays in one allocator arena
         self.train_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tempering-train")
@@ -74,11 +82,12 @@ class ModelHub:
 
     def register(self, *, name: str, project: str, model_json: dict[str, Any], base_model: str | None = None,
                  lora: LoRAConfig | None = None, engine_config: EngineConfig | None = None,
-                 max_seq_len: int | None = None) -> int:
+                 max_seq_len: int | None = None, dedicated: bool | None = None) -> int:
         """Record the model and, when `base_model` is given (a trainable model), load its service.
 
-        `engine_config` (default: the hub's) and `max_seq_len` (default: the model's context
-        length) apply to this model only, when its service is created.
+        `engine_config` (default: the hub's), `max_seq_len` (default: the model's context
+        length) and `dedicated` (default: the hub's) apply to this model only, when its service
+        is created.
 
         Returns:
             the model's latest step.
@@ -87,6 +96,9 @@ class ModelHub:
             ConfigError: if the name is taken by a model of another project, or invalid.
             UnknownModelError: if the base model cannot be found.
         """
+        dedicated = self.dedicated if dedicated is None else dedicated
+        if dedicated and base_model is not None:
+            self._check_dedicated()
         paths = self.paths(project, name)
         with self._lock:
             other = self._projects.get(name)
@@ -100,7 +112,7 @@ class ModelHub:
             service = self.registry.get(name)
             if base_model is not None and service is None:  # loads the weights: fails for an unknown base model
                 service = self._load(paths, base_model, lora=lora, engine_config=engine_config or self.engine_config,
-                                     max_seq_len=max_seq_len)
+                                     max_seq_len=max_seq_len, dedicated=dedicated)
             _write_json_atomically(paths.model_json, model_json)
         except BaseException:
             # leave nothing behind: no model.json (nor directories) for a model that does not exist
@@ -135,6 +147,27 @@ class ModelHub:
         if errors:
             raise errors[0]
         return service
+
+    @property
+    def num_gpus(self) -> int:
+        """The processes (GPUs) of this run: 1, or the multi-GPU run's world size."""
+        return 1 + (len(self.driver.links) if self.driver is not None else 0)
+
+    def check_dedicated_gpus(self, num_gpus: int, name: str) -> None:
+        """Raises ConfigError unless model `name`'s dedicated placement (on `num_gpus`) is this run's."""
+        if num_gpus != self.num_gpus:
+            raise ConfigError(
+                f"model {name!r} asks for dedicated mode on {num_gpus} GPUs (trainer_gpu_ids, inference_gpu_ids) "
+                f"but this backend runs on {self.num_gpus}; start it on {num_gpus}: LocalBackend(gpus={num_gpus}) "
+                f"or `tempering serve --gpus {num_gpus}`")
+
+    def _check_dedicated(self) -> None:
+        """Raises ConfigError unless this is a multi-GPU run (dedicated mode needs GPUs to split)."""
+        if self.driver is None:
+            raise ConfigError(
+                "dedicated mode (ART's trainer_gpu_ids=[0] and inference_gpu_ids=[1, ...]) trains on GPU 0 and "
+                "serves from the others: start the backend on them, LocalBackend(gpus=N) or "
+                "`tempering serve --gpus N --dedicated`, N >= 2")
 
     def service(self, name: str) -> ModelService:
         service = self.registry.get(name)

@@ -175,6 +175,8 @@ class RegisterRequest(_Strict):
     base_model: str | None = Field(default=None, max_length=1000, description="given for a trainable model")
     lora_config: LoRAConfig | None = None
     model_json: dict[str, Any] = Field(default_factory=dict, description="the client's model, stored as model.json")
+    dedicated_gpus: int | None = Field(default=None, ge=2, le=1024, description="dedicated mode on this many GPUs "
+                                       "(GPU 0 trains, the others serve): ART's trainer_gpu_ids/inference_gpu_ids")
 
 
 class TrainRequest(_Strict):

@@ -19,6 +19,13 @@ step keeps identical (training/data_parallel.py). Rank 0's service (the driver's
 HTTP routes reach: it balances generation requests over the replicas (parallel/router.py), sends
 each training call to the other ranks' services (`follow_train`) before taking its own part, and
 alone writes checkpoints.
+
+Dedicated mode (ART's `trainer_gpu_ids=[0]`, `inference_gpu_ids=[1, ...]`; `dedicated=True`) splits
+the roles instead: rank 0 trains alone (its engine serves nothing) and the other ranks serve alone,
+so decoding never waits for a training step on the same GPU. After every training call rank 0
+broadcasts the adapter's tensors (the LoRA only, never the base); each serving rank receives them
+beside its engine's steps and swaps them in between two steps (`receive_adapter`), with the new
+policy version.
 """
 
 from __future__ import annotations
@@ -86,10 +93,12 @@ class ModelService:
         dp: in a multi-GPU run, this rank's DataParallel group (every rank has a service).
         workers: on rank 0 of a multi-GPU run, the channels to the other ranks, whose services
             of the same name were registered with the same arguments.
+        dedicated: in a multi-GPU run, rank 0 trains and the other ranks serve (see above).
 
     Raises:
         UnknownModelError: if `base_model` cannot be resolved.
-        ConfigError: if the weights do not fit the GPU (no tensor parallelism yet).
+        ConfigError: if the weights do not fit the GPU (no tensor parallelism yet), or `dedicated`
+            without a multi-GPU run.
     """
 
     def __init__(
@@ -106,6 +115,7 @@ class ModelService:
         max_seq_len: int | None = None,
         dp: DataParallel | None = None,
         workers: list[WorkerLink] | tuple[WorkerLink, ...] = (),
+        dedicated: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,9 +126,16 @@ class ModelService:
         self.lora = lora or LoRAConfig()
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.dp = dp
-        self.workers = list(workers)
+        if dedicated and (dp is None or dp.world_size < 2):
+            raise ConfigError("dedicated mode (a training GPU and serving GPUs) needs a multi-GPU run: "
+                              "LocalBackend(gpus=N) or `tempering serve --gpus N` with N >= 2")
+        self.dedicated = dedicated
         self._writes_checkpoints = dp is None or dp.rank == 0
+        # dedicated: the adapter travels over the whole group; the trainer itself is rank 0's alone
+        self._adapter_group = dp if dedicated else None
+        self.dp = None if dedicated else dp
+        self.serves = not dedicated or dp.rank != 0  # whether this rank's engine takes requests
+        self.workers = list(workers)
         resolved = resolve_base_model(base_model, cache_dir=cache_dir)
         check_fits_device(resolved.model_ref, self.dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(resolved.model_ref)
@@ -143,20 +160,24 @@ class ModelService:
         self._train_stream: torch.cuda.Stream | None = None  # the trainer's CUDA stream (made on first use)
         if self.step > 0 or (paths.checkpoint(0) / "adapter_config.json").is_file():
             checkpoint = paths.checkpoint(self.step)
-            self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate, dp=dp)
+            self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate, dp=self.dp)
             self.trainer.load_state(checkpoint)
         elif resolved.adapter_dir is not None:  # continue from a PEFT adapter: it is step 0
-            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate, dp=dp)
+            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate, dp=self.dp)
             if self._writes_checkpoints:
                 write_atomically(paths.checkpoint(0), lambda tmp: self.trainer.save(tmp, step=0))
         self._live = LivePolicy(lambda: self.trainer is not None, self.gate)
         self._step_adapters: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._step_adapters_lock = threading.Lock()
         self._max_step_adapters = 4
-        self.engine = self._make_engine(engine_config or EngineConfig(max_num_seqs=max_batch_size))
-        # rank 0 of a multi-GPU run: requests balanced over its own engine and the other ranks'
+        engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
+        if not self.serves:  # dedicated rank 0: an engine for completeness, with a token KV cache
+            engine_config = dataclasses.replace(engine_config, num_kv_blocks=64, cpu_kv_cache_bytes=8 << 20,
+                                                max_num_seqs=min(engine_config.max_num_seqs, 16), use_cuda_graphs=False)
+        self.engine = self._make_engine(engine_config)
+        # rank 0 of a multi-GPU run: requests balanced over its own engine (unless dedicated) and the other ranks'
         remote = [lambda *a, link=link, **k: self._submit_remote(link, *a, **k) for link in self.workers]
-        self.router = Router([self._submit_local, *remote]) if remote else None
+        self.router = Router([*([self._submit_local] if self.serves else []), *remote]) if remote else None
 
     def _make_engine(self, config: EngineConfig) -> Engine | HFEngine:
         """tempering's engine when it has model code for the architecture, else the transformers one."""
@@ -283,7 +304,8 @@ class ModelService:
             checkpoint = self.paths.checkpoint(new_step)
             ages = policy_age_metrics(groups, data_step)
             # the other ranks take their part of the step (follow_train) while this one takes its own
-            with self._followed("follow_train", sequences=sequences, config=config, new_step=new_step):
+            with self._followed("follow_train", sequences=sequences, config=config, new_step=new_step,
+                                skip=self.dedicated):
                 trainer = self._prepare_trainer(config)
 
                 def commit() -> None:
@@ -304,6 +326,7 @@ class ModelService:
                                  data_step, num_groups)
                         metrics = {}
                         commit()
+                    self._send_adapter(trainer, new_step)
                 self._publish(new_step)
         release_free_memory()
         metrics.update(ages)
@@ -344,7 +367,8 @@ class ModelService:
         with self.train_lock:
             data_step, new_step = self.step, self.step + 1
             checkpoint = self.paths.checkpoint(new_step)
-            with self._followed("follow_train_sft", per_trajectory=per_trajectory, config=config, new_step=new_step):
+            with self._followed("follow_train_sft", per_trajectory=per_trajectory, config=config, new_step=new_step,
+                                skip=self.dedicated):
                 trainer = self._prepare_trainer(TrainConfig())
                 batches = sft_batches(per_trajectory, config, trainer.rng)  # the same on every rank: same RNG state
                 emit({"type": "started", "num_trajectories": len(trajectories), "num_updates": len(batches)})
@@ -357,6 +381,7 @@ class ModelService:
                     metrics = trainer.sft_step(batches, config, commit=commit,
                                                on_update=lambda info: emit({"type": "update", **info}),
                                                version=new_step).values
+                    self._send_adapter(trainer, new_step)
                 self._publish(new_step)
         release_free_memory()
         metrics["time/step_wall_s"] = time.perf_counter() - start
@@ -386,12 +411,50 @@ class ModelService:
             self._publish(new_step)
         release_free_memory()
 
+    # ---- dedicated mode: the adapter from the training rank to the serving ranks ----------------
+
+    def _send_adapter(self, trainer: Trainer, new_step: int) -> None:
+        """Dedicated rank 0, after a training call: broadcast the adapter's tensors to the serving
+        ranks (`receive_adapter`). Called with the trainer's stream current, so the broadcast
+        follows the step's last update. Nothing to do otherwise."""
+        if not self.dedicated:
+            return
+        with self._followed("receive_adapter", lora=trainer.lora, new_step=new_step):
+            self._adapter_group.broadcast_(trainer.params, src=0)
+
+    def receive_adapter(self, lora: LoRAConfig, new_step: int) -> None:
+        """Dedicated serving rank: take rank 0's adapter after its training call of `new_step`.
+
+        The tensors arrive in buffers while the engine keeps decoding (on CUDA on a stream of
+        their own), then replace the live adapter between two engine steps, with the policy
+        version, under the gate. The first call injects the LoRA layers (`lora`, rank 0's).
+        """
+        with self.train_lock:
+            if self.trainer is None:
+                self.lora = lora
+                with self.gate:  # the module tree an engine step reads changes
+                    self.trainer = Trainer.new(self.model, lora, gate=self.gate)
+            params = self.trainer.params
+            stream = None
+            if self.device.type == "cuda":
+                if self._train_stream is None:
+                    self._train_stream = torch.cuda.Stream(self.device)
+                stream = self._train_stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.no_grad():
+                buffers = [torch.empty_like(p) for p in params]
+                self._adapter_group.broadcast_(buffers, src=0)
+                with self.gate:  # after the engine's last queued step, before its next one
+                    torch._foreach_copy_(params, buffers)
+                    self.step = new_step
+                    self.gate.version = new_step
+
     @contextlib.contextmanager
-    def _followed(self, method: str, **kwargs: Any):
-        """Send `method(**kwargs)` to the other ranks' services (none without workers), run the
-        block, then wait for them. A dead worker's DistributedError wins (the block then fails
-        with a collective's error that names no rank), then the block's error, then a worker's."""
-        futures = [link.call(method, name=self.paths.name, **kwargs) for link in self.workers]
+    def _followed(self, method: str, *, skip: bool = False, **kwargs: Any):
+        """Send `method(**kwargs)` to the other ranks' services (none without workers, or with
+        `skip`), run the block, then wait for them. A dead worker's DistributedError wins (the
+        block then fails with a collective's error that names no rank), then the block's error,
+        then a worker's."""
+        futures = [] if skip else [link.call(method, name=self.paths.name, **kwargs) for link in self.workers]
         try:
             yield
         except BaseException as exc:

@@ -29,9 +29,12 @@ def build_train_router(hub: ModelHub, jobs: TrainJobs) -> APIRouter:
 
     @router.post("/register", summary="Register a model (load a trainable one, resuming at its latest step)")
     async def register(body: RegisterRequest) -> dict[str, Any]:
+        if body.dedicated_gpus is not None and body.base_model is not None:
+            hub.check_dedicated_gpus(body.dedicated_gpus, body.name)
         step = await asyncio.to_thread(
             hub.register, name=body.name, project=body.project, model_json=body.model_json,
             base_model=body.base_model, lora=body.lora_config,
+            dedicated=True if body.dedicated_gpus is not None else None,
         )
         return {"name": body.name, "project": body.project, "step": step, "trainable": body.base_model is not None}
 

@@ -60,12 +60,12 @@ class WorkerHub:
         self._helpers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tempering-submit")
 
     def register(self, *, root: str, project: str, name: str, base_model: str, lora: LoRAConfig | None,
-                 engine_config: EngineConfig | None, max_seq_len: int | None) -> int:
+                 engine_config: EngineConfig | None, max_seq_len: int | None, dedicated: bool = False) -> int:
         """Load this rank's service of a model rank 0 registers (same arguments); its step."""
         if name not in self.services:
             self.services[name] = ModelService(ModelPaths(Path(root), project, name), base_model, lora=lora,
                                                device=self.info.device, engine_config=engine_config,
-                                               max_seq_len=max_seq_len, dp=self.dp)
+                                               max_seq_len=max_seq_len, dp=self.dp, dedicated=dedicated)
         return self.services[name].step
 
     def unregister(self, *, name: str) -> None:
@@ -78,6 +78,10 @@ class WorkerHub:
 
     def follow_train_sft(self, *, name: str, per_trajectory: list, config: TrainSFTConfig, new_step: int) -> None:
         self._service(name).follow_train_sft(per_trajectory, config, new_step)
+
+    def receive_adapter(self, *, name: str, lora: LoRAConfig, new_step: int) -> None:
+        """Dedicated mode: rank 0's adapter after its training call (ModelService.receive_adapter)."""
+        self._service(name).receive_adapter(lora, new_step)
 
     def submit(self, *, name: str, prompt_ids: list[int], params: SamplingParams, n: int, step: int | None,
                grammar: GrammarSpec | None, on_token: Any = None) -> concurrent.futures.Future:
