@@ -19,6 +19,9 @@ utilization counter (needs `pip install nvidia-ml-py`; null without it).
     python benchmarks/rl_loop.py --device cuda    # Qwen2.5-1.5B-shaped random bf16 model, 32 x 8,
                                                   # 128-token prompts, 1024 new tokens, 5 iterations
     python benchmarks/rl_loop.py --child-process  # the server in a child process (in_process=False)
+    python benchmarks/rl_loop.py --device cuda --gpus 2 --dedicated
+                                                  # GPU 0 trains, GPU 1 serves (dedicated mode); on
+                                                  # CPU the same with two gloo processes
 
 On CUDA the model is built as in gpu_loop.py (random weights: speed does not depend on them) with
 the default model's tokenizer and chat template (`--tokenizer-dir`, default: the converted
@@ -154,17 +157,19 @@ def make_prompts(tokenizer, renderer, count: int, num_tokens: int, seed: int = 0
     return prompts
 
 
-async def run(base_model: str, root: Path, device: str, shapes: dict, in_process: bool = True) -> dict:
+async def run(base_model: str, root: Path, device: str, shapes: dict, in_process: bool = True, gpus: int = 1,
+              dedicated: bool = False) -> dict:
     import tempering as art
 
     groups, group_size, iterations = shapes["groups"], shapes["group_size"], shapes["iterations"]
     new_tokens = shapes["new_tokens"]
     model = art.TrainableModel(name="rl-loop", project="bench", base_model=base_model)
-    backend = art.LocalBackend(path=root, device=device, in_process=in_process)
+    backend = art.LocalBackend(path=root, device=device, in_process=in_process, gpus=gpus, dedicated=dedicated)
     await model.register(backend)
     if in_process:
         service = backend._registry.get(model.name)
-        tokenizer, renderer, engine = service.tokenizer, service.renderer, service.engine
+        # several processes: the engines that decode are not all (dedicated: not at all) this one's
+        tokenizer, renderer, engine = service.tokenizer, service.renderer, service.engine if gpus == 1 else None
     else:  # the server is in a child process: the prompts are made from the model's own tokenizer here
         from transformers import AutoTokenizer
 
@@ -201,7 +206,7 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
 
     await sequential_iteration()  # warm-up: first requests, the trainer's first step (and CUDA graph captures)
 
-    gpu = torch.device(device)
+    gpu = torch.device(device, 0) if device == "cuda" else torch.device(device)
     with BusySampler(gpu) as busy:
         sequential = [await sequential_iteration() for _ in range(iterations)]
     sequential_busy = busy.fraction
@@ -225,6 +230,8 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
         "benchmark": "rl_loop",
         "device": device,
         "server": "this process" if in_process else "a child process (LocalBackend(in_process=False))",
+        "gpus": gpus, "layout": "dedicated (GPU 0 trains, the others serve)" if dedicated else
+        ("shared (every GPU serves and trains)" if gpus > 1 else "one device"),
         "machine": torch.cuda.get_device_name(gpu) if gpu.type == "cuda" else "cpu",
         "model": base_model if device == "cpu" else "Qwen2.5-1.5B-shaped random bf16 (SmolLM2 tokenizer)",
         **{k: v for k, v in shapes.items()},
@@ -235,7 +242,7 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
                                      for k in ("first_token_s", "decoding_s", "tail_s", "preemptions")}
                                     if engine is not None else None,  # measured in the engine's process only
         "sequential_trained_tokens_per_s": round(seq_tps, 1),
-        "sequential_gpu_busy_fraction": sequential_busy,
+        "sequential_gpu_busy_fraction": sequential_busy,  # GPU 0's
         "pipelined_s_per_iteration": round(pipe_s, 3),
         "pipelined_first_iteration_s": round(piped.step_wall_s[0], 3),
         "pipelined_trained_tokens_per_s": round(pipe_tps, 1),
@@ -260,7 +267,12 @@ def main() -> None:
     parser.add_argument("--child-process", action="store_true",
                         help="serve and train in a child process (LocalBackend(in_process=False)); the gather's "
                              "phases are then not measured")
+    parser.add_argument("--gpus", type=int, default=1, help="processes (GPUs; on CPU, gloo processes) to run on")
+    parser.add_argument("--dedicated", action="store_true",
+                        help="with --gpus N: GPU 0 trains and the others serve (LocalBackend(dedicated=True))")
     args = parser.parse_args()
+    if args.dedicated and args.gpus < 2:
+        parser.error("--dedicated needs --gpus 2 or more")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     shapes = dict(GPU_SHAPES if args.device == "cuda" else CPU_SHAPES)
@@ -275,7 +287,8 @@ def main() -> None:
             base_model = str(build_model_dir(args.tokenizer_dir or default_model_dir(), Path(tmp) / "model"))
         else:
             base_model = "SmolLM2-135M-Instruct"
-        record = asyncio.run(run(base_model, Path(tmp) / "runs", args.device, shapes, in_process=not args.child_process))
+        record = asyncio.run(run(base_model, Path(tmp) / "runs", args.device, shapes, in_process=not args.child_process,
+                                 gpus=args.gpus, dedicated=args.dedicated))
     print(file=sys.stderr, flush=True)  # end the progress bars' line: with 2>&1 the JSON then starts a line of its own
     print(json.dumps(record), flush=True)
 
