@@ -103,6 +103,12 @@ def test_models_route_lists_the_model(served):
     model, _, loop = served
     names = [m.id for m in loop.run_until_complete(model.openai_client().models.list()).data]
     assert model.name in names and f"{model.name}@0" in names
+    client = model.openai_client()
+    for name in (model.name, f"{model.name}@0"):  # client.models.retrieve: GET /v1/models/{id}
+        assert loop.run_until_complete(client.models.retrieve(name)).id == name
+    for missing in ("no-such-model", f"{model.name}@7", f"{model.name}@x"):
+        with pytest.raises(openai.NotFoundError, match="valid names"):
+            loop.run_until_complete(client.models.retrieve(missing))
 
 
 def test_unknown_model_is_404_naming_the_valid_names(served):

@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..chat.tools import TOOL_CALL_END, forced_prefix, parse_tool_calls
 from ..engine import Completion, SamplingParams
 from ..engine.grammar import CompiledGrammar, GrammarSpec, llguidance_installed
-from ..errors import ConfigError
+from ..errors import ConfigError, UnknownModelError
 from .chat_stream import StreamState, sse_chat_stream
 from .registry import ServiceRegistry
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -81,22 +81,30 @@ async def _disconnected(request: Request) -> None:
 def build_openai_router(registry: ServiceRegistry) -> APIRouter:
     router = APIRouter(dependencies=[Depends(_valid_unicode)])
 
+    def model_object(name: str, created: int) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "tempering",
+                "structured_outputs": llguidance_installed()}
+
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         created = int(time.time())
-        structured = llguidance_installed()
-        return {
-            "object": "list",
-            "data": [{"id": n, "object": "model", "created": created, "owned_by": "tempering", "structured_outputs": structured}
-                     for n in registry.served_names()],
-        }
+        return {"object": "list", "data": [model_object(n, created) for n in registry.served_names()]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        """One served name (`client.models.retrieve(id)`); 404 naming the valid ones otherwise."""
+        registry.resolve(model_id)  # an unknown name or a malformed step suffix: UnknownModelError (404)
+        names = registry.served_names()
+        if model_id not in names:
+            raise UnknownModelError(f"model {model_id!r} does not exist; valid names: {names}")
+        return model_object(model_id, int(time.time()))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         _reject_unsupported(body)
         service, step = registry.resolve(body.model)
         if step is not None:  # a saved step's adapter may have to be loaded: not on the event loop
-            await asyncio.to_thread(service.policy, step)
+            await asyncio.to_thread(service.prepare_step, step)
         prompt_tools = _checked_tools(body)  # rendered even with tool_choice "none": the prompt stays stable
         tools = prompt_tools if body.tool_choice != "none" else None  # tools the model may call now
         prefix = forced_prefix(body.tool_choice) if tools else None
@@ -163,7 +171,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         _reject_unsupported(body)
         service, step = registry.resolve(body.model)
         if step is not None:
-            await asyncio.to_thread(service.policy, step)
+            await asyncio.to_thread(service.prepare_step, step)
         if isinstance(body.prompt, str):
             prompt_ids = service.tokenizer(body.prompt, add_special_tokens=True)["input_ids"]
         else:

@@ -220,13 +220,10 @@ class ModelService:
         if step is None:
             return self._live
         checkpoint = self.paths.checkpoint(step)
-        if not (checkpoint / "adapter_config.json").is_file():
+        if not self._is_saved(step):
             if step == 0:
                 return NoAdapterPolicy(lambda: self.peft_model)
-            if step == self.step:  # trained with save_checkpoint=False: only the live weights are that step's
-                return self._live
-            steps = [c.step for c in list_checkpoints(self.paths.checkpoints_dir)]
-            raise UnknownModelError(f"{self.paths.name} has no checkpoint of step {step}; saved steps: {steps}")
+            return self._live  # trained with save_checkpoint=False: only the live weights are that step's
         with self._step_adapters_lock:
             name = self._step_adapters.get(step)
             if name is not None:
@@ -247,6 +244,33 @@ class ModelService:
                     if isinstance(self.engine, Engine):
                         self.engine.forget_adapter(evicted)
         return AdapterPolicy(self.trainer.peft_model, name, step)
+
+    def _is_saved(self, step: int) -> bool:
+        """Whether `step` has a checkpoint; False for step 0 without one, or the latest step trained
+        with save_checkpoint=False (both served anyway).
+
+        Raises:
+            UnknownModelError: for any other step without a checkpoint.
+        """
+        if (self.paths.checkpoint(step) / "adapter_config.json").is_file():
+            return True
+        if step in (0, self.step):
+            return False
+        steps = [c.step for c in list_checkpoints(self.paths.checkpoints_dir)]
+        raise UnknownModelError(f"{self.paths.name} has no checkpoint of step {step}; saved steps: {steps}")
+
+    def prepare_step(self, step: int) -> None:
+        """Before a request for saved `step`: load its adapter if this rank's engine may serve it
+        (`policy`, which waits for a running training step), else only check that it exists (a
+        dedicated training rank: the serving ranks load it, and training goes on meanwhile).
+
+        Raises:
+            UnknownModelError: if there is no checkpoint of `step`.
+        """
+        if self.serves:
+            self.policy(step)
+        else:
+            self._is_saved(step)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, step: int | None = None,
                on_token: Any = None):
