@@ -146,6 +146,9 @@ def test_streaming_matches_non_streaming_for_the_same_seed(served):
                   temperature=1.0, seed=11, n=2, stop=["\n\n"])
 
     async def go():
+        # the prompt's KV blocks cached first, so both requests below prefill the same uncached
+        # suffix: a prefill over the whole prompt rounds differently (logprobs ~1e-6 apart)
+        await client.chat.completions.create(**{**kwargs, "max_tokens": 1})
         return await _stream(client, **kwargs), await client.chat.completions.create(**kwargs)
 
     streamed, full = run(served, go())
@@ -168,6 +171,9 @@ def test_streamed_tool_calls_match_non_streaming(served):
                   tools=TOOLS, tool_choice="required", max_tokens=40, temperature=1.0, seed=5, n=8)
 
     async def go():
+        # the prompt's KV blocks cached first, so both requests below prefill the same uncached
+        # suffix: a prefill over the whole prompt rounds differently (logprobs ~1e-6 apart)
+        await client.chat.completions.create(**{**kwargs, "max_tokens": 1})
         return await _stream(client, **kwargs), await client.chat.completions.create(**kwargs)
 
     streamed, full = run(served, go())
