@@ -189,7 +189,8 @@ def dedicated(request, tiny_model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("dedicated")
 
     async def run() -> dict:
-        b = backend(path, request.param)
+        # on CPU as ART code does it: a plain LocalBackend(), which starts the worker at registration
+        b = art.LocalBackend(path=path, device="cpu", engine_config=ENGINE) if request.param == "cpu" else backend(path, "cuda")
         try:
             model = art.TrainableModel(name="tiny-dedicated", project="mgpu", base_model=str(tiny_model_dir),
                                        _internal_config=DEDICATED)
@@ -253,9 +254,10 @@ def test_dedicated_mode_needs_the_gpus_it_names(tmp_path, tiny_model_dir):
                            _internal_config={"trainer_gpu_ids": [0, 1], "inference_gpu_ids": [2]})
 
     async def run():
-        async with art.LocalBackend(path=tmp_path, device="cpu", engine_config=ENGINE) as b:
-            model = art.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), _internal_config=DEDICATED)
-            with pytest.raises(art.errors.ConfigError, match="LocalBackend\\(gpus=2\\)"):
+        async with backend(tmp_path, "cpu") as b:  # two processes; the model asks for three
+            model = art.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir),
+                                       _internal_config={"trainer_gpu_ids": [0], "inference_gpu_ids": [1, 2]})
+            with pytest.raises(art.errors.ConfigError, match="LocalBackend\\(gpus=3\\)"):
                 await model.register(b)
             assert not (tmp_path / "p" / "models" / "m" / "model.json").exists()
 

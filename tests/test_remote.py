@@ -174,6 +174,11 @@ def test_bad_requests_are_rejected_with_the_field_named_and_cannot_escape_the_ro
     response = httpx.post(f"{url}/v1/models/remote-loop/train", json={"request_id": "x" * 8, "groups": [{"trajectories": [1]}]},
                           headers=headers(), timeout=30)
     assert response.status_code == 422 and "groups" in response.json()["error"]["message"]
+    # dedicated mode (ART's trainer/inference GPU ids) on a one-GPU server: refused, nothing left behind
+    response = httpx.post(f"{url}/v1/register", json={"name": "ded", "project": "p", "base_model": "SmolLM2-135M-Instruct",
+                                                      "dedicated_gpus": 2}, headers=headers(), timeout=30)
+    assert response.status_code == 400 and "--gpus 2" in response.json()["error"]["message"]
+    assert not (root / "p" / "models" / "ded").exists()
     assert httpx.get(f"{url}/health", headers=headers(), timeout=30).status_code == 200
 
 

@@ -48,15 +48,16 @@ def test_sft_lowers_the_loss_serves_the_adapter_and_rl_continues_on_it(tmp_path,
             after = await answer_logprob(model, question, target)
             assert after > before + 1.0  # the served adapter is the fine-tuned one
             # RL continues on the same adapter
-            async def rollout():
+            async def rollout(i):
                 t = art.Trajectory(messages_and_choices=[{"role": "user", "content": question}])
                 c = await model.openai_client().chat.completions.create(model=model.name, messages=t.messages(),
                                                                         max_tokens=6, temperature=1.0)
                 t.messages_and_choices.append(c.choices[0])
                 lps = c.choices[0].sampled_logprobs
-                t.reward = math.exp(sum(lps) / len(lps))
+                # + i: a spread even when the fine-tuned model samples the same answer four times
+                t.reward = math.exp(sum(lps) / len(lps)) + i
                 return t
-            groups = await art.gather_trajectory_groups([art.TrajectoryGroup(rollout() for _ in range(4))], pbar_desc=None)
+            groups = await art.gather_trajectory_groups([art.TrajectoryGroup(rollout(i) for i in range(4))], pbar_desc=None)
             assert (await model.train(groups)).step == 2
             history = [json.loads(line) for line in (tmp_path / "tests/models/sft/history.jsonl").read_text().splitlines()]
             assert "sft/loss" in history[0] and "loss/train" in history[1]

@@ -72,6 +72,9 @@ def test_a_streamed_completion_is_captured_with_the_tokens_and_logprobs_of_the_s
         async for _ in stream:
             pass
 
+    # the prompt's KV blocks cached first, so both requests prefill the same uncached suffix (a
+    # whole-prompt prefill rounds the logprobs ~1e-6 differently)
+    run(served, client.chat.completions.create(**{**kwargs, "max_tokens": 1}))
     traj = run(served, art.capture_auto_trajectory(streamed()))
     full = run(served, client.chat.completions.create(**kwargs)).choices[0]
     [captured] = choices_of(traj)
@@ -92,6 +95,9 @@ def test_a_streamed_tool_call_is_captured_with_its_tools(served):
         async for _ in await client.chat.completions.create(stream=True, **kwargs):
             pass
 
+    # the prompt's KV blocks cached first, so both requests prefill the same uncached suffix (a
+    # whole-prompt prefill rounds the logprobs ~1e-6 differently)
+    run(served, client.chat.completions.create(**{**kwargs, "max_tokens": 1}))
     traj = run(served, art.capture_auto_trajectory(streamed()))
     full = run(served, client.chat.completions.create(**kwargs)).choices[0]
     [captured] = choices_of(traj)

@@ -20,6 +20,8 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..engine import EngineConfig
 from ..errors import BackendError, ConfigError, DistributedError
 from ..parallel import Driver
@@ -173,6 +175,24 @@ class LocalBackend:
         if self._driver is not None:
             self._driver.close()
 
+    def _start_workers(self, gpus: int) -> None:
+        """Become rank 0 of a run on `gpus` processes, as `LocalBackend(gpus=gpus)` would have
+        (for a model whose ART placement asks for dedicated mode). Models already registered
+        stay where they are.
+
+        Raises:
+            ConfigError: on CUDA, if this machine has fewer GPUs.
+            DistributedError: if a worker process fails to start.
+        """
+        device = self.hub.device
+        device_type = "cpu" if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu") else "cuda"
+        if device_type == "cuda" and torch.cuda.device_count() < gpus:
+            raise ConfigError(f"dedicated mode on {gpus} GPUs (trainer_gpu_ids, inference_gpu_ids) but this machine "
+                              f"has {torch.cuda.device_count()}")
+        self._driver = Driver.start(gpus, device_type=device_type, command=worker_command(device_type, 600.0))
+        self.hub.attach_driver(self._driver)
+        self._driver.on_failure(self._worker_died)
+
     def _worker_died(self, error: DistributedError) -> None:
         """A worker process died: stop serving; every later call raises `error`."""
         self._failure = error
@@ -199,6 +219,8 @@ class LocalBackend:
         options = resolve_internal_config(getattr(model, "_internal_config", None))
         lora = merge_lora(getattr(model, "lora_config", None), options)
         if trainable and options.dedicated:
+            if self._driver is None:  # ART's way: a plain LocalBackend(), the placement on the model
+                await asyncio.to_thread(self._start_workers, options.num_gpus)
             self.hub.check_dedicated_gpus(options.num_gpus, model.name)
         self._model_options[model.name] = options
         await asyncio.to_thread(

@@ -148,6 +148,14 @@ class ModelHub:
             raise errors[0]
         return service
 
+    def attach_driver(self, driver: Driver) -> None:
+        """Become rank 0 of `driver`'s run: trainable models registered from now on load on every
+        rank (the ones already registered stay on this process alone)."""
+        with self._lock:
+            self.driver = driver
+            self.dp = DataParallel()
+            self.device = str(driver.device)
+
     @property
     def num_gpus(self) -> int:
         """The processes (GPUs) of this run: 1, or the multi-GPU run's world size."""

@@ -90,7 +90,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         created = int(time.time())
         return {"object": "list", "data": [model_object(n, created) for n in registry.served_names()]}
 
-    @router.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id}")  # served names have no "/"; /v1/models/{name}/step etc. are the train routes
     async def retrieve_model(model_id: str) -> dict[str, Any]:
         """One served name (`client.models.retrieve(id)`); 404 naming the valid ones otherwise."""
         registry.resolve(model_id)  # an unknown name or a malformed step suffix: UnknownModelError (404)
