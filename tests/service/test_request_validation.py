@@ -218,6 +218,12 @@ def test_openai_combination_rules(served):
     refused(post(served, {"stream": True, "stream_options": {"usage": True}}), 422, "stream_options")
     refused(post(served, {"max_tokens": 8, "max_completion_tokens": 3}), 400, "max_tokens (8)", "max_completion_tokens (3)")
     assert post(served, {"max_tokens": 3, "max_completion_tokens": 3}).status_code == 200
+    # error.param names the field, as OpenAI's does (the openai SDK exposes it as exc.param)
+    for body, param in (({"top_logprobs": 5}, "top_logprobs"), ({"min_p": 0.1}, "min_p"),
+                        ({"temperatur": 0.5}, "temperatur"), ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+                        ({"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages")):
+        assert post(served, body).json()["error"]["param"] == param, body
     streamed = post(served, {"stream": True, "stream_options": {"include_usage": True}})
     assert streamed.status_code == 200 and '"usage"' in streamed.text
 

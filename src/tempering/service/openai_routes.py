@@ -201,30 +201,43 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
     return router
 
 
+class _BadParam(HTTPException):
+    """A 400 naming the request field at fault (OpenAI's `error.param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(400, message)
+        self.param = param
+
+
 def _checked_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The request's tools, checked, and tool_choice checked against them."""
     choice = body.tool_choice
     if choice is not None and choice not in ("auto", "none", "required") and not (
         isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
     ):
-        raise HTTPException(400, 'tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+        raise _BadParam("tool_choice", 'tool_choice must be "auto", "none", "required" or '
+                                       '{"type": "function", "function": {"name": ...}}')
     if not body.tools:
         if isinstance(choice, dict) or choice == "required":
-            raise HTTPException(400, f"tool_choice {choice!r} needs a non-empty `tools` list")
+            raise _BadParam("tool_choice", f"tool_choice {choice!r} needs a non-empty `tools` list")
         return None
     names = set()
     for i, tool in enumerate(body.tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise HTTPException(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+            raise _BadParam(f"tools[{i}]", f"tools[{i}] must be "
+                                           "{'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
         if not _TOOL_NAME.fullmatch(fn["name"]):
-            raise HTTPException(400, f"tools[{i}].function.name {fn['name']!r} must be 1 to 64 letters, digits, '_' or '-' "
-                                     "(as OpenAI requires)")
+            raise _BadParam(f"tools[{i}].function.name",
+                            f"tools[{i}].function.name {fn['name']!r} must be 1 to 64 letters, digits, '_' or '-' "
+                            "(as OpenAI requires)")
         if fn["name"] in names:
-            raise HTTPException(400, f"tools[{i}].function.name {fn['name']!r} is taken by an earlier tool; give each tool its own name")
+            raise _BadParam(f"tools[{i}].function.name", f"tools[{i}].function.name {fn['name']!r} is taken by an "
+                                                          "earlier tool; give each tool its own name")
         names.add(fn["name"])
     if isinstance(choice, dict) and choice["function"].get("name") not in names:
-        raise HTTPException(400, f"tool_choice names {choice['function'].get('name')!r}, which is not in tools {sorted(names)}")
+        raise _BadParam("tool_choice", f"tool_choice names {choice['function'].get('name')!r}, which is not in tools "
+                                       f"{sorted(names)}")
     return body.tools
 
 
@@ -267,26 +280,28 @@ _UNSUPPORTED_COMPLETIONS = {
 def _reject_unsupported(body: Any) -> None:
     """400 for a field that tempering would ignore although it changes results, or for a combination OpenAI refuses."""
     if isinstance(body, CompletionRequest) and body.stream:
-        raise HTTPException(400, "stream=true is supported on /v1/chat/completions only; send stream=false")
+        raise _BadParam("stream", "stream=true is supported on /v1/chat/completions only; send stream=false")
     if body.presence_penalty or body.frequency_penalty:
-        raise HTTPException(400, "presence_penalty and frequency_penalty are not supported; leave them at 0")
+        raise _BadParam("presence_penalty" if body.presence_penalty else "frequency_penalty",
+                        "presence_penalty and frequency_penalty are not supported; leave them at 0")
     table = _UNSUPPORTED_CHAT if isinstance(body, ChatCompletionRequest) else _UNSUPPORTED_COMPLETIONS
     extra = body.model_extra or {}
     for name, value in extra.items():
         if name in table and value != table[name][0]:
-            raise HTTPException(400, f"{name} is not supported by tempering; {table[name][1]}")
+            raise _BadParam(name, f"{name} is not supported by tempering; {table[name][1]}")
     unknown = sorted(set(extra) - set(table) - _HARMLESS)
     if unknown:
-        raise HTTPException(400, f"Unrecognized request argument supplied: {', '.join(unknown)} "
+        raise _BadParam(unknown[0], f"Unrecognized request argument supplied: {', '.join(unknown)} "
                                  "(not supported by tempering; check the spelling, or leave it out)")
     if body.max_tokens is not None and getattr(body, "max_completion_tokens", None) not in (None, body.max_tokens):
-        raise HTTPException(400, f"max_tokens ({body.max_tokens}) and max_completion_tokens ({body.max_completion_tokens}) "
+        raise _BadParam("max_completion_tokens",
+                        f"max_tokens ({body.max_tokens}) and max_completion_tokens ({body.max_completion_tokens}) "
                                  "differ; send only one of them")
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
-            raise HTTPException(400, "top_logprobs needs logprobs=true")
+            raise _BadParam("top_logprobs", "top_logprobs needs logprobs=true")
         if body.stream_options is not None and not body.stream:
-            raise HTTPException(400, "stream_options needs stream=true")
+            raise _BadParam("stream_options", "stream_options needs stream=true")
 
 
 def _check_tokens(service: Any, body: Any, prompt_ids: list[int]) -> None:
@@ -298,10 +313,12 @@ def _check_tokens(service: Any, body: Any, prompt_ids: list[int]) -> None:
         vocab = len(service.tokenizer) if ids else 0
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise HTTPException(400, f"{name} must be in [0, {vocab}) (the model's vocabulary); {bad} is not")
+            raise _BadParam("stop_token_ids" if name == "stop_token_ids" else "prompt",
+                            f"{name} must be in [0, {vocab}) (the model's vocabulary); {bad} is not")
     if len(prompt_ids) >= service.max_seq_len:
-        raise HTTPException(400, f"the prompt has {len(prompt_ids)} tokens but at most {service.max_seq_len - 1} fit in "
-                                 f"the model's context of {service.max_seq_len}; shorten it")
+        raise _BadParam("messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                        f"the prompt has {len(prompt_ids)} tokens but at most {service.max_seq_len - 1} fit in "
+                        f"the model's context of {service.max_seq_len}; shorten it")
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate, paired or not
