@@ -10,6 +10,7 @@ import torch
 
 from tempering.chat import ChatRenderer
 from tempering.engine import BasePolicy, Engine, EngineConfig, SamplingParams, engine_model_for
+from tempering.engine.hf_engine import kv_cache_kwargs
 from tempering.errors import ConfigError
 
 QUESTIONS = ["Write a poem about the sea.", "Explain gravity in one paragraph.", "List some fruits and their colors."]
@@ -57,7 +58,7 @@ def hf_greedy(model, prompt_ids, num_tokens):
         for _ in range(num_tokens):
             token = int(out.logits[0, -1].argmax())
             ids.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[token]]), use_cache=True, **kv_cache_kwargs(model, out.past_key_values))
     return ids
 
 

@@ -14,6 +14,7 @@ from openai.types.chat.chat_completion import Choice
 
 import tempering as art
 from tempering.engine import EngineConfig, SamplingParams
+from tempering.engine.hf_engine import kv_cache_kwargs
 from tempering.training import tokenize_trajectory
 
 PROMPTS = ["What is 3+4? Answer with just the number.", "Name a color."]
@@ -105,7 +106,7 @@ def test_a_rollout_spanning_a_training_step_keeps_sampling_and_trains_with_its_s
     with torch.no_grad():
         with peft_model.disable_adapter():
             cache = peft_model(torch.tensor([ids[:cut]]), use_cache=True).past_key_values
-        new = logprobs(peft_model(torch.tensor([ids[cut:-1]]), past_key_values=cache, use_cache=True).logits[0],
+        new = logprobs(peft_model(torch.tensor([ids[cut:-1]]), use_cache=True, **kv_cache_kwargs(peft_model, cache)).logits[0],
                        completion.token_ids[k:])
     assert (new - old[k:]).abs().mean() > 1e-3  # the update changed these tokens' probabilities ...
     assert (engine[k:] - new).abs().max() < 1e-3  # ... and they were sampled by it

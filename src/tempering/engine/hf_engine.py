@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import random
 import threading
 import time
@@ -29,7 +30,7 @@ from .sampler import sample, sampling_tensors
 from .sampling_params import SamplingParams, row_seed
 from .stopping import completion_of, finish_reason_of
 
-__all__ = ["HFEngine"]
+__all__ = ["HFEngine", "kv_cache_kwargs"]
 
 
 @dataclass(slots=True)
@@ -48,6 +49,15 @@ class _Row:
     grammar: GrammarMatcher | None = None  # structured outputs: this sample's matcher
     forced: list[bool] = field(default_factory=list)
 
+
+
+def kv_cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that passes a KV cache to `model`'s forward: `cache` where transformers has
+    renamed it (5.2x; `past_key_values` is deprecated there and removed in 5.40), else
+    `past_key_values`. `model`: a transformers model, or a PEFT model around one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return {name: cache}
 
 class HFEngine:
     """Batched sampling with logprobs on a transformers model.
@@ -227,9 +237,9 @@ class HFEngine:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **kv_cache_kwargs(self.model, cache),
             )
             logits = out.logits[:, -1, :]  # [B', V]
             live = [rows[i] for i in active]
