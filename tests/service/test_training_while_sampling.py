@@ -106,7 +106,8 @@ def test_a_rollout_spanning_a_training_step_keeps_sampling_and_trains_with_its_s
     with torch.no_grad():
         with peft_model.disable_adapter():
             cache = peft_model(torch.tensor([ids[:cut]]), use_cache=True).past_key_values
-        new = logprobs(peft_model(torch.tensor([ids[cut:-1]]), use_cache=True, **kv_cache_kwargs(peft_model, cache)).logits[0],
+        tail = peft_model(torch.tensor([ids[cut:-1]]), use_cache=True, **kv_cache_kwargs(peft_model, cache))
+        new = logprobs(tail.logits[0],
                        completion.token_ids[k:])
     assert (new - old[k:]).abs().mean() > 1e-3  # the update changed these tokens' probabilities ...
     assert (engine[k:] - new).abs().max() < 1e-3  # ... and they were sampled by it
