@@ -280,3 +280,24 @@ def test_a_schema_with_no_finite_instance_is_refused(served):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     assert post(served, {"response_format": ok, "max_tokens": 4}).status_code == 200
+
+
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection_open(served, monkeypatch):
+    model, backend = served
+    renderer = backend.hub.registry.get(model.name).renderer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(renderer, "render_prompt", broken)
+    body = {"model": model.name, "max_tokens": 2, "messages": HI}
+    ports = []
+    with httpx.Client(headers={"Authorization": f"Bearer {model.inference_api_key}"}, timeout=60) as client:
+        for _ in range(2):
+            response = client.post(model.inference_base_url + "/chat/completions", json=body)
+            assert response.status_code == 500 and "boom" in response.json()["error"]["message"]
+            assert response.json()["error"]["type"] == "server_error"
+            ports.append(response.extensions["network_stream"].get_extra_info("client_addr")[1])
+        monkeypatch.undo()
+        assert client.post(model.inference_base_url + "/chat/completions", json=body).status_code == 200
+    assert ports[0] == ports[1]  # the second request reused the first one's connection

@@ -38,6 +38,34 @@ def _path(loc: tuple) -> str:
     return path
 
 
+class InternalErrors:
+    """ASGI middleware: an unexpected error becomes a logged 500 (OpenAI's error shape) that keeps
+    the client's connection open. Starlette's own 500 handler re-raises after responding, and
+    uvicorn then closes the keep-alive connection; this one, inside it, does not. An error after
+    the response started (a stream) still propagates."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unexpected error on %s", scope.get("path"))
+            await _error(500, f"internal error: {exc!r}", type_="server_error")(scope, receive, send)
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` gets 413 before the route reads it."""
 
@@ -164,6 +192,7 @@ def create_app(
             response.headers[key] = value
         return response
 
+    app.add_middleware(InternalErrors)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(Exception)
