@@ -125,7 +125,8 @@ def serve(
         if driver is not None:
             driver.close()
         if isinstance(exc, ConfigError):  # a device this machine does not have, --dedicated on one GPU
-            raise typer.BadParameter(str(exc), param_hint="--dedicated" if "dedicated" in str(exc) else "--device") from None
+            hint = "--dedicated" if "dedicated" in str(exc) else "--device"
+            raise typer.BadParameter(str(exc), param_hint=hint) from None
         raise
     application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)
     server = uvicorn.Server(uvicorn.Config(application, host=host, port=port, log_level="warning"))

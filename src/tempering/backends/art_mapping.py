@@ -150,11 +150,14 @@ def _dedicated_gpus(trainer: Any, inference: Any) -> int:
             and serves from every other GPU of the run.
     """
     if trainer is None or inference is None:
-        given, missing = ("trainer_gpu_ids", "inference_gpu_ids") if inference is None else ("inference_gpu_ids", "trainer_gpu_ids")
+        given, missing = ("trainer_gpu_ids", "inference_gpu_ids")
+        if trainer is None:
+            given, missing = missing, given
         raise ConfigError(f"_internal_config has {given} but not {missing}; dedicated mode needs both "
                           "(e.g. trainer_gpu_ids=[0], inference_gpu_ids=[1])")
     for key, ids in (("trainer_gpu_ids", trainer), ("inference_gpu_ids", inference)):
-        if not isinstance(ids, list | tuple) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        indices = ids if isinstance(ids, list | tuple) else []
+        if not indices or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
             raise ConfigError(f"_internal_config[{key!r}] must be a non-empty list of GPU indices, got {ids!r}")
     if list(trainer) != [0]:
         raise UnsupportedOptionError(f"trainer_gpu_ids={list(trainer)!r}: in dedicated mode tempering trains on GPU 0 "

@@ -159,7 +159,8 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
     ArtOption("internal_config", "tinker_native_args", "ignored", note="used only by ART's Tinker backends"),
     ArtOption("internal_config", "trainer_gpu_ids", "differs", "dedicated mode of `LocalBackend(gpus=N)`",
               "with inference_gpu_ids (ART: setting both selects dedicated mode), rank 0 trains and ranks 1..N-1 "
-              "serve; tempering trains on one GPU there, so it must be [0]", to=("placement", lambda v: {"trainer_gpu_ids": v})),
+              "serve; tempering trains on one GPU there, so it must be [0]",
+              to=("placement", lambda v: {"trainer_gpu_ids": v})),
     ArtOption("internal_config", "inference_gpu_ids", "differs", "dedicated mode of `LocalBackend(gpus=N)`",
               "the serving GPUs: all the others, [1, ..., N-1] (ART allows exactly one)",
               to=("placement", lambda v: {"inference_gpu_ids": v})),

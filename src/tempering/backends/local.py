@@ -184,8 +184,8 @@ class LocalBackend:
             ConfigError: on CUDA, if this machine has fewer GPUs.
             DistributedError: if a worker process fails to start.
         """
-        device = self.hub.device
-        device_type = "cpu" if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu") else "cuda"
+        device = self.hub.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device_type = "cpu" if device.startswith("cpu") else "cuda"
         if device_type == "cuda" and torch.cuda.device_count() < gpus:
             raise ConfigError(f"dedicated mode on {gpus} GPUs (trainer_gpu_ids, inference_gpu_ids) but this machine "
                               f"has {torch.cuda.device_count()}")
