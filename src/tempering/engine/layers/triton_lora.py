@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _rotate_halves, _store_rms_norm
+from .triton_ops import _cos_sin_halves, _rotate_halves, _store_halves, _store_rms_norm
 
 __all__ = ["add_rms_norm_lora", "lora_expand_", "lora_shrink", "rotary_and_store_lora_", "silu_and_mul_lora"]
 
@@ -344,18 +344,14 @@ def _rotary_store_lora_kernel(
 ):
     t = tl.program_id(0)
     d = tl.arange(0, HALF)
-    cos1 = tl.load(Cos + t * stride_c + d)[None, :]
-    cos2 = tl.load(Cos + t * stride_c + HALF + d)[None, :]
-    sin1 = tl.load(Sin + t * stride_c + d)[None, :]
-    sin2 = tl.load(Sin + t * stride_c + HALF + d)[None, :]
+    cos1, cos2, sin1, sin2 = _cos_sin_halves(Cos, Sin, t, stride_c, d, HALF)
     t_row = T + t * stride_t
     qh = tl.arange(0, BLOCK_Q)
     qmask = qh < num_heads
     q = Q + t * stride_qt + qh[:, None] * stride_qh
     x1, x2 = _load_heads(q, t_row + t_col_q, BTq, num_heads * 2 * HALF, scale_q, qh, d, qmask, HAS_Q, RANK, BLOCK_Q, HALF)
     o1, o2 = _rotate_halves(x1, x2, cos1, cos2, sin1, sin2)
-    tl.store(q + d[None, :], o1, mask=qmask[:, None])
-    tl.store(q + HALF + d[None, :], o2, mask=qmask[:, None])
+    _store_halves(q, o1, o2, d, qmask, HALF)
     kh = tl.arange(0, BLOCK_KV)
     kmask = kh < num_kv_heads
     kv_width = num_kv_heads * 2 * HALF
@@ -363,14 +359,10 @@ def _rotary_store_lora_kernel(
     x1, x2 = _load_heads(K + t * stride_kt + kh[:, None] * stride_kh, t_row + t_col_k, BTk, kv_width, scale_k, kh, d,
                          kmask, HAS_K, RANK, BLOCK_KV, HALF)
     k1, k2 = _rotate_halves(x1, x2, cos1, cos2, sin1, sin2)
-    kc = KCache + slot * stride_cs + kh[:, None] * stride_ch
-    tl.store(kc + d[None, :], k1, mask=kmask[:, None])
-    tl.store(kc + HALF + d[None, :], k2, mask=kmask[:, None])
+    _store_halves(KCache + slot * stride_cs + kh[:, None] * stride_ch, k1, k2, d, kmask, HALF)
     v1, v2 = _load_heads(V + t * stride_vt + kh[:, None] * stride_vh, t_row + t_col_v, BTv, kv_width, scale_v, kh, d,
                          kmask, HAS_V, RANK, BLOCK_KV, HALF)
-    vc = VCache + slot * stride_cs + kh[:, None] * stride_ch
-    tl.store(vc + d[None, :], v1, mask=kmask[:, None])
-    tl.store(vc + HALF + d[None, :], v2, mask=kmask[:, None])
+    _store_halves(VCache + slot * stride_cs + kh[:, None] * stride_ch, v1, v2, d, kmask, HALF)
 
 
 def rotary_and_store_lora_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

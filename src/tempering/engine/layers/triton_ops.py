@@ -72,17 +72,9 @@ def _rotary_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_c, num_heads, HALF:
     d = tl.arange(0, HALF)
     hmask = heads < num_heads
     base = X + t * stride_xt + heads[:, None] * stride_xh
-    x1 = tl.load(base + d[None, :], mask=hmask[:, None], other=0.0)
-    x2 = tl.load(base + HALF + d[None, :], mask=hmask[:, None], other=0.0)
-    cos1 = tl.load(Cos + t * stride_c + d)[None, :]
-    cos2 = tl.load(Cos + t * stride_c + HALF + d)[None, :]
-    sin1 = tl.load(Sin + t * stride_c + d)[None, :]
-    sin2 = tl.load(Sin + t * stride_c + HALF + d)[None, :]
-    # HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype
-    o1 = ((x1 * cos1).to(x1.dtype) + (-x2 * sin1).to(x1.dtype)).to(x1.dtype)
-    o2 = ((x2 * cos2).to(x1.dtype) + (x1 * sin2).to(x1.dtype)).to(x1.dtype)
-    tl.store(base + d[None, :], o1, mask=hmask[:, None])
-    tl.store(base + HALF + d[None, :], o2, mask=hmask[:, None])
+    cos1, cos2, sin1, sin2 = _cos_sin_halves(Cos, Sin, t, stride_c, d, HALF)
+    o1, o2 = _rotate(base, cos1, cos2, sin1, sin2, d, hmask, HALF)
+    _store_halves(base, o1, o2, d, hmask, HALF)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -102,6 +94,21 @@ def _rotate(base, cos1, cos2, sin1, sin2, d, hmask, HALF: tl.constexpr):
 
 
 @triton.jit
+def _cos_sin_halves(Cos, Sin, t, stride_c, d, HALF: tl.constexpr):
+    """Row t of cos and sin, each as its two halves [1, HALF]."""
+    row = t * stride_c + d
+    return (tl.load(Cos + row)[None, :], tl.load(Cos + row + HALF)[None, :],
+            tl.load(Sin + row)[None, :], tl.load(Sin + row + HALF)[None, :])
+
+
+@triton.jit
+def _store_halves(base, x1, x2, d, hmask, HALF: tl.constexpr):
+    """x1 and x2 [heads, HALF] into the first and second halves of the heads at `base` ([heads, 1] pointers)."""
+    tl.store(base + d[None, :], x1, mask=hmask[:, None])
+    tl.store(base + HALF + d[None, :], x2, mask=hmask[:, None])
+
+
+@triton.jit
 def _rotate_halves(x1, x2, cos1, cos2, sin1, sin2):
     """HF's x * cos + rotate_half(x) * sin of the halves x1, x2, each product and the sum rounded to the model dtype."""
     o1 = ((x1 * cos1).to(x1.dtype) + (-x2 * sin1).to(x1.dtype)).to(x1.dtype)
@@ -115,27 +122,21 @@ def _rotary_store_kernel(Q, K, V, Cos, Sin, KCache, VCache, Slots, stride_qt, st
                          HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
     t = tl.program_id(0)
     d = tl.arange(0, HALF)
-    cos1 = tl.load(Cos + t * stride_c + d)[None, :]
-    cos2 = tl.load(Cos + t * stride_c + HALF + d)[None, :]
-    sin1 = tl.load(Sin + t * stride_c + d)[None, :]
-    sin2 = tl.load(Sin + t * stride_c + HALF + d)[None, :]
+    cos1, cos2, sin1, sin2 = _cos_sin_halves(Cos, Sin, t, stride_c, d, HALF)
     qh = tl.arange(0, BLOCK_Q)
     qmask = qh < num_heads
     q = Q + t * stride_qt + qh[:, None] * stride_qh
     o1, o2 = _rotate(q, cos1, cos2, sin1, sin2, d, qmask, HALF)
-    tl.store(q + d[None, :], o1, mask=qmask[:, None])
-    tl.store(q + HALF + d[None, :], o2, mask=qmask[:, None])
+    _store_halves(q, o1, o2, d, qmask, HALF)
     kh = tl.arange(0, BLOCK_KV)
     kmask = kh < num_kv_heads
     slot = tl.load(Slots + t).to(tl.int64)
     k1, k2 = _rotate(K + t * stride_kt + kh[:, None] * stride_kh, cos1, cos2, sin1, sin2, d, kmask, HALF)
-    kc = KCache + slot * stride_cs + kh[:, None] * stride_ch
-    tl.store(kc + d[None, :], k1, mask=kmask[:, None])
-    tl.store(kc + HALF + d[None, :], k2, mask=kmask[:, None])
+    _store_halves(KCache + slot * stride_cs + kh[:, None] * stride_ch, k1, k2, d, kmask, HALF)
     v = V + t * stride_vt + kh[:, None] * stride_vh
-    vc = VCache + slot * stride_cs + kh[:, None] * stride_ch
-    tl.store(vc + d[None, :], tl.load(v + d[None, :], mask=kmask[:, None], other=0.0), mask=kmask[:, None])
-    tl.store(vc + HALF + d[None, :], tl.load(v + HALF + d[None, :], mask=kmask[:, None], other=0.0), mask=kmask[:, None])
+    v1 = tl.load(v + d[None, :], mask=kmask[:, None], other=0.0)
+    v2 = tl.load(v + HALF + d[None, :], mask=kmask[:, None], other=0.0)
+    _store_halves(VCache + slot * stride_cs + kh[:, None] * stride_ch, v1, v2, d, kmask, HALF)
 
 
 def rotary_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
