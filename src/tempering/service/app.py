@@ -192,12 +192,6 @@ def create_app(
             response.headers[key] = value
         return response
 
-    app.add_middleware(InternalErrors)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", request.url.path)
-        return _error(500, f"internal error: {exc!r}", type_="server_error")
-
+    app.add_middleware(InternalErrors)  # added last: the outermost, so every unexpected error passes through it
     return app

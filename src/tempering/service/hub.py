@@ -96,9 +96,7 @@ class ModelHub:
             ConfigError: if the name is taken by a model of another project, or invalid.
             UnknownModelError: if the base model cannot be found.
         """
-        dedicated = self.dedicated if dedicated is None else dedicated
-        if dedicated and base_model is not None:
-            self._check_dedicated()
+        dedicated = self.dedicated if dedicated is None else dedicated  # ModelService refuses it without workers
         paths = self.paths(project, name)
         with self._lock:
             other = self._projects.get(name)

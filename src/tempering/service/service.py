@@ -459,12 +459,7 @@ class ModelService:
                 with self.gate:  # the module tree an engine step reads changes
                     self.trainer = Trainer.new(self.model, lora, gate=self.gate)
             params = self.trainer.params
-            stream = None
-            if self.device.type == "cuda":
-                if self._train_stream is None:
-                    self._train_stream = torch.cuda.Stream(self.device)
-                stream = self._train_stream
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.no_grad():
+            with self._on_train_stream(), torch.no_grad():
                 buffers = [torch.empty_like(p) for p in params]
                 self._adapter_group.broadcast_(buffers, src=0)
                 with self.gate:  # after the engine's last queued step, before its next one
@@ -546,16 +541,25 @@ class ModelService:
         return sequences, num_trainable, len(groups)
 
     @contextlib.contextmanager
+    def _on_train_stream(self):
+        """On CUDA, run the block on the trainer's own stream (made on first use), after what this
+        thread queued on its current one; on CPU, as is."""
+        if self.device.type != "cuda":
+            yield
+            return
+        if self._train_stream is None:
+            self._train_stream = torch.cuda.Stream(self.device)
+        self._train_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._train_stream):
+            yield
+
+    @contextlib.contextmanager
     def _training(self, trainer: Trainer):
         """The context of a training call: on CUDA the trainer's own stream; the gate for the whole
         call when the engine and the trainer cannot overlap (a transformers fallback on either side:
         they share module state, such as train/eval mode and PEFT's active adapter)."""
         with contextlib.ExitStack() as stack:
-            if self.device.type == "cuda":
-                if self._train_stream is None:
-                    self._train_stream = torch.cuda.Stream(self.device)
-                self._train_stream.wait_stream(torch.cuda.current_stream(self.device))  # after what this thread queued
-                stack.enter_context(torch.cuda.stream(self._train_stream))
+            stack.enter_context(self._on_train_stream())
             if not (isinstance(self.engine, Engine) and trainer.decoder is not None):
                 stack.enter_context(self.gate)  # entered with the trainer's stream current
             yield

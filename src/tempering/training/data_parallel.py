@@ -90,7 +90,9 @@ class DataParallel:
         return flag.item() == 0.0
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        """Overwrite `tensors` on every rank with rank `src`'s (one broadcast per dtype)."""
+        """Overwrite `tensors` on every rank with rank `src`'s (one broadcast per dtype); `src`'s
+        own tensors are only read."""
+        is_src = dist.get_rank() == src  # `src` is a global rank, as in dist.broadcast
         with torch.no_grad():
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for t in tensors:
@@ -98,7 +100,9 @@ class DataParallel:
             for group in by_dtype.values():
                 flat = torch.cat([t.reshape(-1) for t in group])
                 dist.broadcast(flat, src=src, group=self.group)
-                torch._foreach_copy_(group, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in group]), group)])
+                if not is_src:
+                    parts = flat.split([t.numel() for t in group])
+                    torch._foreach_copy_(group, [f.view_as(t) for f, t in zip(parts, group)])
 
 
 def flat_buffers(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
