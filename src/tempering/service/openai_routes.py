@@ -93,7 +93,6 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
     @router.get("/v1/models/{model_id}")  # served names have no "/"; /v1/models/{name}/step etc. are the train routes
     async def retrieve_model(model_id: str) -> dict[str, Any]:
         """One served name (`client.models.retrieve(id)`); 404 naming the valid ones otherwise."""
-        registry.resolve(model_id)  # an unknown name or a malformed step suffix: UnknownModelError (404)
         names = registry.served_names()
         if model_id not in names:
             raise UnknownModelError(f"model {model_id!r} does not exist; valid names: {names}")
