@@ -205,7 +205,7 @@ def test_lora_deltas_fused_into_the_next_kernel_equal_expand_then_that_kernel(dt
         caches = [torch.full((blocks, page, kv_heads, D), float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
         if fuse:
             slices = [(0, Bs[0].to(dtype).T.contiguous(), 2.0), None, (r, Bs[1].to(dtype).T.contiguous(), 0.5)]
-            triton_lora.rotary_and_store_lora_(q, k, v, cos, sin, *caches, slots, t, slices)
+            q = triton_lora.rotary_and_store_lora_(q, k, v, cos, sin, *caches, slots, t, slices, torch.empty_like(q))
         else:
             triton_lora.lora_expand_(x, t, Bs, columns, [2.0, 0.5])
             triton_ops.rotary_and_store_(q, k, v, cos, sin, *caches, slots)
@@ -214,6 +214,42 @@ def test_lora_deltas_fused_into_the_next_kernel_equal_expand_then_that_kernel(dt
         written = ~torch.isnan(b)
         assert torch.equal(torch.isnan(a), torch.isnan(b))
         assert (a[written].float() - b[written].float()).abs().max() <= tol * b[written].float().abs().max()
+
+
+@pytest.mark.parametrize("N", [1, 37, 300])
+def test_lora_kernels_round_a_float32_gemm_output_once_as_the_pytorch_twin_does(N):
+    """With the base GEMM's float32 output (modeling/precision.py), each kernel adds the delta and
+    rounds once to bf16: equal to engine.lora's PyTorch twin up to float32 summation order."""
+    from tempering.engine import lora
+    from tempering.engine.layers import triton_lora
+
+    torch.manual_seed(0)
+    H, r, I = 576, 8, 1536
+    dt = torch.bfloat16
+    y = torch.randn(N, H, device="cuda") * 4  # float32, unrounded
+    t = torch.randn(N, r, device="cuda")
+    B = torch.randn(H, r, device="cuda") * 0.05
+    out = lora.expand(y, t, [B], [slice(0, H)], [2.0], dt)
+    ref = lora._expand_reference(y, t, [B], [slice(0, H)], [2.0], dt)
+    assert out.dtype == dt and (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
+    assert (out != ref).float().mean() < 0.01  # one rounding on both sides: rare flips only
+    # the delta is not lost below half a bf16 spacing of y: rounding y first would keep y's bf16 value
+    tiny_t = torch.full((N, r), 1e-3, device="cuda")
+    kept = lora.expand(y, tiny_t, [B.abs()], [slice(0, H)], [1.0], dt)
+    assert (kept != y.to(dt)).float().mean() > 0.01
+    residual, weight = torch.randn(N, H, device="cuda", dtype=dt), torch.rand(H, device="cuda").to(dt)
+    from tempering.engine.layers import triton_ops
+
+    fused = triton_lora.add_rms_norm_lora(y, t, B.to(dt).T.contiguous(), 2.0, residual, weight, 1e-6)
+    plain = triton_ops.add_rms_norm(out, residual, weight, 1e-6)
+    for a, b in zip(fused, plain):
+        assert a.dtype == dt and (a.float() - b.float()).abs().max() <= 2 ** -6 * b.float().abs().max()
+    gate_up = torch.randn(N, 2 * I, device="cuda")
+    Bg, Bu = (torch.randn(I, r, device="cuda") * 0.05 for _ in range(2))
+    fused = triton_lora.silu_and_mul_lora(gate_up, t.repeat(1, 2), Bg, Bu, 2.0, 2.0, dtype=dt)
+    expanded = lora._expand_reference(gate_up, t.repeat(1, 2), [Bg, Bu], [slice(0, I), slice(I, 2 * I)], [2.0, 2.0], dt)
+    assert fused.dtype == dt
+    assert (fused.float() - triton_ops.silu_and_mul(expanded).float()).abs().max() <= 2 ** -6 * fused.float().abs().max()
 
 
 def test_lora_expand_leaves_columns_without_lora_untouched():

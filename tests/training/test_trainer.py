@@ -141,3 +141,19 @@ def test_a_failed_step_puts_the_adapter_and_optimizer_back_exactly(default_model
     assert trainer.num_updates == 1
     trainer.step(second, config)  # the optimizer state came back too: the same step as never failing
     assert all(torch.equal(a, b) for a, b in zip(lora_state(trainer), lora_state(reference)))
+
+
+def test_an_update_with_a_non_finite_gradient_is_skipped_and_counted_not_fatal(default_model_dir):
+    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    config = TrainConfig(learning_rate=1e-3, batch_size=4)  # two updates of four trajectories
+    before = lora_state(trainer)
+    hook = trainer.params[0].register_hook(lambda grad: grad * float("nan"))
+    try:
+        metrics = trainer.step(random_sequences(), config).values
+    finally:
+        hook.remove()
+    assert metrics["loss/num_updates_skipped"] == 2 and metrics["data/step_num_optimizer_updates"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(lora_state(trainer), before))  # nothing written
+    metrics = trainer.step(random_sequences(seed=1), config).values  # the run goes on
+    assert metrics["loss/num_updates_skipped"] == 0 and metrics["loss/grad_norm"] > 0
+    assert not all(torch.equal(a, b) for a, b in zip(lora_state(trainer), before))

@@ -131,12 +131,7 @@ async def _sequential(model: TrainableModel, task: AdditionTask, result: DemoRes
         reward = train.metrics.get("train/reward", float("nan"))
         result.train_rewards.append(reward)
         result.num_trajectories_trained += sum(len(g) for g in groups)
-        echo(
-            f"step {step + 1:>2}/{steps}: train/reward {reward:.3f}  "
-            f"loss {train.metrics.get('loss/train', float('nan')):+.4f}  "
-            f"trainable groups {int(train.metrics.get('data/step_num_groups_trainable', 0))}/{groups_per_step}  "
-            f"{train.metrics.get('time/step_wall_s', 0):.1f} s"
-        )
+        echo(f"step {step + 1:>2}/{steps}: train/reward {reward:.3f}  {_step_summary(train.metrics, groups_per_step)}")
         if step + 1 == steps or (val_every and (step + 1) % val_every == 0):
             result.val_reward_after = await _validate(model, task, val_scenarios, val_samples)
             result.val_rewards[step + 1] = result.val_reward_after
@@ -171,6 +166,18 @@ async def _pipelined(model: TrainableModel, backend: LocalBackend, task: Additio
         result.val_reward_after = result.val_rewards[max(result.val_rewards)]
     rows = [r for r in await backend._read_history(model) if "train/reward" in r and r["step"] >= start]
     result.train_rewards += [r["train/reward"] for r in sorted(rows, key=lambda r: r["step"])]
+
+
+def _step_summary(metrics: dict[str, float], num_groups: int) -> str:
+    """What a training step did, for the demo's line: its loss and trainable groups, or why nothing trained."""
+    trainable = int(metrics.get("data/step_num_groups_trainable", 0))
+    seconds = f"{metrics.get('time/step_wall_s', 0):.1f} s"
+    if not trainable:
+        return f"nothing to train (no group had a reward spread; the adapter is unchanged)  {seconds}"
+    skipped = int(metrics.get("loss/num_updates_skipped", 0))
+    note = f"  ({skipped} update(s) skipped: non-finite gradient)" if skipped else ""
+    return (f"loss {metrics.get('loss/train', float('nan')):+.4f}  grad norm {metrics.get('loss/grad_norm', float('nan')):.2f}  "
+            f"trainable groups {trainable}/{num_groups}  {seconds}{note}")
 
 
 def run_demo(**kwargs) -> DemoResult:

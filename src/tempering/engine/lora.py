@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling.lora import AdapterWeights, collect_adapter
+from ..modeling.precision import linear_f32
 
-__all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_lora",
-           "add_rms_norm_with_lora", "collect_adapter", "linear_with_lora", "lora_silu_and_mul", "rotary_and_store_with_lora",
-           "spare_rows_for"]
+__all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_rms_norm_with_lora",
+           "collect_adapter", "expand", "linear_with_lora", "linear_with_segments", "lora_silu_and_mul",
+           "rotary_and_store_with_lora", "spare_rows_for"]
 
 try:  # the CUDA kernels need Triton, which CPU builds of torch do not bring
     from .layers import triton_lora
@@ -167,25 +168,28 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
                      g: LoRAGroup | None, defer: bool = False) -> tuple[torch.Tensor, "Deferred | None"]:
     """x W^T (+ b) plus the bound adapter's delta of group `g`: x A^T comes from the spare rows.
 
+    With an adapter the GEMM's output stays float32, so that the delta joins it before the one
+    rounding to the model dtype (modeling/precision.py).
+
     Args:
         x: [N, in]; full_w: [num_out + spare, in]; full_b: [num_out + spare] or None.
         defer: leave the delta to the kernel that reads the output next (`add_rms_norm_with_lora`,
             `rotary_and_store_with_lora`) when `g` has shadows of B^T; else add it here.
 
     Returns:
-        ([N, num_out], a view with row stride num_out + spare_rows_for(S·r, num_out); the delta
-        still to add, or None).
+        (output [N, num_out], the delta still to add or None). The output is in x's dtype, except
+        with a deferred delta: then it is the float32 GEMM output (a view with row stride
+        num_out + spare_rows_for(S·r, num_out)), which the next kernel completes and rounds.
     """
-    rows = num_out + (spare_rows_for(g.num_rows, num_out) if g is not None else 0)
-    y = F.linear(x, full_w[:rows], full_b[:rows] if full_b is not None else None)  # [N, rows]
-    out = y[:, :num_out]
     if g is None:
-        return out, None
+        return F.linear(x, full_w[:num_out], full_b[:num_out] if full_b is not None else None), None
+    rows = num_out + spare_rows_for(g.num_rows, num_out)
+    y = linear_f32(x, full_w[:rows], full_b[:rows] if full_b is not None else None)  # [N, rows] float32
+    out = y[:, :num_out]
     t = y[:, num_out:num_out + g.num_rows]
     if defer and g.BT is not None:
         return out, Deferred(t, g)
-    (triton_lora.lora_expand_ if _kernels_for(y) else _expand_reference_)(out, t, g.B, g.columns, g.scales)
-    return out, None
+    return expand(out, t, g.B, g.columns, g.scales, x.dtype), None
 
 
 @dataclass(slots=True)
@@ -195,10 +199,11 @@ class Deferred:
     t: torch.Tensor
     group: LoRAGroup
 
-    def add_to_(self, y: torch.Tensor) -> torch.Tensor:
-        """y += the delta, in PyTorch from the B^T shadows (the CPU twin of the fused kernels)."""
+    def expand(self, y: torch.Tensor) -> torch.Tensor:
+        """round(y + the delta) in the model dtype, in PyTorch from the B^T shadows (the CPU twin of
+        the fused kernels)."""
         g = self.group
-        return _expand_reference_(y, self.t, [bt.T for bt in g.BT], g.columns, g.scales)
+        return _expand_reference(y, self.t, [bt.T for bt in g.BT], g.columns, g.scales, g.BT[0].dtype)
 
 
 def add_rms_norm_with_lora(x: torch.Tensor, deferred: Deferred | None, residual: torch.Tensor, weight: torch.Tensor,
@@ -209,24 +214,36 @@ def add_rms_norm_with_lora(x: torch.Tensor, deferred: Deferred | None, residual:
     if _kernels_for(x):
         g = deferred.group
         return triton_lora.add_rms_norm_lora(x, deferred.t, g.BT[0], g.scales[0], residual, weight, eps)
-    return add_rms_norm(deferred.add_to_(x), residual, weight, eps)
+    return add_rms_norm(deferred.expand(x), residual, weight, eps)
 
 
 def rotary_and_store_with_lora(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                               deferred: Deferred | None, qkv: torch.Tensor, rotary_and_store_) -> None:
-    """`rotary_and_store_` of q, k, v (views of `qkv`) with a deferred q/k/v delta added first."""
+                               deferred: Deferred | None, qkv: torch.Tensor, rotary_and_store_) -> torch.Tensor:
+    """`rotary_and_store_` of q, k, v (views of `qkv`) with a deferred q/k/v delta added first.
+
+    Returns:
+        the rotated q [N, Hq, D] in the model dtype (q itself, rotated in place, without a delta;
+        a new tensor with one, as qkv is then the GEMM's float32 output).
+    """
     if deferred is None:
-        return rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return q
     if not _kernels_for(qkv):
-        deferred.add_to_(qkv)
-        return rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        full = deferred.expand(qkv)  # [N, (Hq + 2 Hkv) D], model dtype
+        q_size, kv_size = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
+        q, k, v = (full[:, :q_size].view(q.shape), full[:, q_size:q_size + kv_size].view(k.shape),
+                   full[:, q_size + kv_size:].view(v.shape))
+        rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return q
     g = deferred.group
     rank = g.BT[0].shape[0]
     starts = (0, q.shape[1] * q.shape[2], q.shape[1] * q.shape[2] + k.shape[1] * k.shape[2])  # q, k, v columns in qkv
     by_start = {c.start: (s * rank, bt, scale) for s, (c, bt, scale) in enumerate(zip(g.columns, g.BT, g.scales))}
     slices = [by_start.get(start) for start in starts]
-    triton_lora.rotary_and_store_lora_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, deferred.t, slices)
+    q_out = torch.empty(q.shape, dtype=g.BT[0].dtype, device=q.device)
+    return triton_lora.rotary_and_store_lora_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, deferred.t, slices,
+                                              q_out)
 
 
 def spare_rows_for(num_rows: int, num_out: int) -> int:
@@ -242,27 +259,44 @@ def spare_rows_for(num_rows: int, num_out: int) -> int:
     return wide if wide - spare < num_out / 100 else spare
 
 
-def _expand_reference_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
-                       scales: list[float]) -> torch.Tensor:
-    """The PyTorch twin of `triton_lora.lora_expand_` for x A^T given as [N, S·r]."""
+def expand(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice], scales: list[float],
+           dtype: torch.dtype) -> torch.Tensor:
+    """round(y + round(s · t) @ B^T) over each slice's columns of y, the rest of y rounded: [N, M] in `dtype`.
+
+    Args:
+        y: [N, M] the base GEMM's float32 output (or `dtype`: then changed in place and returned).
+        t: x A^T, [N, S·r] (any float dtype) or the shrink's [splits, N, S·r] float32 partial sums.
+        B, columns, scales: per slice, B [cols_s, r], its output columns and alpha / r.
+    """
+    if _kernels_for(y) and len(B) <= 3:
+        out = y if y.dtype == dtype else torch.empty(y.shape, dtype=dtype, device=y.device)
+        return triton_lora.lora_expand_(y, t, B, columns, scales, out=out)
+    return _expand_reference(y, t.sum(0) if t.dim() == 3 else t, B, columns, scales, dtype)
+
+
+def _expand_reference(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
+                      scales: list[float], dtype: torch.dtype) -> torch.Tensor:
+    """The PyTorch twin of `triton_lora.lora_expand_` (see `expand`), for x A^T given as [N, S·r]."""
+    out = y if y.dtype == dtype else y.to(dtype)
     rank = B[0].shape[1]
     for s, (b, cols, scale) in enumerate(zip(B, columns, scales)):
-        delta = ((t[:, s * rank:(s + 1) * rank].float() * scale).to(y.dtype).float() @ b.to(y.dtype).float().T)
-        y[:, cols] = (y[:, cols].float() + delta).to(y.dtype)
-    return y
+        ts = (t[:, s * rank:(s + 1) * rank].float() * scale).to(dtype).float()  # round(s · x A^T)
+        out[:, cols] = (y[:, cols].float() + ts @ b.to(dtype).float().T).to(dtype)
+    return out
 
 
 def silu_and_mul_with_lora(x: torch.Tensor, full_w: torch.Tensor, num_out: int, g: LoRAGroup | None,
                            silu_and_mul) -> torch.Tensor:
-    """silu(gate) * up of x [N, in] through the fused gate/up weight, with the bound adapter's delta fused in."""
+    """silu(gate) * up of x [N, in] through the fused gate/up weight, with the bound adapter's delta
+    fused in (gate and up rounded once, after the delta)."""
     if g is None:
         return silu_and_mul(F.linear(x, full_w[:num_out]))
-    y = F.linear(x, full_w[:num_out + spare_rows_for(g.num_rows, num_out)])  # [N, 2I + spare]
+    y = linear_f32(x, full_w[:num_out + spare_rows_for(g.num_rows, num_out)])  # [N, 2I + spare] float32
     t = y[:, num_out:num_out + g.num_rows]
     if not _kernels_for(y):
-        return silu_and_mul(_expand_reference_(y[:, :num_out], t, g.B, g.columns, g.scales))
+        return silu_and_mul(_expand_reference(y[:, :num_out], t, g.B, g.columns, g.scales, x.dtype))
     gate, up = _gate_and_up(g, num_out // 2)
-    return triton_lora.silu_and_mul_lora(y[:, :num_out], t, gate[0], up[0], gate[1], up[1])
+    return triton_lora.silu_and_mul_lora(y[:, :num_out], t, gate[0], up[0], gate[1], up[1], dtype=x.dtype)
 
 
 def _gate_and_up(g: LoRAGroup, half: int) -> tuple[tuple, tuple]:
@@ -283,39 +317,43 @@ def _kernels_for(y: torch.Tensor) -> bool:
     return y.is_cuda and triton_lora is not None
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, segments: list[LoRASegment], layer: int, group: str) -> torch.Tensor:
-    """Add each segment's LoRA delta of `group` in `layer` to y [N, out] (in place), for input x [N, in]."""
+def linear_with_segments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         segments: list[LoRASegment], layer: int, group: str) -> torch.Tensor:
+    """x W^T + b with each segment's LoRA delta of `group` in `layer`, rounded once: [N, in] → [N, out] in x's dtype.
+
+    Rows of segments without this projection's LoRA get the plain GEMM, rounded.
+    """
+    active = [(seg, g) for seg in segments if seg.adapter is not None and (g := seg.adapter.layers[layer][group]) is not None]
+    if not active:
+        return F.linear(x, weight, bias)
+    y = linear_f32(x, weight, bias)  # [N, out] float32
+    out = y.to(x.dtype)
     kernels = _kernels_for(y)
-    for seg in segments:
-        if seg.adapter is None or (g := seg.adapter.layers[layer][group]) is None:
-            continue
+    for seg, g in active:
         rows = slice(seg.start, seg.end)
         if kernels and g.use_kernels:
-            t = triton_lora.lora_shrink(x[rows], g.A)
-            triton_lora.lora_expand_(y[rows], t, g.B, g.columns, g.scales)
+            triton_lora.lora_expand_(y[rows], triton_lora.lora_shrink(x[rows], g.A), g.B, g.columns, g.scales,
+                                     out=out[rows])
             continue
-        xs = x[rows]
-        for A, B, cols, scale in zip(g.A, g.B, g.columns, g.scales):
-            delta = (xs.to(A.dtype) @ A.T) @ B.T  # [n, out_s], in the adapter's dtype (as PEFT)
-            y[rows, cols] += (delta * scale).to(y.dtype)
-    return y
+        t = torch.cat([linear_f32(x[rows], A.to(x.dtype)) for A in g.A], dim=1)  # x A^T, [n, S·r] float32
+        out[rows] = _expand_reference(y[rows], t, g.B, g.columns, g.scales, x.dtype)
+    return out
 
 
-def lora_silu_and_mul(gate_up: torch.Tensor, h: torch.Tensor, segments: list[LoRASegment], layer: int,
+def lora_silu_and_mul(h: torch.Tensor, weight: torch.Tensor, segments: list[LoRASegment], layer: int,
                       silu_and_mul) -> torch.Tensor:
-    """silu(gate) * up of `gate_up` [N, 2I] with each segment's gate/up LoRA delta added first.
+    """silu(gate) * up of h [N, in] through the fused gate/up `weight` [2I, in], with each segment's
+    gate/up LoRA delta added before the one rounding.
 
     On CUDA, a batch with one adapter for every row runs the delta inside the SwiGLU kernel
-    (the [N, 2I] projection output is not read and written an extra time); otherwise the delta
-    is added by `add_lora` and `silu_and_mul` runs as usual.
+    (the [N, 2I] projection output is not read and written an extra time); otherwise
+    `linear_with_segments` adds it and `silu_and_mul` runs as usual.
     """
-    if len(segments) == 1 and _kernels_for(gate_up):
+    if len(segments) == 1 and _kernels_for(h):
         seg = segments[0]
         g = seg.adapter.layers[layer]["gate_up"] if seg.adapter is not None else None
-        if seg.start == 0 and seg.end == gate_up.shape[0] and g is not None and g.use_kernels:
-            gate, up = _gate_and_up(g, gate_up.shape[1] // 2)
+        if seg.start == 0 and seg.end == h.shape[0] and g is not None and g.use_kernels:
+            gate, up = _gate_and_up(g, weight.shape[0] // 2)
             t = triton_lora.lora_shrink(h, g.A)
-            return triton_lora.silu_and_mul_lora(gate_up, t, gate[0], up[0], gate[1], up[1])
-    if segments:
-        add_lora(gate_up, h, segments, layer, "gate_up")
-    return silu_and_mul(gate_up)
+            return triton_lora.silu_and_mul_lora(linear_f32(h, weight), t, gate[0], up[0], gate[1], up[1], dtype=h.dtype)
+    return silu_and_mul(linear_with_segments(h, weight, None, segments, layer, "gate_up"))

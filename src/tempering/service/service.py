@@ -72,6 +72,8 @@ __all__ = ["ModelService"]
 
 log = logging.getLogger("tempering")
 
+CUDA_DTYPES = (torch.bfloat16, torch.float16)  # what the engine's GPU attention kernels take
+
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -85,7 +87,8 @@ class ModelService:
         base_model: see `resolve_base_model`.
         lora: the adapter's LoRA config (defaults to `LoRAConfig()`); a checkpoint's own config wins.
         device: defaults to CUDA when available, else CPU.
-        dtype: defaults to bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs).
+        dtype: defaults to bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs); on
+            CUDA only the dtypes of CUDA_DTYPES.
         max_batch_size: most samples the engine decodes together.
         engine_config: batching and KV-cache settings of the engine.
         max_seq_len: longest sequence (prompt + completion) served and trained, in tokens;
@@ -97,8 +100,8 @@ class ModelService:
 
     Raises:
         UnknownModelError: if `base_model` cannot be resolved.
-        ConfigError: if the weights do not fit the GPU (no tensor parallelism yet), or `dedicated`
-            without a multi-GPU run.
+        ConfigError: if the weights do not fit the GPU (no tensor parallelism yet), `dedicated`
+            without a multi-GPU run, or a `dtype` the GPU path does not serve (float32 on CUDA).
     """
 
     def __init__(
@@ -126,6 +129,10 @@ class ModelService:
         self.lora = lora or LoRAConfig()
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if self.device.type == "cuda" and self.dtype not in CUDA_DTYPES:
+            raise ConfigError(f"dtype {self.dtype} is not served on a GPU: the engine's attention (FlashAttention "
+                              "prefill, Triton decode) takes torch.bfloat16 (the default) or torch.float16; "
+                              "float32 runs on the CPU (device='cpu')")
         if dedicated and (dp is None or dp.world_size < 2):
             raise ConfigError("dedicated mode (a training GPU and serving GPUs) needs a multi-GPU run: "
                               "LocalBackend(gpus=N) or `tempering serve --gpus N` with N >= 2")

@@ -7,9 +7,10 @@ This forward reads the very same tensors (base weights as the fused q/k/v and ga
 engine uses; LoRA A/B as PEFT's own parameters, so the optimizer, checkpoints and the engine are
 unchanged) and computes, per projection group,
 
-    y = [x | s · x A_cat^T] @ [W | B_blockdiag]^T + b        (one GEMM for the base and all LoRAs)
+    y = [x | round(s · x A_cat^T)] @ [W | B_blockdiag]^T + b    (one GEMM for the base and all LoRAs)
 
-with A_cat the stacked A's and B_blockdiag the block-diagonal of the B's (see _LoRALinear), plus fused RMSNorm and
+with A_cat the stacked A's and B_blockdiag the block-diagonal of the B's (see _LoRALinear), rounded
+where the engine rounds (modeling/precision.py), plus fused RMSNorm and
 SwiGLU with their backward passes (kernels.py). Attention is varlen over the packed row
 (attention.py); each decoder layer is optionally recomputed in the backward pass. The math is
 Hugging Face's: tests check logprobs and LoRA gradients against the PEFT model.
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..modeling import SUPPORTED_ARCHITECTURES
 from ..modeling.lora import collect_adapter
+from ..modeling.precision import linear_f32
 from ..modeling.weights import base_layer, fuse_linears
 from .attention import varlen_causal_attention
 from .kernels import ops_for
@@ -49,24 +51,27 @@ class _GroupLoRA:
     rows: list[slice]  # the fused output rows each B writes
     dropout: float
 
-    def delta_inputs(self, dtype: torch.dtype, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A_cat [R, in], B_full [out_features, R]) in `dtype`, R = Σ r_i: the stacked A's and a
-        block-diagonal matrix holding each s_i B_i at its rows and columns, zero elsewhere, so that
-        (x A_cat^T) B_full^T is every LoRA delta of the group at once."""
+    def delta_inputs(self, dtype: torch.dtype, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A_cat [R, in], B_full [out_features, R], scales [R] float32), R = Σ r_i: the stacked A's
+        and a block-diagonal matrix holding each B_i at its rows and columns (zero elsewhere), in
+        `dtype`, and each column's s_i, so that (s ⊙ x A_cat^T) B_full^T is every LoRA delta of
+        the group at once."""
         A = self.A[0] if len(self.A) == 1 else torch.cat(self.A, dim=0)
         R = A.shape[0]
         pieces, row, col = [], 0, 0
-        for B, s, rows in sorted(zip(self.B, self.scales, self.rows), key=lambda e: e[2].start or 0):
+        for B, rows in sorted(zip(self.B, self.rows), key=lambda e: e[1].start or 0):
             start, stop = rows.start or 0, out_features if rows.stop is None else rows.stop
             if start > row:
                 pieces.append(B.new_zeros(start - row, R))
             r = B.shape[1]
-            pieces.append(F.pad(B * s, (col, R - col - r)))
+            pieces.append(F.pad(B, (col, R - col - r)))
             row, col = stop, col + r
         if row < out_features:
             pieces.append(pieces[0].new_zeros(out_features - row, R))
         B_full = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-        return A.to(dtype), B_full.to(dtype)
+        scales = torch.cat([torch.full((a.shape[0],), s, dtype=torch.float32, device=A.device)
+                            for a, s in zip(self.A, self.scales)])
+        return A.to(dtype), B_full.to(dtype), scales
 
 
 @dataclass(slots=True)
@@ -93,51 +98,52 @@ class _Layer:
 
 
 class _LoRALinear(torch.autograd.Function):
-    """y = x W^T + b + s (x' A^T) B^T with a frozen W and b, in as few passes over memory as possible.
+    """y = x W^T + b + (s ⊙ x' A^T) B^T with a frozen W and b, rounded once (modeling/precision.py).
 
-    Forward, when the output is wider than the input (q/k/v, gate/up): ONE matrix product,
-    [x | s x' A^T] @ [W | B]^T, appending the rank-k inputs to the base GEMM's inner dimension
-    (k / in more FLOPs, ~1%) instead of reading and writing the wide output once more to add the
-    delta. Otherwise (o, down): y = x W^T, then the rank-k delta added in place (a pass over the
-    narrow output, cheaper than copying the wide input).
+    x' A^T is accumulated in float32 and rounded to the model dtype after scaling by each
+    column's s: t = round(s ⊙ x' A^T), the engine's delta input. Then, when the output is wider
+    than the input (q/k/v, gate/up): ONE matrix product, [x | t] @ [W | B]^T, appending t to the
+    base GEMM's inner dimension (k / in more FLOPs, ~1%), whose float32 accumulation holds base
+    and delta before the one rounding. Otherwise (o, down): x W^T and t B^T in float32, added,
+    rounded (passes over the narrow output, cheaper than copying the wide input).
 
-    Backward: the input gradient is grad_y (W + s B A) — the LoRA merged into a temporary copy of
-    the weight, one GEMM with no extra pass over the activations — and only the LoRA weights'
-    gradients are computed, never the frozen W's. x' is x, or x after LoRA dropout (then the
-    two input gradients are kept apart).
+    Backward: the input gradient is grad_y (W + B diag(s) A) — the LoRA merged into a temporary
+    copy of the weight, one GEMM with no extra pass over the activations — and only the LoRA
+    weights' gradients are computed, never the frozen W's. x' is x, or x after LoRA dropout
+    (then the two input gradients are kept apart).
 
     `skip_output` (used when a checkpointed layer is recomputed for its backward, which needs
     only the tensors saved here) saves the same tensors but leaves y uncomputed.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, A, B, scale, x_lora, skip_output):
+    def forward(ctx, x, weight, bias, A, B, scales, x_lora, skip_output):
         T, (out_features, in_features) = x.shape[0], weight.shape
-        low = x_lora @ A.T  # [T, k r]
+        t = (linear_f32(x_lora, A) * scales).to(x.dtype)  # [T, k r]: round(s ⊙ x A^T)
         fold_input = in_features < out_features
         if skip_output:
             y = x.new_empty(T, out_features)
         elif fold_input:
-            y = F.linear(torch.cat([x, low * scale], dim=1), torch.cat([weight, B], dim=1), bias)
+            y = F.linear(torch.cat([x, t], dim=1), torch.cat([weight, B], dim=1), bias)
         else:
-            y = F.linear(x, weight, bias)
-            y.addmm_(low, B.T, alpha=scale)
-        ctx.save_for_backward(x_lora, low, weight, A, B)
-        ctx.scale, ctx.same_input, ctx.fold_input = scale, x_lora is x, fold_input
+            y = (linear_f32(x, weight, bias) + linear_f32(t, B)).to(x.dtype)
+        ctx.save_for_backward(x_lora, t, weight, A, B, scales)
+        ctx.same_input, ctx.fold_input = x_lora is x, fold_input
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_lora, low, weight, A, B = ctx.saved_tensors
-        s, in_features = ctx.scale, weight.shape[1]
-        # d/dx of x W^T + s (x A^T) B^T is W + s B A (when the LoRA branch sees x itself)
-        w_input = torch.addmm(weight, B, A, alpha=s) if ctx.same_input else weight  # [out, in]
+        x_lora, t, weight, A, B, scales = ctx.saved_tensors
+        in_features = weight.shape[1]
+        s = scales.to(B.dtype)
+        # d/dx of x W^T + (s ⊙ x A^T) B^T is W + B diag(s) A (when the LoRA branch sees x itself)
+        w_input = torch.addmm(weight, B * s, A) if ctx.same_input else weight  # [out, in]
         if ctx.fold_input:  # the wide gradient: one GEMM for the input's and the rank-k inputs' gradients
             grad_cat = grad_y @ torch.cat([w_input, B], dim=1)  # [T, in + k r]
             grad_x, grad_low = grad_cat[:, :in_features], grad_cat[:, in_features:] * s
         else:
             grad_x, grad_low = grad_y @ w_input, (grad_y @ B) * s  # [T, in], [T, k r]
-        grad_B = (grad_y.T @ low) * s  # [out, k r]
+        grad_B = grad_y.T @ t  # [out, k r]
         grad_A = grad_low.T @ x_lora  # [k r, in]
         if ctx.same_input:
             return grad_x, None, None, grad_A, grad_B, None, None, None
@@ -145,11 +151,13 @@ class _LoRALinear(torch.autograd.Function):
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
-                scale: float, x_lora: torch.Tensor | None = None, *, skip_output: bool = False) -> torch.Tensor:
-    """x W^T + b + scale (x_lora A^T) B^T with a frozen W and b (see _LoRALinear).
+                scale: float | torch.Tensor, x_lora: torch.Tensor | None = None, *,
+                skip_output: bool = False) -> torch.Tensor:
+    """x W^T + b + (scale ⊙ x_lora A^T) B^T with a frozen W and b, rounded once (see _LoRALinear).
 
     Args:
         x: [T, in]; weight: [out, in]; bias: [out] or None; A: [k r, in]; B: [out, k r], all one dtype.
+        scale: alpha / r, one float or a [k r] tensor (a value per column of x A^T).
         x_lora: the LoRA branch's input (x after dropout); x when None.
         skip_output: return an uninitialized [T, out] (a recomputation that needs only the saved tensors).
 
@@ -161,6 +169,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("lora_linear trains only A and B; the base weight and bias must be frozen")
+    if not torch.is_tensor(scale):
+        scale = torch.full((A.shape[0],), float(scale), dtype=torch.float32, device=A.device)
     return _LoRALinear.apply(x, weight, bias, A, B, scale, x if x_lora is None else x_lora, skip_output)
 
 
@@ -287,7 +297,7 @@ class PackedDecoder:
         return self.ops.rms_norm(x, self.final_norm, self.eps)
 
     def _layer(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seq_lens: torch.Tensor,
-               max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                keys: tuple[torch.Tensor, torch.Tensor, int] | None = None, *, recomputing: bool = False) -> torch.Tensor:
         T = x.shape[0]
         ops = self.ops
@@ -312,14 +322,14 @@ class PackedDecoder:
         return x + self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: _Layer, name: str,
-                adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], *, skip_output: bool = False) -> torch.Tensor:
+                adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, skip_output: bool = False) -> torch.Tensor:
         """x W^T + b plus the group's LoRA deltas: [T, in] → [T, out]."""
         if name not in adapters:
             return F.linear(x, weight, bias)
-        A, B = adapters[name]
+        A, B, scales = adapters[name]
         lora = layer.lora[name]
         x_lora = x if lora.dropout == 0 else F.dropout(x, lora.dropout)  # this forward always trains
-        return lora_linear(x, weight, bias, A, B, 1.0, x_lora, skip_output=skip_output)  # the scales are inside B
+        return lora_linear(x, weight, bias, A, B, scales, x_lora, skip_output=skip_output)
 
 
 class _Recomputable:

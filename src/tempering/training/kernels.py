@@ -75,10 +75,11 @@ TORCH_OPS = SimpleNamespace(rms_norm=rms_norm_torch, silu_and_mul=silu_and_mul_t
                             logprob_epilogue=logprob_epilogue_torch)
 
 # Which implementation each op uses on CUDA (benchmarks may change it). PyTorch's rotary is five
-# elementwise passes over strided q/k; the Triton one reads and writes each once. A Triton launch
-# costs the host several times a native op's, which mattered before CUDA graphs (cuda_graphs.py)
-# and still does with `cuda_graphs=False`; torch's own RMSNorm is a single kernel each way.
-CUDA_KERNELS = {"rms_norm": "native", "silu_and_mul": "triton", "rotary": "triton", "logprob_epilogue": "triton"}
+# elementwise passes over strided q/k; the Triton one reads and writes each once. RMSNorm is the
+# Triton one, which rounds as HF's module (and the engine's kernel) rounds: torch's own
+# ("native", one kernel each way) rounds once, after the weight, and so computes a slightly
+# different function from the one the engine samples from.
+CUDA_KERNELS = {"rms_norm": "triton", "silu_and_mul": "triton", "rotary": "triton", "logprob_epilogue": "triton"}
 
 
 def ops_for(device: torch.device) -> SimpleNamespace:

@@ -3,7 +3,8 @@
 The LM head turns N hidden states into an [N, V] logits matrix (V = 49,152 for SmolLM2, 151,936
 for Qwen): 16 × 1024 tokens of fp32 Qwen logits are 10 GB, plus as much again for the softmax's
 backward. Here each chunk of `chunk_size` rows computes its logits, the target's log-softmax and
-the entropy, and right away the gradient of the logprob with respect to its hidden state,
+the entropy (from float32 logits, as the engine samples them: modeling/precision.py), and right
+away the gradient of the logprob with respect to its hidden state,
 d logprob / d h = ((onehot - softmax) / T) @ W, an [N, H] tensor. Only one chunk's logits exist at
 a time, and the backward pass only scales the stored gradient by the upstream one (the chain
 rule holds for any loss built on the logprobs), so the LM head is never run a second time. The
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..modeling.precision import linear_f32
 from .kernels import ops_for
 
 __all__ = ["selective_logprobs"]
@@ -30,7 +32,7 @@ class _SelectiveLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         for start in range(0, N, chunk_size):
             end = min(start + chunk_size, N)
-            logits = hidden[start:end] @ weight.T  # [n, V] in the model dtype
+            logits = linear_f32(hidden[start:end], weight)  # [n, V] float32 (modeling/precision.py)
             lp, ent, grad = epilogue(logits, targets[start:end], inv_temperature[start:end], need_grad)
             logprobs[start:end] = lp
             entropy[start:end] = ent
@@ -64,7 +66,7 @@ def selective_logprobs(
         targets: [N] int64 ids whose logprobs are wanted.
         temperature: [N] float, the temperature of each row's distribution.
         chunk_size: rows per chunk; peak memory is about chunk_size × V × 4 bytes × 3 (CPU) or
-            chunk_size × V × 2 bytes (CUDA, bf16, fused kernel).
+            chunk_size × V × 4 bytes (CUDA, fused kernel: the float32 logits, overwritten by their gradient).
 
     Returns:
         (logprobs [N] float32, differentiable in `hidden`; entropy [N] float32 in nats, detached).

@@ -20,11 +20,15 @@ from ..types import TrainConfig
 from .batching import Row
 from .losses import kl_estimate, policy_loss
 
-__all__ = ["STATS", "rl_objective"]
+__all__ = ["MISMATCH_EDGES", "STATS", "histogram_quantile", "rl_objective"]
 
-# the sums in the statistics vector, in order (ratio_max is a max, not a sum)
+# Upper edges (nats) of the histogram of |engine logprob − trainer logprob| per trained token:
+# 10^(-5 + k/4), so 0.001, 0.01 and 0.1 are edges; a last bin takes everything above 10.
+MISMATCH_EDGES = tuple(10.0 ** (-5 + k / 4) for k in range(25))
+
+# the sums in the statistics vector, in order (ratio_max is a max, not a sum), then the histogram's counts
 STATS = ("loss", "trained", "entropy", "clipped", "ratio_sum", "ratio_max", "kl", "masked", "tis_capped",
-         "mismatch_abs", "mismatch_k3")
+         "mismatch_abs", "mismatch_k3") + tuple(f"mismatch_hist_{k}" for k in range(len(MISMATCH_EDGES) + 1))
 
 
 DECOUPLED_WEIGHT_CAP = 2.0  # π_prox / π_sampled cap of TrainConfig.decoupled when truncated_importance_sampling is unset
@@ -92,4 +96,22 @@ def rl_objective(
         (log_ratio.abs() * validf).sum(),
         ((torch.exp(-log_ratio) - 1 + log_ratio) * validf).sum(),  # k3 estimate of KL(engine || trainer)
     ]
-    return loss, torch.stack([v.float() for v in stats])
+    # MISMATCH_EDGES made on the device (a host-to-device copy is not allowed while a CUDA graph captures)
+    edges = torch.pow(10.0, torch.arange(len(MISMATCH_EDGES), dtype=torch.float32, device=new.device) / 4 - 5)
+    bins = torch.bucketize(log_ratio.abs(), edges)  # [N] in 0..len(edges)
+    histogram = torch.zeros(len(MISMATCH_EDGES) + 1, device=new.device).index_add_(0, bins, validf)
+    return loss, torch.cat([torch.stack([v.float() for v in stats]), histogram])
+
+
+def histogram_quantile(counts: list[float], q: float) -> float:
+    """The upper edge of the MISMATCH_EDGES bin that holds quantile `q` of a histogram (inf past the last edge,
+    nan when empty): an upper bound of the quantile, exact at the edges."""
+    total = sum(counts)
+    if total <= 0:
+        return float("nan")
+    running = 0.0
+    for edge, count in zip((*MISMATCH_EDGES, float("inf")), counts):
+        running += count
+        if running >= q * total:
+            return edge
+    return float("inf")

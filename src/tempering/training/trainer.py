@@ -49,7 +49,7 @@ from .cuda_graphs import RowGraphs
 from .data_parallel import DataParallel
 from .decoder import PackedDecoder
 from .logprobs import selective_logprobs
-from .objective import STATS, rl_objective
+from .objective import STATS, histogram_quantile, rl_objective
 from .tokenize import TokenizedSequence
 
 __all__ = ["ADAPTER_NAME", "StepMetrics", "Trainer"]
@@ -105,13 +105,14 @@ class _Totals:
     sums: torch.Tensor | None = None  # [len(STATS)] over the whole step
     first_update: torch.Tensor | None = None  # the same over the first update (mismatch before any change)
     tokens: int = 0
-    grad_norms: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # of the updates taken
+    num_skipped: int = 0  # updates skipped for a non-finite gradient norm
     _read: dict[str, float] | None = None
 
     def add(self, stats: torch.Tensor) -> None:
         """Add one update's statistics (before its grad norm is appended)."""
         self.sums = _combine(self.sums, stats)
-        if not self.grad_norms:
+        if not self.grad_norms and not self.num_skipped:
             self.first_update = _combine(self.first_update, stats)
 
     def values(self) -> dict[str, float]:
@@ -122,7 +123,9 @@ class _Totals:
         sums = dict(zip(STATS, self.sums.tolist() if self.sums is not None else zeros))
         first = dict(zip(STATS, self.first_update.tolist() if self.first_update is not None else zeros))
         self._read = {**sums, "first_trained": first["trained"], "first_mismatch_abs": first["mismatch_abs"],
-                      "first_mismatch_k3": first["mismatch_k3"]}
+                      "first_mismatch_k3": first["mismatch_k3"],
+                      "first_mismatch_p99": histogram_quantile([first[k] for k in STATS if k.startswith("mismatch_hist_")],
+                                                               0.99)}
         return self._read
 
 
@@ -423,7 +426,13 @@ class Trainer:
             try:
                 grad_norm = self._apply_update(config.max_grad_norm,
                                                publish=version if index == len(minibatches) - 1 else None)
-                totals.grad_norms.append(grad_norm)
+                if math.isfinite(grad_norm):
+                    totals.grad_norms.append(grad_norm)
+                else:
+                    totals.num_skipped += 1
+                    log.warning("update %d of %d had a non-finite gradient norm (%s) and was skipped: the adapter "
+                                "is unchanged by it (metric loss/num_updates_skipped)", index + 1, len(minibatches),
+                                grad_norm)
                 if on_update is not None:
                     loss = float(totals.sums[STATS.index("loss")]) if totals.sums is not None else 0.0
                     on_update({"update": index + 1, "num_updates": len(minibatches), "grad_norm": float(grad_norm),
@@ -523,7 +532,11 @@ class Trainer:
                         grad_norm = self._apply_update(config.max_grad_norm,
                                                        publish=version if index == len(batches) - 1 else None)
                         losses.append(batch_loss)
-                        grad_norms.append(grad_norm)
+                        if math.isfinite(grad_norm):
+                            grad_norms.append(grad_norm)
+                        else:
+                            log.warning("SFT batch %d of %d had a non-finite gradient norm (%s) and was skipped",
+                                        index + 1, len(batches), grad_norm)
                         if on_update is not None:
                             on_update({"update": index + 1, "num_updates": len(batches), "loss": batch_loss,
                                        "grad_norm": float(grad_norm)})
@@ -540,7 +553,8 @@ class Trainer:
             "sft/loss": sum(losses) / len(losses),
             "sft/loss_first_batch": losses[0],
             "sft/loss_last_batch": losses[-1],
-            "sft/grad_norm": sum(grad_norms) / len(grad_norms),
+            "sft/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+            "sft/num_updates_skipped": float(len(batches) - len(grad_norms)),
             "sft/num_updates": float(len(batches)),
             "sft/tokens": float(tokens),
             "sft/trained_tokens": float(trained),
@@ -551,15 +565,15 @@ class Trainer:
         """Clip the gradients, take an optimizer step; returns the norm before clipping.
 
         The optimizer step is the only write to the shared adapter: it alone holds the gate, and
-        `publish` (when given) becomes `gate.version` in the same hold.
-
-        Raises:
-            FloatingPointError: for a non-finite gradient norm (the caller undoes the step).
+        `publish` (when given) becomes `gate.version` in the same hold. A non-finite norm (inf or
+        nan) skips the update: nothing is written, and the caller reports it.
         """
         self._save_tensors()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm if max_grad_norm is not None else math.inf)
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; the step was undone")
+        if not torch.isfinite(grad_norm):  # skipped, as AMP's GradScaler skips an overflowed step
+            for p in self.params:
+                p.grad = None
+            return float(grad_norm)
         with self.gate:
             self.optimizer.step()
             if publish is not None:
@@ -608,10 +622,12 @@ class Trainer:
     def _metrics(self, totals: _Totals, config: TrainConfig, elapsed: float) -> dict[str, float]:
         t = totals.values()  # the step's one read of device values
         n = max(t["trained"], 1)
-        updates = max(len(totals.grad_norms), 1)
+        updates = max(len(totals.grad_norms) + totals.num_skipped, 1)
         metrics = {
             "loss/train": t["loss"] / updates,
-            "loss/grad_norm": sum(totals.grad_norms) / updates,
+            "loss/grad_norm": sum(totals.grad_norms) / updates if totals.grad_norms else math.nan,
+            "loss/grad_norm_max": max(totals.grad_norms, default=math.nan),
+            "loss/num_updates_skipped": float(totals.num_skipped),
             "loss/entropy": t["entropy"] / n,
             "loss/learning_rate": config.learning_rate,
             "loss/clip_fraction": t["clipped"] / n,
@@ -619,13 +635,14 @@ class Trainer:
             "offpolicy/ratio_max": t["ratio_max"],
             "data/step_trainer_tokens": float(totals.tokens),
             "data/step_completion_tokens": t["trained"],
-            "data/step_num_optimizer_updates": float(len(totals.grad_norms)),
+            "data/step_num_optimizer_updates": float(len(totals.grad_norms)),  # taken
             "time/step_trainer_s": elapsed,
             "throughput/trainer_tok_per_s": totals.tokens / elapsed if elapsed > 0 else 0.0,
         }
         if t["first_trained"]:  # before any update: the engine-vs-trainer mismatch alone
             metrics["offpolicy/mismatch_abs_logprob"] = t["first_mismatch_abs"] / t["first_trained"]
             metrics["offpolicy/mismatch_kl"] = t["first_mismatch_k3"] / t["first_trained"]
+            metrics["offpolicy/mismatch_abs_logprob_p99"] = t["first_mismatch_p99"]  # a histogram bin's upper edge
         if config.kl_penalty_coef > 0:
             metrics["loss/kl"] = t["kl"] / n
         if config.truncated_importance_sampling is not None:

@@ -1,7 +1,7 @@
 """Triton versions of the training ops in kernels.py (CUDA only; imported lazily).
 
-The rotary embedding (RoFormer, arXiv 2104.09864) writes a new contiguous tensor and its backward
-is the transposed rotation.
+The rotary embedding (RoFormer, arXiv 2104.09864) writes a new contiguous tensor, rounded as
+Hugging Face's (and the engine's) rotation rounds, and its backward is the transposed rotation.
 
 Each forward/backward pair is one launch per tensor. RMSNorm keeps 1/rms per row for its
 backward; SwiGLU recomputes silu in its backward from the saved [T, 2I] input and writes both
@@ -100,12 +100,13 @@ def _rotary(X, Cos, Sin, Y, stride_xt, stride_xh, stride_yt, stride_yh, stride_c
     c2 = tl.load(Cos + t * stride_c + HALF + d)[None, :].to(tl.float32)
     s1 = tl.load(Sin + t * stride_c + d)[None, :].to(tl.float32)
     s2 = tl.load(Sin + t * stride_c + HALF + d)[None, :].to(tl.float32)
-    if BACKWARD:  # the transpose of the rotation below
+    if BACKWARD:  # the transpose of the rotation below, in float32
         y1 = x1 * c1 + x2 * s2
         y2 = x2 * c2 - x1 * s1
-    else:  # x * cos + rotate_half(x) * sin
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
+    else:  # x * cos + rotate_half(x) * sin, each product and the sum rounded as HF (and the engine) round
+        dt = Y.dtype.element_ty
+        y1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
     y_base = Y + t * stride_yt + heads[:, None] * stride_yh
     tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=hmask)
     tl.store(y_base + HALF + d[None, :], y2.to(Y.dtype.element_ty), mask=hmask)

@@ -136,10 +136,10 @@ def _slice_delta(acc, T, B, rows, row_mask, cols, stride_ts, stride_t, NUM_SPLIT
 
 @triton.jit(do_not_specialize=["N"])  # the row count varies step to step: one compile
 def _expand_kernel(
-    Y, T, B0, B1, B2, N, M, stride_y, stride_ts, stride_t,
+    Y, Out, T, B0, B1, B2, N, M, stride_y, stride_o, stride_ts, stride_t,
     start0, end0, start1, end1, start2, end2, scale0, scale1, scale2,
     RANK: tl.constexpr, NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, COPY: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -153,32 +153,39 @@ def _expand_kernel(
         touches |= (tile_start < end1) & (tile_end > start1)
     if NUM_SLICES > 2:
         touches |= (tile_start < end2) & (tile_end > start2)
+    mask = row_mask[:, None] & col_mask[None, :]
+    ptr = Y + rows[:, None] * stride_y + cols[None, :]
+    out_ptr = Out + rows[:, None] * stride_o + cols[None, :]
+    like = tl.zeros([1], Out.dtype.element_ty)  # the model dtype, where t is rounded
     if touches:
-        ptr = Y + rows[:, None] * stride_y + cols[None, :]
-        mask = row_mask[:, None] & col_mask[None, :]
         y = tl.load(ptr, mask=mask, other=0.0)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         # only the slices this tile touches (q/k/v: one, as their widths are multiples of BLOCK_M)
         if (tile_start < end0) & (tile_end > start0):
             acc = _slice_delta(acc, T, B0, rows, row_mask, cols, stride_ts, stride_t, NUM_SPLITS, 0, start0, end0, scale0,
-                               RANK, R_PAD, PRECISION, y)
+                               RANK, R_PAD, PRECISION, like)
         if NUM_SLICES > 1:
             if (tile_start < end1) & (tile_end > start1):
                 acc = _slice_delta(acc, T, B1, rows, row_mask, cols, stride_ts, stride_t, NUM_SPLITS, RANK, start1, end1,
-                                   scale1, RANK, R_PAD, PRECISION, y)
+                                   scale1, RANK, R_PAD, PRECISION, like)
         if NUM_SLICES > 2:
             if (tile_start < end2) & (tile_end > start2):
                 acc = _slice_delta(acc, T, B2, rows, row_mask, cols, stride_ts, stride_t, NUM_SPLITS, 2 * RANK, start2,
-                                   end2, scale2, RANK, R_PAD, PRECISION, y)
-        tl.store(ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+                                   end2, scale2, RANK, R_PAD, PRECISION, like)
+        tl.store(out_ptr, (y.to(tl.float32) + acc).to(Out.dtype.element_ty), mask=mask)  # rounded once
+    elif COPY:  # a column tile without LoRA: y rounded into the output
+        tl.store(out_ptr, tl.load(ptr, mask=mask, other=0.0).to(Out.dtype.element_ty), mask=mask)
 
 
 def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
-                 scales: list[float]) -> torch.Tensor:
-    """y[:, columns[s]] += scales[s] · t[:, s·r:(s+1)·r] @ B[s]^T for each slice s, in place.
+                 scales: list[float], out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[:, columns[s]] = round(y + round(scales[s] · t[:, s·r:(s+1)·r]) @ B[s]^T) for each slice s.
 
     Args:
-        y: [N, M] output of the base projection (model dtype; rows may be strided).
+        y: [N, M] output of the base projection (float32, unrounded, or the model dtype; rows may
+            be strided).
+        out: [N, M] in the model dtype, where the sum is rounded to (y itself, in place, when
+            None); columns no slice covers are copied from y, rounded.
         t: x A^T: [splits, N, S·r] float32 partial sums from `lora_shrink`, or [N, S·r] in any
             float dtype (the spare rows of the base GEMM; rows may be strided).
         B: 1-3 LoRA B matrices [cols_s, r], contiguous.
@@ -186,22 +193,23 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
         scales: alpha / r of each slice.
 
     Returns:
-        y.
+        out.
     """
     N, M = y.shape
+    out = y if out is None else out
     S, rank = len(B), B[0].shape[1]
     bounds = [(c.start, c.stop) for c in columns] + [(0, 0)] * (MAX_SLICES - S)
     b = B + [B[0]] * (MAX_SLICES - S)
     sc = list(scales) + [0.0] * (MAX_SLICES - S)
     BLOCK_N, BLOCK_M, num_warps = _expand_tiles(N)
     _expand_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
-        y, t, b[0], b[1], b[2], N, M, y.stride(0), *_t_strides(t),
+        y, out, t, b[0], b[1], b[2], N, M, y.stride(0), out.stride(0), *_t_strides(t),
         bounds[0][0], bounds[0][1], bounds[1][0], bounds[1][1], bounds[2][0], bounds[2][1],
         float(sc[0]), float(sc[1]), float(sc[2]),
         RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)), NUM_SPLITS=_num_splits(t),
-        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, PRECISION=_precision(y.dtype), num_warps=num_warps,
+        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, PRECISION=_precision(out.dtype), COPY=out is not y, num_warps=num_warps,
     )
-    return y
+    return out
 
 
 def _expand_tiles(N: int) -> tuple[int, int, int]:
@@ -229,30 +237,35 @@ def _silu_mul_lora_kernel(
     base = X + rows[:, None] * stride_x + cols[None, :]
     gate = tl.load(base, mask=mask, other=0.0)
     up = tl.load(base + I, mask=mask, other=0.0)
-    if HAS_G:  # round like the unfused path: the base output plus the delta, stored in the model dtype
+    like = tl.zeros([1], Yout.dtype.element_ty)  # the model dtype
+    if HAS_G:  # the base output (float32, unrounded) plus the delta, rounded once to the model dtype
         acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BG, rows, row_mask, cols,
-                           stride_ts, stride_t, NUM_SPLITS, t_col_g, 0, I, scale_g, RANK, R_PAD, PRECISION, gate)
-        gate = (gate.to(tl.float32) + acc).to(up.dtype)
+                           stride_ts, stride_t, NUM_SPLITS, t_col_g, 0, I, scale_g, RANK, R_PAD, PRECISION, like)
+        gate = gate.to(tl.float32) + acc
     if HAS_U:
         acc = _slice_delta(tl.zeros([BLOCK_N, BLOCK_I], tl.float32), T, BU, rows, row_mask, cols,
-                           stride_ts, stride_t, NUM_SPLITS, t_col_u, 0, I, scale_u, RANK, R_PAD, PRECISION, up)
-        up = (up.to(tl.float32) + acc).to(gate.dtype)
+                           stride_ts, stride_t, NUM_SPLITS, t_col_u, 0, I, scale_u, RANK, R_PAD, PRECISION, like)
+        up = up.to(tl.float32) + acc
+    gate = gate.to(like.dtype)
+    up = up.to(like.dtype)
     g32 = gate.to(tl.float32)
-    act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)  # silu, rounded like F.silu
-    tl.store(Yout + rows[:, None] * stride_y + cols[None, :], (act * up).to(gate.dtype), mask=mask)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(like.dtype)  # silu, rounded like F.silu
+    tl.store(Yout + rows[:, None] * stride_y + cols[None, :], (act * up).to(like.dtype), mask=mask)
 
 
 def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tensor | None, B_up: torch.Tensor | None,
-                      scale_gate: float, scale_up: float) -> torch.Tensor:
+                      scale_gate: float, scale_up: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     """silu(gate + Δgate) * (up + Δup) for gate_up [N, 2I] → [N, I], Δ from t (as in `lora_expand_`; gate's slice first).
 
+    gate_up: float32 (the GEMM's unrounded output) or the model dtype; gate + Δgate and
+    up + Δup are rounded once to `dtype` (default: gate_up's), the output's dtype.
     B_gate, B_up: [I, r] or None for a projection without LoRA (at least one is given).
     """
     N, two_i = gate_up.shape
     I = two_i // 2
     some = B_gate if B_gate is not None else B_up
     rank = some.shape[1]
-    y = torch.empty(N, I, dtype=gate_up.dtype, device=gate_up.device)
+    y = torch.empty(N, I, dtype=dtype or gate_up.dtype, device=gate_up.device)
     BLOCK_N, BLOCK_I, num_warps = _silu_tiles(N)
     _silu_mul_lora_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(I, BLOCK_I))](
         gate_up, y, t, B_gate if B_gate is not None else some, B_up if B_up is not None else some,
@@ -260,7 +273,7 @@ def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tens
         0, rank if B_gate is not None else 0, float(scale_gate), float(scale_up),
         HAS_G=B_gate is not None, HAS_U=B_up is not None, RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
         NUM_SPLITS=_num_splits(t),
-        BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, PRECISION=_precision(gate_up.dtype), num_warps=num_warps,
+        BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, PRECISION=_precision(y.dtype), num_warps=num_warps,
     )
     return y
 
@@ -272,12 +285,13 @@ def _add_rms_norm_lora_kernel(Y, T, BT, R, W, Out, ROut, H, stride_y, stride_t, 
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0)
+    dt = Out.dtype.element_ty  # the model dtype
     delta = tl.zeros([BLOCK], tl.float32)
     for k in tl.static_range(RANK):  # s · x A^T rounded to the model dtype, as in _slice_delta
-        tk = (tl.load(T + row * stride_t + k).to(tl.float32) * scale).to(y.dtype).to(tl.float32)
+        tk = (tl.load(T + row * stride_t + k).to(tl.float32) * scale).to(dt).to(tl.float32)
         delta += tk * tl.load(BT + k * H + cols, mask=mask, other=0.0).to(tl.float32)
-    x = (y.to(tl.float32) + delta).to(y.dtype)  # the projection's output as lora_expand_ would store it
-    x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(y.dtype)  # rounded like HF's add
+    x = (y.to(tl.float32) + delta).to(dt)  # the projection's output, rounded once, as lora_expand_ stores it
+    x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(dt)  # rounded like HF's add
     tl.store(ROut + row * stride_ro + cols, x, mask=mask)
     _store_rms_norm(x, W, Out + row * stride_o, cols, mask, H, eps)
 
@@ -292,8 +306,9 @@ def add_rms_norm_lora(y: torch.Tensor, t: torch.Tensor, BT: torch.Tensor, scale:
     launch this saves: measured on an H100, see benchmarks/RESULTS.md).
 
     Args:
-        y: [N, H] the projection's base output (rows may be strided); not changed.
-        t: [N, r] x A^T in the model dtype (the spare rows of the same GEMM; rows may be strided).
+        y: [N, H] the projection's base output, float32 (unrounded) or the model dtype (rows may
+            be strided); not changed.
+        t: [N, r] x A^T, float32 or the model dtype (the spare rows of the same GEMM; rows may be strided).
         BT: [r, H] contiguous, model dtype.
         residual: [N, H]; weight: [H] the norm's gain.
 
@@ -301,7 +316,7 @@ def add_rms_norm_lora(y: torch.Tensor, t: torch.Tensor, BT: torch.Tensor, scale:
         (RMSNorm(x + residual), x + residual), each [N, H].
     """
     N, H = y.shape
-    out = torch.empty(N, H, dtype=y.dtype, device=y.device)
+    out = torch.empty(N, H, dtype=residual.dtype, device=y.device)
     new_residual = torch.empty_like(out)
     _add_rms_norm_lora_kernel[(N,)](
         y, t, BT, residual, weight, out, new_residual, H, y.stride(0), t.stride(0), residual.stride(0), out.stride(0),
@@ -321,23 +336,25 @@ def _heads_delta(Tp, BT, width, cols, mask, scale, like, RANK: tl.constexpr, BLO
 
 
 @triton.jit
-def _load_heads(X, Tp, BT, width, scale, heads, d, hmask, HAS: tl.constexpr, RANK: tl.constexpr,
+def _load_heads(X, Tp, BT, width, scale, heads, d, hmask, like, HAS: tl.constexpr, RANK: tl.constexpr,
                 BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-    """Both halves of a token's heads at X ([heads, 1] pointers), with the LoRA delta added when HAS."""
+    """Both halves of a token's heads at X ([heads, 1] pointers), with the LoRA delta added when HAS,
+    rounded once to `like`'s dtype (the model's)."""
     m = hmask[:, None]
     x1 = tl.load(X + d[None, :], mask=m, other=0.0)
     x2 = tl.load(X + HALF + d[None, :], mask=m, other=0.0)
     if HAS:
         cols = heads[:, None] * (2 * HALF) + d[None, :]
-        x1 = (x1.to(tl.float32) + _heads_delta(Tp, BT, width, cols, m, scale, x1, RANK, BLOCK_H, HALF)).to(x1.dtype)
-        x2 = (x2.to(tl.float32) + _heads_delta(Tp, BT, width, cols + HALF, m, scale, x1, RANK, BLOCK_H, HALF)).to(x1.dtype)
-    return x1, x2
+        x1 = x1.to(tl.float32) + _heads_delta(Tp, BT, width, cols, m, scale, like, RANK, BLOCK_H, HALF)
+        x2 = x2.to(tl.float32) + _heads_delta(Tp, BT, width, cols + HALF, m, scale, like, RANK, BLOCK_H, HALF)
+    return x1.to(like.dtype), x2.to(like.dtype)
 
 
 @triton.jit
 def _rotary_store_lora_kernel(
-    Q, K, V, Cos, Sin, KCache, VCache, Slots, T, BTq, BTk, BTv,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c, stride_cs, stride_ch, stride_t,
+    Q, QOut, K, V, Cos, Sin, KCache, VCache, Slots, T, BTq, BTk, BTv,
+    stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c, stride_cs,
+    stride_ch, stride_t,
     num_heads, num_kv_heads, t_col_q, t_col_k, t_col_v, scale_q, scale_k, scale_v,
     HAS_Q: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr, RANK: tl.constexpr,
     HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
@@ -346,38 +363,45 @@ def _rotary_store_lora_kernel(
     d = tl.arange(0, HALF)
     cos1, cos2, sin1, sin2 = _cos_sin_halves(Cos, Sin, t, stride_c, d, HALF)
     t_row = T + t * stride_t
+    like = tl.zeros([1], QOut.dtype.element_ty)  # the model dtype
     qh = tl.arange(0, BLOCK_Q)
     qmask = qh < num_heads
     q = Q + t * stride_qt + qh[:, None] * stride_qh
-    x1, x2 = _load_heads(q, t_row + t_col_q, BTq, num_heads * 2 * HALF, scale_q, qh, d, qmask, HAS_Q, RANK, BLOCK_Q, HALF)
+    x1, x2 = _load_heads(q, t_row + t_col_q, BTq, num_heads * 2 * HALF, scale_q, qh, d, qmask, like, HAS_Q, RANK,
+                         BLOCK_Q, HALF)
     o1, o2 = _rotate_halves(x1, x2, cos1, cos2, sin1, sin2)
-    _store_halves(q, o1, o2, d, qmask, HALF)
+    _store_halves(QOut + t * stride_qot + qh[:, None] * stride_qoh, o1, o2, d, qmask, HALF)
     kh = tl.arange(0, BLOCK_KV)
     kmask = kh < num_kv_heads
     kv_width = num_kv_heads * 2 * HALF
     slot = tl.load(Slots + t).to(tl.int64)
     x1, x2 = _load_heads(K + t * stride_kt + kh[:, None] * stride_kh, t_row + t_col_k, BTk, kv_width, scale_k, kh, d,
-                         kmask, HAS_K, RANK, BLOCK_KV, HALF)
+                         kmask, like, HAS_K, RANK, BLOCK_KV, HALF)
     k1, k2 = _rotate_halves(x1, x2, cos1, cos2, sin1, sin2)
     _store_halves(KCache + slot * stride_cs + kh[:, None] * stride_ch, k1, k2, d, kmask, HALF)
     v1, v2 = _load_heads(V + t * stride_vt + kh[:, None] * stride_vh, t_row + t_col_v, BTv, kv_width, scale_v, kh, d,
-                         kmask, HAS_V, RANK, BLOCK_KV, HALF)
+                         kmask, like, HAS_V, RANK, BLOCK_KV, HALF)
     _store_halves(VCache + slot * stride_cs + kh[:, None] * stride_ch, v1, v2, d, kmask, HALF)
 
 
 def rotary_and_store_lora_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, t: torch.Tensor,
-                           slices: list[tuple[int, torch.Tensor, float] | None]) -> None:
+                           slices: list[tuple[int, torch.Tensor, float] | None], q_out: torch.Tensor) -> torch.Tensor:
     """`triton_ops.rotary_and_store_` with the q/k/v LoRA delta added first (the q/k/v expand, fused).
 
-    q gets its delta and rotation in place; k and v get theirs on the way to the cache (k and v
-    themselves are not changed: only the cache is read afterwards).
+    q, k and v are the q/k/v GEMM's float32 output (unrounded: each gets its delta, then one
+    rounding to the model dtype, modeling/precision.py) or model-dtype views. q's rotation goes to
+    `q_out`; k and v go to the cache (q, k and v themselves are not changed).
 
     Args:
         q, k, v, cos, sin, k_cache, v_cache, slot_mapping: as `triton_ops.rotary_and_store_`.
-        t: [N, S·r] x A^T in the model dtype (the q/k/v GEMM's spare rows; rows may be strided).
+        t: [N, S·r] x A^T, float32 or the model dtype (the q/k/v GEMM's spare rows; rows may be strided).
         slices: for q, k and v, (first column of its x A^T in t, its B^T [r, width] in the model
             dtype, contiguous, its scale alpha / r), or None where that projection has no LoRA.
+        q_out: [N, Hq, D] in the model dtype (unit stride in D).
+
+    Returns:
+        q_out.
     """
     N, heads, D = q.shape
     kv_heads = k.shape[1]
@@ -385,10 +409,11 @@ def rotary_and_store_lora_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     some = next(s for s in slices if s is not None)
     cols, bts, scales = zip(*[(s[0], s[1], s[2]) if s is not None else (0, some[1], 0.0) for s in slices])
     _rotary_store_lora_kernel[(N,)](
-        q, k, v, cos, sin, cache_k, v_cache.view(-1, kv_heads, D), slot_mapping, t, *bts,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, q_out, k, v, cos, sin, cache_k, v_cache.view(-1, kv_heads, D), slot_mapping, t, *bts,
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), cache_k.stride(0), cache_k.stride(1), t.stride(0), heads, kv_heads, *cols,
         *[float(s) for s in scales],
         HAS_Q=slices[0] is not None, HAS_K=slices[1] is not None, HAS_V=slices[2] is not None, RANK=some[1].shape[0],
         HALF=D // 2, BLOCK_Q=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
     )
+    return q_out

@@ -21,13 +21,14 @@ from ...modeling import SUPPORTED_ARCHITECTURES
 from ...modeling.weights import base_layer, extend_linear, full_rows, fuse_linears
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention
+from ...modeling.precision import linear_f32
 from ..lora import (
     EngineAdapter,
     LoRASegment,
     SpareRows,
-    add_lora,
     add_rms_norm_with_lora,
     linear_with_lora,
+    linear_with_segments,
     lora_silu_and_mul,
     rotary_and_store_with_lora,
     silu_and_mul_with_lora,
@@ -178,9 +179,7 @@ class LlamaFamilyModel:
                 h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
             else:  # the previous layer's MLP output joins the residual stream here
                 h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [N, (Hq + 2Hkv) D]
-            if lora:
-                add_lora(qkv, h, lora, i, "qkv")
+            qkv = linear_with_segments(h, layer.qkv, layer.qkv_bias, lora, i, "qkv")  # [N, (Hq + 2Hkv) D]
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
@@ -190,18 +189,10 @@ class LlamaFamilyModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)  # [N, Hq D]
-            attn_out = F.linear(o, layer.o)
-            if lora:
-                add_lora(attn_out, o, lora, i, "o")
+            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o")
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
-            gate_up = F.linear(h, layer.gate_up)  # [N, 2I]
-            if lora:
-                act = lora_silu_and_mul(gate_up, h, lora, i, ops.silu_and_mul)  # [N, I]
-            else:
-                act = ops.silu_and_mul(gate_up)
-            x = F.linear(act, layer.down)
-            if lora:
-                add_lora(x, act, lora, i, "down")
+            act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops.silu_and_mul)  # [N, I]
+            x = linear_with_segments(act, layer.down, None, lora, i, "down")
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def _forward_spare_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
@@ -230,8 +221,8 @@ class LlamaFamilyModel:
                 q = ops.rms_norm(q, layer.q_norm, self.eps)
                 k = ops.rms_norm(k, layer.k_norm, self.eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            rotary_and_store_with_lora(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, deferred, qkv,
-                                       ops.rotary_and_store_)
+            q = rotary_and_store_with_lora(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, deferred, qkv,
+                                           ops.rotary_and_store_)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
             attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"], defer=True)
             h, residual = add_rms_norm_with_lora(attn_out, deferred, residual, layer.post_norm, self.eps, ops.add_rms_norm)
@@ -241,5 +232,6 @@ class LlamaFamilyModel:
         return add_rms_norm_with_lora(x, deferred, residual, self.norm, self.eps, ops.add_rms_norm)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, H] → [S, V] logits in the model dtype (the sampler reads them in float32)."""
-        return F.linear(hidden, self.lm_head)
+        """[S, H] → [S, V] float32 logits, unrounded (modeling/precision.py): the trainer's, bit for bit
+        in the products and accumulation."""
+        return linear_f32(hidden, self.lm_head)

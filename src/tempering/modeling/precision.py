@@ -1,0 +1,53 @@
+"""Where the engine and the trainer round: one contract, so both compute the same function.
+
+Both sides run the model in its dtype (bfloat16 on a GPU) and round exactly where Hugging
+Face's modules round (RMSNorm, rotary, SwiGLU, residual adds), except in two places where
+rounding to bfloat16 throws away what RL needs:
+
+- **The logits.** A logit of 20 has a bfloat16 spacing of 0.125, so a bfloat16 LM head moves
+  every logprob by up to ~0.06 nats. Both sides take the LM head's product in float32
+  (bfloat16 inputs, float32 accumulation and output: `linear_f32`).
+- **A LoRA projection.** `y = x W^T + s (x A^T) B^T` is rounded once, after the delta is added
+  to the float32 accumulation of `x W^T`. Rounding `x W^T` first and then adding the delta
+  loses every part of the delta below half a bfloat16 spacing of y (0.2% of |y|): the early,
+  small adapter that RL trains would be partly invisible to the sampler, and the engine would
+  sample from a policy nearer the base model than the one the trainer scores. `x A^T` is
+  accumulated in float32 and rounded to the model dtype after scaling, `round(s · x A^T)`, as
+  the delta's input.
+
+References: on the precision a sampler/trainer pair needs, "Defeating Nondeterminism in LLM
+Inference" (Thinking Machines, 2025) and "Your Efficient RL Framework Secretly Brings You
+Off-Policy RL Training" (Yao et al., 2025).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["linear_f32"]
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias) accumulated and returned in float32, whatever the inputs' dtype.
+
+    Args:
+        x: [N, in] (any float dtype; rows may be strided, the last dim contiguous).
+        weight: [out, in] (x's dtype).
+        bias: [out] or None.
+
+    Returns:
+        [N, out] float32. On CUDA a bfloat16/float16 product runs in cuBLAS with a float32 output
+        (`torch.mm(..., out_dtype=torch.float32)`), the same products and accumulation as the
+        model-dtype GEMM without its final rounding; elsewhere the inputs are widened to float32
+        (exact products, float32 sums).
+    """
+    if x.dtype == torch.float32:
+        return F.linear(x, weight, bias)
+    if x.is_cuda:
+        y = torch.mm(x, weight.T, out_dtype=torch.float32)
+    else:
+        y = x.float() @ weight.float().T
+    if bias is not None:
+        y += bias.float()
+    return y
