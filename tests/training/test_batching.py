@@ -77,3 +77,18 @@ def test_packed_logprobs_equal_separate_sequences(default_model_dir, device, dty
             [single] = pack_sequences([s], max_tokens=1000)
             alone.append(trainer._logprobs(single)[0])
     assert (packed - torch.cat(alone)).abs().max() < tol
+
+
+def test_key_entries_no_segment_reads_pass_no_gradient_whatever_it_holds():
+    """FlashAttention leaves the gradient of a padded row's unread key entries uninitialized
+    (NaN or 1e6 on real weights): the gather that builds the keys drops it."""
+    from tempering.training.attention import gather_keys
+
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    index = torch.tensor([0, 1, 2, 0, 1, 0, 0, 0])  # 5 entries read, 3 padding entries
+    keys = gather_keys(x, index, torch.tensor(5, dtype=torch.int32))
+    assert torch.equal(keys, x.detach()[index])
+    grad = torch.ones(8, 2, 3)
+    grad[5:] = float("nan")  # what the varlen backward may leave there
+    keys.backward(grad)
+    assert torch.equal(x.grad[:, 0, 0], torch.tensor([2.0, 2.0, 1.0, 0.0, 0.0]))

@@ -298,6 +298,34 @@ def test_on_a_gpu_rows_with_shared_prompts_give_the_gradient_of_whole_sequences(
         assert (b - a).norm() <= 3e-2 * a.norm() + 1e-7
 
 
+@cuda
+def test_a_padded_row_with_shared_prompts_passes_no_gradient_from_key_entries_no_segment_reads():
+    """A padded row's key entries past the last segment's are read by no segment, and the varlen
+    backward leaves their gradient uninitialized: with garbage there (NaN-filled memory that the
+    allocator hands out again) the LoRA gradients must stay those of the unpadded row."""
+    trainer = gpu_trainer()
+    with torch.no_grad():
+        for name, p in trainer.peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    objective = lambda row: rl_objective(trainer._row_logprobs, row, CONFIGS["ppo"])
+    seqs = gpu_group_batches()[0]
+    [micro] = pack_sequences(seqs, max_tokens=4096, weights=[0.01] * len(seqs), share_prefixes=True)
+    shape = RowShape.bucket(micro)
+    assert shape.num_keys > len(micro.key_index) + shape.num_tokens - micro.num_tokens  # unread key entries
+    grads = {}
+    for pad in (False, True):
+        poison = torch.full((1 << 26,), float("nan"), device="cuda")  # cached by the allocator once freed
+        del poison
+        trainer.rows.begin_update()
+        with trainer._forward_mode(True):
+            trainer.rows.run(micro, objective, ("pad", pad), capture=False, pad=pad)
+        grads[pad] = [g.clone() for g in trainer.rows.grads]
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.isfinite(b).all()
+        assert (b - a).norm() <= 3e-2 * a.norm() + 1e-7
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_trainer_on_the_second_gpu_steps_from_a_thread_whose_current_device_is_the_first():
     """CUDA's current device is per thread; the service steps from its own threads. A trainer on

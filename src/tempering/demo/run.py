@@ -70,6 +70,7 @@ async def run_demo_async(
     name: str | None = None,
     max_staleness: int | None = None,
     train_options: dict[str, Any] | None = None,
+    device: str | None = None,
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
     """Train on `steps` × `groups_per_step` addition problems (`group_size` rollouts each).
@@ -78,13 +79,14 @@ async def run_demo_async(
     temperature, before the first step, every `val_every` steps and after the last.
     `max_staleness` (None: the sequential gather-then-train loop) pipelines the same steps.
     `train_options`: more TrainConfig fields (e.g. {"loss_fn": "cispo"} or {"decoupled": True}).
+    `device`: "cpu" or "cuda" (default: CUDA when available).
     """
     start = time.perf_counter()
     task = AdditionTask()
     val_scenarios = task.scenarios(num_val, seed=seed + 10_000)
     name = name or "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     model = TrainableModel(name=name, project="tempering-demo", base_model=DEFAULT_BASE_MODEL)
-    async with LocalBackend(path=path) as backend:
+    async with LocalBackend(path=path, device=device) as backend:
         echo(f"loading {DEFAULT_BASE_MODEL} (the first run converts it from GGUF, about 30 s) ...")
         await model.register(backend)
         echo(f"validation before training: {num_val} held-out problems x {val_samples} samples")

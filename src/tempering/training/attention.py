@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKED_ATTENTION", "packed_attention", "use_packed_attention", "varlen_causal_attention"]
+__all__ = ["PACKED_ATTENTION", "gather_keys", "packed_attention", "use_packed_attention", "varlen_causal_attention"]
 
 PACKED_ATTENTION = "tempering_packed"
 
@@ -79,7 +79,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """
     if keys is not None:  # the gradient of a shared prompt's keys sums over the segments that read them
         key_index, cu_keys, max_keys = keys
-        k, v = k.index_select(0, key_index), v.index_select(0, key_index)
+        k, v = gather_keys(k, key_index, cu_keys[-1]), gather_keys(v, key_index, cu_keys[-1])
     else:
         cu_keys, max_keys = cu_seq_lens, None
     if q.is_cuda and varlen_attn is not None:
@@ -101,6 +101,36 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             enable_gqa=True,
         )[0].transpose(0, 1))  # [len, Hq, D]
     return torch.cat(parts, dim=0)
+
+
+class _GatherKeys(torch.autograd.Function):
+    """x[index] whose backward sums the gradient of the first `num_read` entries only.
+
+    A padded row's key entries past the last segment's (batching.py: their count is a power of
+    two) are read by no segment, and FlashAttention's varlen backward leaves their gradient
+    uninitialized: summed into x's gradient it made the LoRA gradients NaN or ~1e6 on real
+    weights (rows with shared prompts, replayed from CUDA graphs). `torch.where` drops them
+    whatever they hold.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, num_read: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index, num_read)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        index, num_read = ctx.saved_tensors
+        read = torch.arange(grad.shape[0], device=grad.device) < num_read  # no host sync: graph-safe
+        grad = torch.where(read.view(-1, *[1] * (grad.dim() - 1)), grad, 0)
+        return grad.new_zeros(ctx.num_rows, *grad.shape[1:]).index_add_(0, index, grad), None, None
+
+
+def gather_keys(x: torch.Tensor, key_index: torch.Tensor, num_read: torch.Tensor) -> torch.Tensor:
+    """x[key_index] ([K, ...]) for the attention keys of segments that read shared prompts; only the
+    first `num_read` entries (0-dim int tensor, cu_keys[-1]) pass a gradient back to x."""
+    return _GatherKeys.apply(x, key_index, num_read)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

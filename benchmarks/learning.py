@@ -1,0 +1,102 @@
+"""Does the real default model learn? The demo's task, per seed, with the numbers that say why or why not.
+
+Runs `tempering demo`'s loop (SmolLM2-135M-Instruct, addition, 12 steps of 4 problems × 8
+rollouts at temperature 0.7, validation on 64 held-out problems × 2 samples) once per seed, each
+in a fresh directory, and prints one JSON line with, per seed:
+
+- `val_before`, `val_after`, `gain`: the validation reward before the first step and after the last;
+- `mismatch_mean`, `mismatch_p99`: per step, |engine logprob − trainer logprob| of the sampled
+  tokens before the step's first update (mean, and the upper edge of the histogram bin holding
+  the 99th percentile), as `offpolicy/mismatch_abs_logprob[_p99]` in history.jsonl;
+- `grad_norm_median`, `grad_norm_max`: over the run's steps;
+- `seconds`, and an `error` instead of the figures when a seed's run fails;
+
+and over seeds the mean gain, the smallest gain, the largest per-step mismatch mean and p99,
+and the largest ratio of a step's gradient norm to its run's median.
+
+    python benchmarks/learning.py                            # CPU, float32, seeds 0-4
+    python benchmarks/learning.py --device cuda --seeds 0 1 2 3 4
+    python benchmarks/learning.py --device cuda --train-option exact_on_policy=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _value(text: str):
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+async def one_seed(seed: int, root: Path, device: str | None, train_options: dict) -> dict:
+    from tempering.demo.run import run_demo_async
+    from tempering.storage import read_history
+
+    start = time.perf_counter()
+    result = await run_demo_async(path=root, seed=seed, name=f"learning-{seed}", device=device,
+                                  train_options=train_options or None, echo=lambda line: None)
+    rows = [r for r in read_history(result.history_path) if "loss/grad_norm" in r or "offpolicy/mismatch_abs_logprob" in r]
+    mismatch = [r["offpolicy/mismatch_abs_logprob"] for r in rows if r.get("offpolicy/mismatch_abs_logprob") is not None]
+    p99 = [r["offpolicy/mismatch_abs_logprob_p99"] for r in rows
+           if r.get("offpolicy/mismatch_abs_logprob_p99") is not None]
+    norms = [r["loss/grad_norm"] for r in rows if r.get("loss/grad_norm") is not None and math.isfinite(r["loss/grad_norm"])]
+    median = statistics.median(norms) if norms else math.nan
+    return {
+        "seed": seed, "val_before": result.val_reward_before, "val_after": result.val_reward_after,
+        "gain": result.improvement, "val_rewards": result.val_rewards,
+        "mismatch_mean": mismatch, "mismatch_p99": p99,
+        "grad_norm_median": median, "grad_norm_max": max(norms, default=math.nan),
+        "grad_norm_max_over_median": max(norms, default=math.nan) / median if norms else math.nan,
+        "updates_skipped": sum(int(r.get("loss/num_updates_skipped") or 0) for r in rows),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--train-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a TrainConfig field for every step, e.g. exact_on_policy=true (repeatable)")
+    args = parser.parse_args()
+    options = dict((k, _value(v)) for k, v in (o.split("=", 1) for o in args.train_option))
+    runs = []
+    for seed in args.seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                runs.append(asyncio.run(one_seed(seed, Path(tmp), args.device, options)))
+            except Exception as exc:  # a failed seed is a result too
+                runs.append({"seed": seed, "error": f"{type(exc).__name__}: {exc}"})
+    done = [r for r in runs if "error" not in r]
+    gains = [r["gain"] for r in done]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(json.dumps({
+        "benchmark": "learning", "device": device,
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "train_options": options, "seeds": args.seeds,
+        "mean_gain": statistics.mean(gains) if gains else None, "min_gain": min(gains, default=None),
+        "num_failed": len(runs) - len(done),
+        "max_mismatch_mean": max((m for r in done for m in r["mismatch_mean"]), default=None),
+        "max_mismatch_p99": max((m for r in done for m in r["mismatch_p99"]), default=None),
+        "max_grad_norm_over_median": max((r["grad_norm_max_over_median"] for r in done), default=None),
+        "runs": runs,
+    }))
+
+
+if __name__ == "__main__":
+    main()
