@@ -157,3 +157,14 @@ def test_an_update_with_a_non_finite_gradient_is_skipped_and_counted_not_fatal(d
     metrics = trainer.step(random_sequences(seed=1), config).values  # the run goes on
     assert metrics["loss/num_updates_skipped"] == 0 and metrics["loss/grad_norm"] > 0
     assert not all(torch.equal(a, b) for a, b in zip(lora_state(trainer), before))
+
+
+def test_every_update_bumps_the_adapters_version_counters_even_with_a_fused_optimizer(default_model_dir):
+    """The engine's copies of the live adapter (A in spare rows, B^T shadows) refresh when a tensor's
+    version counter moves; a fused AdamW (the trainer's on CUDA) writes in place without moving it,
+    and the engine then sampled a stale mix of old and new adapter tensors."""
+    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    trainer.optimizer = torch.optim.AdamW(trainer.params, lr=1e-3, fused=True)  # as on CUDA
+    before = [p._version for p in trainer.params]
+    trainer.step(random_sequences(), TrainConfig(learning_rate=1e-3))
+    assert all(p._version > v for p, v in zip(trainer.params, before))

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..errors import CheckpointError, ConfigError, DistributedError
 from ..types import LoRAConfig, TrainConfig
@@ -576,6 +577,10 @@ class Trainer:
             return float(grad_norm)
         with self.gate:
             self.optimizer.step()
+            # readers of the adapter key their copies on tensor version counters (the engine's spare
+            # rows and B^T shadows), which a fused optimizer's in-place writes do not bump
+            for p in self.params:
+                increment_version(p)
             if publish is not None:
                 self.gate.version = publish
         self.num_updates += 1
