@@ -17,7 +17,7 @@ from tempering.backends import art_options
 from tempering.backends.art_mapping import ArtOptionWarning, resolve_internal_config, train_config_from_options
 from tempering.errors import ConfigError, TemperingError, UnknownOptionError, UnsupportedOptionError
 
-README = Path(__file__).parents[1] / "README.md"
+COMPATIBILITY_PAGE = Path(__file__).parents[1] / "docs" / "guides" / "art-compatibility.md"
 
 
 @pytest.mark.parametrize("path, name", [
@@ -259,12 +259,13 @@ def test_local_backend_accepts_arts_constructor_options():
     backend._close_sync()
 
 
-def test_readme_compatibility_section_is_generated_from_the_table():
-    text = README.read_text()
+def test_the_docs_compatibility_page_is_generated_from_the_table():
+    text = COMPATIBILITY_PAGE.read_text()
     match = re.search(r"<!-- art-options:begin -->\n(.*?)<!-- art-options:end -->", text, re.DOTALL)
-    assert match, "README.md lacks the <!-- art-options:begin/end --> markers"
+    assert match, "docs/guides/art-compatibility.md lacks the <!-- art-options:begin/end --> markers"
     assert match.group(1) == art_options.compatibility_markdown(), (
-        "README's ART options table is out of date: run `python -c \"from tempering.backends.art_options import update_readme; update_readme('README.md')\"`")
+        "the ART options table of docs/guides/art-compatibility.md is out of date: run `python -c \"from "
+        "tempering.backends.art_options import update_readme; update_readme('docs/guides/art-compatibility.md')\"`")
 
 
 def test_every_table_row_names_a_known_section_and_refused_rows_name_accepted_values():

@@ -94,7 +94,7 @@ async def capture_auto_trajectory(coroutine: Coroutine[Any, Any, Any]) -> Trajec
     `art.auto_trajectory().reward = ...` inside it. `metrics["duration"]` is set on return.
 
     Raises:
-        whatever the coroutine raises, with a note of how many calls had been captured.
+        Exception: whatever the coroutine raises, with a note of how many calls had been captured.
     """
     with capture_scope() as scope:
         try:

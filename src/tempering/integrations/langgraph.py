@@ -103,9 +103,9 @@ def wrap_rollout(model: Model, fn: Rollout | None = None) -> Any:
     reward set through `art.auto_trajectory().reward`.
 
     Raises:
-        whatever `fn` raises (the agent failed: the rollout fails, and
-        `gather_trajectory_groups(max_exceptions=...)` counts it), with a note of how many LLM
-        calls had been captured.
+        Exception: whatever `fn` raises (the agent failed: the rollout fails, and
+            `gather_trajectory_groups(max_exceptions=...)` counts it), with a note of how many LLM
+            calls had been captured.
         TypeError: `fn` returned something other than a Trajectory or None.
         TrajectoryError: no LLM call was captured and the trajectory holds no choice (the agent
             used a model that tempering does not see: build it with `init_chat_model()`).

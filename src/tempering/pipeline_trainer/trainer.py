@@ -192,8 +192,9 @@ class PipelineTrainer:
         Ctrl-C (or cancelling the task) cancels every stage, and the last saved step stays good.
 
         Raises:
-            whatever a rollout raised past `max_exceptions`, or a training call raised; the other
-            stages are cancelled first. A failed validation is logged and does not stop the run.
+            Exception: whatever a rollout raised past `max_exceptions`, or a training call raised;
+                the other stages are cancelled first. A failed validation is logged and does not
+                stop the run.
         """
         start = time.perf_counter()
         self._version = await self.model.get_step()
