@@ -16,7 +16,7 @@ RANK = {
     "engine": 2, "training": 2, "parallel": 2,
     "service": 3,
     "backends": 4,
-    "tracking": 4.5, "progress": 4.5, "capture": 4.5,
+    "tracking": 4.5, "progress": 4.5, "capture": 4.5, "endpoint": 4.5,
     "model": 5, "gather": 5, "rewards": 5, "guided_completion": 5, "pipeline_trainer": 5.5, "sft": 6,
     "trajectories": 5, "utils": 5, "dev": 5, "local": 5,  # ART's module paths (client layer)
     "demo": 6, "integrations": 6, "langgraph": 6.5, "mcp": 6.5, "autorl": 6.5, "cli": 7, "__init__": 8,
