@@ -100,7 +100,8 @@ def test_a_tempering_server_without_structured_outputs_gets_no_schema_and_others
 
 
 TEMPERING = [{"owned_by": "tempering", "structured_outputs": True}]
-TOOLS = [{"name": "convert", "description": "Convert between units", "parameters": {"type": "object", "properties": {}}}]
+TOOLS = [{"name": "convert", "description": "Convert between units",
+          "parameters": {"type": "object", "properties": {}}}]
 
 
 def test_a_tempering_generator_gets_bounded_items_and_a_budget_that_holds_them_and_an_api_gets_arts():
@@ -111,7 +112,8 @@ def test_a_tempering_generator_gets_bounded_items_and_a_budget_that_holds_them_a
     from tempering.mcp import generate_scenarios
 
     scenarios = json.dumps({"scenarios": [{"task": f"task {i}", "difficulty": 2} for i in range(3)]})
-    for models, max_tokens, max_length in [(TEMPERING, answer_budget(3, 200), 200), ([{"owned_by": "openai"}], 8000, None)]:
+    for models, max_tokens, max_length in [(TEMPERING, answer_budget(3, 200), 200),
+                                           ([{"owned_by": "openai"}], 8000, None)]:
         client = ScriptedGenerator(scenarios, models=models)
         asyncio.run(generate_scenarios(TOOLS, num_scenarios=3, show_preview=False, generator_model="gen",
                                        generator_client=client))
@@ -125,7 +127,8 @@ def test_a_tempering_generator_gets_bounded_items_and_a_budget_that_holds_them_a
     client = ScriptedGenerator(json.dumps({"inputs": ["a", "b"]}), models=TEMPERING)
     assert asyncio.run(generate_inputs("Say hi.", 2, generator_model="gen", generator_client=client)) == ["a", "b"]
     assert client.requests[0]["max_tokens"] == answer_budget(2, 300)
-    assert client.requests[0]["response_format"]["json_schema"]["schema"]["properties"]["inputs"]["items"]["maxLength"] == 300
+    inputs = client.requests[0]["response_format"]["json_schema"]["schema"]["properties"]["inputs"]
+    assert inputs["items"]["maxLength"] == 300
 
 
 def test_a_request_that_times_out_names_itself_its_wait_and_the_arguments_to_change():

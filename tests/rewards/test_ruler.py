@@ -119,8 +119,8 @@ def test_a_judge_request_that_times_out_names_itself_and_the_arguments_to_change
 
     judge = ScriptedJudge(openai.APITimeoutError(request=httpx.Request("POST", "http://judge/v1/chat/completions")))
     with pytest.raises(RequestTimeout, match=r"RULER: the judge's request 1 of at most 2 to 'j' \(scores for 2 "
-                                             r"trajectories, max_tokens=1024\) got no answer in [\d.]+ s; pass a smaller "
-                                             r"max_tokens or max_explanation_chars"):
+                                             r"trajectories, max_tokens=1024\) got no answer in [\d.]+ s; "
+                                             r"pass a smaller max_tokens or max_explanation_chars"):
         asyncio.run(ruler([traj("4", 0).messages(), traj("5", 0).messages()], judge_model="j", client=judge))
 
 

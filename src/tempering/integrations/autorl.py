@@ -134,7 +134,8 @@ async def generate_inputs(
     if budget.max_item_chars is not None:
         item["maxLength"] = budget.max_item_chars
     return await generate_items(
-        client=budget.client, model=generator_model, prompt=lambda n: _PROMPT.format(task=task_description.strip(), n=n),
+        client=budget.client, model=generator_model,
+        prompt=lambda n: _PROMPT.format(task=task_description.strip(), n=n),
         key="inputs", item_schema=item, num_items=num_inputs, check_item=check, max_tokens=budget.max_tokens,
         temperature=temperature, structured=budget.structured, max_attempts=max_attempts, schema_name="task_inputs",
         who="autorl.generate_inputs", fix="pass a smaller max_tokens or max_input_chars (each input's length), or "

@@ -164,8 +164,8 @@ async def generate_items(
         request: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt(missing)}],
                                    "max_tokens": max_tokens, "temperature": temperature}
         response_format = {"type": "json_schema", "json_schema": {"name": schema_name, "schema": schema, "strict": True}}
-        what = (f"{who}: request {attempt} of at most {max_attempts} to {model!r}" + (f" at {base_url}" if base_url else "")
-                + f" (for {missing} {key}, max_tokens={max_tokens})")
+        what = (f"{who}: request {attempt} of at most {max_attempts} to {model!r}"
+                + (f" at {base_url}" if base_url else "") + f" (for {missing} {key}, max_tokens={max_tokens})")
         text, structured = await _complete(client, request, response_format if structured else None, what, fix)
         answers.append(text)
         try:

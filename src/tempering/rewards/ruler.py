@@ -30,8 +30,8 @@ from ..endpoint import answer_budget, create_completion, describe_endpoint, with
 from ..errors import TemperingError
 from ..types import TrajectoryGroup
 
-__all__ = ["DEFAULT_RUBRIC", "TEMPERING_EXPLANATION_CHARS", "RulerError", "TrajectoryScore", "judge_schema", "parse_scores",
-           "ruler", "ruler_score_group", "serves_structured_outputs"]
+__all__ = ["DEFAULT_RUBRIC", "TEMPERING_EXPLANATION_CHARS", "RulerError", "TrajectoryScore", "judge_schema",
+           "parse_scores", "ruler", "ruler_score_group", "serves_structured_outputs"]
 
 log = logging.getLogger("tempering")
 
@@ -231,7 +231,8 @@ async def ruler(
     base = getattr(client, "base_url", None)
     completions = []
     for attempt in range(2):
-        what = (f"RULER: the judge's request {attempt + 1} of at most 2 to {judge_model!r}" + (f" at {base}" if base else "")
+        what = (f"RULER: the judge's request {attempt + 1} of at most 2 to {judge_model!r}"
+                + (f" at {base}" if base else "")
                 + f" (scores for {len(message_lists)} trajectories, max_tokens={max_tokens})")
         completion = await create_completion(
             client, {"model": judge_model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
@@ -283,7 +284,8 @@ async def ruler_score_group(
     try:
         scores = await ruler([t.messages() for t in trajectories], judge_model=judge_model, client=client,
                              base_url=base_url, api_key=api_key, rubric=rubric, tools=tools, max_tokens=max_tokens,
-                             temperature=temperature, structured=structured, max_explanation_chars=max_explanation_chars)
+                             temperature=temperature, structured=structured,
+                             max_explanation_chars=max_explanation_chars)
     except RulerError:
         if swallow_exceptions:
             log.warning("RULER could not score a group; it is dropped (swallow_exceptions=True)")

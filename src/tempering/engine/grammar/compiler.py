@@ -57,7 +57,8 @@ def import_llguidance() -> Any:
     except ImportError:
         raise MissingDependencyError(
             "structured outputs (response_format, guided_json/regex/choice/grammar, forced tool calls) need "
-            "the llguidance package, a dependency of tempering that is missing here: pip install 'llguidance>=1.6.1,<1.7'"
+            "the llguidance package, a dependency of tempering that is missing here: "
+            "pip install 'llguidance>=1.6.1,<1.7'"
         ) from None
     return llguidance
 
