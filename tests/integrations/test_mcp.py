@@ -6,7 +6,6 @@ calls reach the server, bad input (a server that dies, arguments it rejects), RU
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import re
 import socket
@@ -15,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytest.importorskip("mcp")
