@@ -284,7 +284,7 @@ def structured_grammar(args, tokenizer, vocab_size: int):
             raise SystemExit("structured outputs on the random GPU model need --qwen-tiktoken PATH")
         tokenizer = llguidance.LLTokenizer.from_tiktoken(encoder=qwen_ranks(Path(args.qwen_tiktoken)),
                                                          special_tokens=QWEN_SPECIALS, pattern=QWEN_PATTERN,
-                                                         eos_token=[151645], n_vocab=QWEN_VOCAB)
+                                                         eos_token=151645, n_vocab=QWEN_VOCAB)
         stop = [151645]
     else:
         stop = [tokenizer.eos_token_id]

@@ -88,7 +88,7 @@ def vocabularies(args):
     _, hf = load_cpu_model()
     out = []
     start = time.perf_counter()
-    ll = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=[hf.eos_token_id])
+    ll = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=hf.eos_token_id)
     ll_s = time.perf_counter() - start
     out.append(("smollm2", len(hf), [hf.eos_token_id], ll, ll_s, lambda v: _xgr_hf(hf, v),
                 lambda s: hf(s, add_special_tokens=False)["input_ids"]))
@@ -96,7 +96,7 @@ def vocabularies(args):
         ranks = qwen_ranks(Path(args.qwen_tiktoken))
         start = time.perf_counter()
         ll = llguidance.LLTokenizer.from_tiktoken(encoder=ranks, special_tokens=QWEN_SPECIALS, pattern=QWEN_PATTERN,
-                                                  eos_token=[151645], n_vocab=QWEN_VOCAB)
+                                                  eos_token=151645, n_vocab=QWEN_VOCAB)
         ll_s = time.perf_counter() - start
         out.append(("qwen2", QWEN_VOCAB, [151645], ll, ll_s, lambda v: _xgr_raw(ranks, v), ll.tokenize_str))
     return out
@@ -230,7 +230,7 @@ def run_engine(args) -> dict:
             raise SystemExit("--device cuda needs --qwen-tiktoken PATH (the random model has no tokenizer)")
         model, _ = build_gpu_model(device)
         tokenizer = llguidance.LLTokenizer.from_tiktoken(encoder=qwen_ranks(Path(args.qwen_tiktoken)), special_tokens=QWEN_SPECIALS,
-                                                         pattern=QWEN_PATTERN, eos_token=[151645], n_vocab=QWEN_VOCAB)
+                                                         pattern=QWEN_PATTERN, eos_token=151645, n_vocab=QWEN_VOCAB)
         stop, decode_tok = [151645], _NoText()
     else:
         model, tokenizer = load_cpu_model()
@@ -296,7 +296,7 @@ def run_threads(args) -> dict:
 
     if args.qwen_tiktoken:
         ll = llguidance.LLTokenizer.from_tiktoken(encoder=qwen_ranks(Path(args.qwen_tiktoken)), special_tokens=QWEN_SPECIALS,
-                                                  pattern=QWEN_PATTERN, eos_token=[151645], n_vocab=QWEN_VOCAB)
+                                                  pattern=QWEN_PATTERN, eos_token=151645, n_vocab=QWEN_VOCAB)
         name, vocab_size, stop = "qwen2", QWEN_VOCAB, [151645]
     else:
         from rollout import load_cpu_model

@@ -144,6 +144,31 @@ def test_bad_input_is_rejected_and_nothing_changes(trained, loop):
     loop.run_until_complete(check())
 
 
+def test_a_trajectory_with_no_assistant_turn_counts_in_its_group_and_adds_no_tokens(trained, loop):
+    """ART's self-play tic-tac-toe, as its train loop calls it: when X's first move is invalid the
+    game ends, and O's trajectory holds only its system prompt."""
+    _, backend, root, _ = trained
+    o_player = art.TrainableModel(name="self-play", project="tests", base_model="SmolLM2-135M-Instruct")
+
+    async def check():
+        await o_player.register(backend)
+        played = await rollout(o_player, PROMPTS[0])
+        played.reward = 1.0
+        unplayed = [art.Trajectory(messages_and_choices=[{"role": "system", "content": "You play O."}], reward=r)
+                    for r in (0.0, 0.5)]
+        with pytest.raises(TrajectoryError, match="none of the 2 trajectories has an assistant turn"):
+            await o_player.train([art.TrajectoryGroup(unplayed)])  # no tokens in the whole batch: refused
+        assert await o_player.get_step() == 0
+        return await o_player.train([art.TrajectoryGroup([played, unplayed[0]])],
+                                    config=art.TrainConfig(learning_rate=1e-3))
+
+    result = loop.run_until_complete(check())
+    # alone, `played` would have no reward spread; the unplayed game's reward gives it its advantage
+    assert result.step == 1 and result.num_groups_trainable == 1 and not result.is_adapter_unchanged
+    [row] = [json.loads(line) for line in (root / "tests/models/self-play/history.jsonl").read_text().splitlines()]
+    assert row["data/step_num_trajectories_without_tokens"] == 1 and row["train/num_trajectories"] == 2
+
+
 def test_a_crash_during_a_step_leaves_the_checkpoint_and_the_live_policy_intact(trained, loop, monkeypatch):
     model, backend, root, probes = trained
     checkpoints = root / "tests" / "models" / "loop" / "checkpoints"

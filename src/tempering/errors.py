@@ -13,6 +13,7 @@ Every error subclasses `TemperingError` and the standard-library error it stands
     ├── EngineError(RuntimeError)          the rollout engine failed or was closed
     ├── BackendError(RuntimeError)         a backend that is closed, unregistered or unreachable
     │   └── DistributedError               a worker process (another GPU's rank) died, timed out or failed
+    ├── RequestTimeout(TimeoutError)       a generator's or judge's request got no answer in time
     └── MissingDependencyError(ImportError) an optional package is not installed
 
 Messages name the problem and the fix.
@@ -28,6 +29,7 @@ __all__ = [
     "EngineError",
     "MissingDependencyError",
     "RequestAborted",
+    "RequestTimeout",
     "TemperingError",
     "TrajectoryError",
     "UnknownModelError",
@@ -78,6 +80,11 @@ class BackendError(TemperingError, RuntimeError):
 
 class DistributedError(BackendError):
     """A worker process of a multi-GPU run (another rank) died, timed out, or failed its part of a step."""
+
+
+class RequestTimeout(TemperingError, TimeoutError):
+    """A request to a generator or judge model (generate_scenarios, AutoRL, RULER) got no answer
+    within its client's timeout; the message names the request and the argument to change."""
 
 
 class MissingDependencyError(TemperingError, ImportError):

@@ -212,3 +212,37 @@ def test_on_a_gpu_the_masked_sampling_graph_draws_what_eager_sampling_draws(part
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
         if a.finish_reason == "stop":
             assert set(json.loads(a.text)) == {"name", "ok"}
+
+
+def test_structured_outputs_need_no_extra_and_their_library_installs_where_torch_does():
+    """llguidance is a core dependency whose range holds only releases with manylinux_2_28 wheels
+    (torch's floor): from 1.7 on its Linux wheels need glibc 2.31, and pip on an older glibc would
+    build the newest release from its sdist, with a Rust toolchain."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    [grammar] = [r for r in map(Requirement, project["dependencies"]) if r.name == "llguidance"]
+    assert grammar.marker is None and "1.6.1" in grammar.specifier and "1.7.0" not in grammar.specifier
+
+
+def test_a_grammar_library_that_takes_one_eos_id_ends_grammars_on_the_tokenizers_own():
+    """llguidance 1.6 (the last release with wheels for glibc 2.28) takes a single EOS id."""
+    from types import SimpleNamespace
+
+    from tempering.engine.grammar.compiler import _lltokenizer
+
+    calls = []
+
+    def from_tokenizer(hf, *, n_vocab, eos_token):
+        calls.append(eos_token)
+        if not isinstance(eos_token, int):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+        return ("lltokenizer", eos_token)
+
+    llg_1_6 = SimpleNamespace(hf=SimpleNamespace(from_tokenizer=from_tokenizer))
+    hf = SimpleNamespace(eos_token_id=2)  # SmolLM2's <|im_end|>; its <|endoftext|> (0) also stops a sample
+    assert _lltokenizer(llg_1_6, hf, 49152, [0, 2]) == ("lltokenizer", 2)
+    assert calls == [[0, 2], 2]

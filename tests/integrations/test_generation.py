@@ -97,3 +97,46 @@ def test_a_tempering_server_without_structured_outputs_gets_no_schema_and_others
     assert [asyncio.run(structured_mode(c)) for c in (without, with_, other)] == [False, True, True]
     with pytest.raises(ConfigError, match="API key"):
         make_client(None, "https://openrouter.ai/api/v1", None, who="test")
+
+
+TEMPERING = [{"owned_by": "tempering", "structured_outputs": True}]
+TOOLS = [{"name": "convert", "description": "Convert between units",
+          "parameters": {"type": "object", "properties": {}}}]
+
+
+def test_a_tempering_generator_gets_bounded_items_and_a_budget_that_holds_them_and_an_api_gets_arts():
+    """ART's call (no max_tokens, no task bound): with the default model as generator it wrote inside
+    one task for 13 minutes on a CPU and then failed."""
+    from tempering.endpoint import answer_budget
+    from tempering.integrations.autorl import generate_inputs
+    from tempering.mcp import generate_scenarios
+
+    scenarios = json.dumps({"scenarios": [{"task": f"task {i}", "difficulty": 2} for i in range(3)]})
+    for models, max_tokens, max_length in [(TEMPERING, answer_budget(3, 200), 200),
+                                           ([{"owned_by": "openai"}], 8000, None)]:
+        client = ScriptedGenerator(scenarios, models=models)
+        asyncio.run(generate_scenarios(TOOLS, num_scenarios=3, show_preview=False, generator_model="gen",
+                                       generator_client=client))
+        [request] = client.requests
+        scenarios_schema = request["response_format"]["json_schema"]["schema"]["properties"]["scenarios"]
+        task = scenarios_schema["items"]["properties"]["task"]
+        assert request["max_tokens"] == max_tokens and task.get("maxLength") == max_length
+        assert scenarios_schema["minItems"] == scenarios_schema["maxItems"] == 3
+        assert '"convert"' in request["messages"][0]["content"]
+        assert ("under 200 characters" in request["messages"][0]["content"]) == (max_length is not None)
+    client = ScriptedGenerator(json.dumps({"inputs": ["a", "b"]}), models=TEMPERING)
+    assert asyncio.run(generate_inputs("Say hi.", 2, generator_model="gen", generator_client=client)) == ["a", "b"]
+    assert client.requests[0]["max_tokens"] == answer_budget(2, 300)
+    inputs = client.requests[0]["response_format"]["json_schema"]["schema"]["properties"]["inputs"]
+    assert inputs["items"]["maxLength"] == 300
+
+
+def test_a_request_that_times_out_names_itself_its_wait_and_the_arguments_to_change():
+    from tempering.errors import RequestTimeout
+
+    timed_out = openai.APITimeoutError(request=httpx.Request("POST", "http://generator/v1/chat/completions"))
+    client = ScriptedGenerator(timed_out)
+    with pytest.raises(RequestTimeout, match=r"^who: request 1 of at most 3 to 'gen' \(for 3 inputs, max_tokens=100\) "
+                                             r"got no answer in [\d.]+ s; change this") as error:
+        generate(client, who="who", fix="change this")
+    assert isinstance(error.value, TimeoutError)

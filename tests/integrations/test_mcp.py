@@ -6,15 +6,14 @@ calls reach the server, bad input (a server that dies, arguments it rejects), RU
 from __future__ import annotations
 
 import asyncio
-import json
 import math
+import re
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytest.importorskip("mcp")
@@ -163,31 +162,35 @@ def test_a_streamable_http_server_serves_and_its_death_fails_calls_at_once(loop)
         proc.kill()
 
 
-def test_generate_scenarios_with_the_default_model_sends_the_schema_and_gets_valid_scenarios(loop, model):
+def test_arts_generate_scenarios_call_with_the_served_model_finishes_and_a_timeout_names_the_fix(loop, model):
+    """The call as ART's docs write it, with ART's defaults (no max_tokens, no task bound): with the
+    default model as the generator it once ran 13 minutes on the 2-core CPU and then failed."""
     from openai import AsyncOpenAI
 
-    bodies = []
-
-    async def record(request: httpx.Request) -> None:
-        if request.url.path.endswith("/chat/completions"):
-            bodies.append(json.loads(request.content))
-
-    client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key,
-                         http_client=httpx.AsyncClient(event_hooks={"request": [record]}))
+    from tempering.errors import RequestTimeout
+    from tempering.integrations.mcp.scenarios import TEMPERING_TASK_CHARS
 
     async def main():
         async with tm.connect(SERVER) as server:
             tools = [t for t in await server.list_tools() if t.name in ("convert", "list_units")]
-            return await tm.generate_scenarios(tools, await server.list_resources(), num_scenarios=2, show_preview=False,
-                                               generator_model=model.name, generator_client=client, max_task_chars=80,
-                                               max_tokens=200)
+            resources = await server.list_resources()
+            scenarios = await tm.generate_scenarios(
+                tools, resources, num_scenarios=2, show_preview=False, generator_model=model.get_inference_name(),
+                generator_api_key=model.inference_api_key, generator_base_url=model.inference_base_url)
+            impatient = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key, timeout=0.05)
+            with pytest.raises(RequestTimeout) as error:
+                await tm.generate_scenarios(tools, resources, num_scenarios=2, show_preview=False,
+                                            generator_model=model.get_inference_name(), generator_client=impatient)
+            return scenarios, str(error.value)
 
-    scenarios = loop.run_until_complete(main())
+    scenarios, message = loop.run_until_complete(main())
     assert len(scenarios) == 2
-    assert all(isinstance(s.difficulty, int) and 1 <= s.difficulty <= 5 and 0 < len(s.task) <= 80 for s in scenarios)
-    schema = bodies[0]["response_format"]["json_schema"]["schema"]["properties"]["scenarios"]
-    assert bodies[0]["response_format"]["type"] == "json_schema" and schema["minItems"] == schema["maxItems"] == 2
-    assert '"convert"' in bodies[0]["messages"][0]["content"] and "units://table" in bodies[0]["messages"][0]["content"]
+    assert all(isinstance(s.difficulty, int) and 1 <= s.difficulty <= 5 and 0 < len(s.task) <= TEMPERING_TASK_CHARS
+               for s in scenarios)
+    assert message.startswith(f"generate_scenarios: request 1 of at most 3 to {model.get_inference_name()!r} at "
+                              f"{model.inference_base_url}")
+    assert re.search(r"got no answer in [\d.]+ s \(the client's timeout: 0.05 s\); pass a smaller max_tokens or "
+                     r"max_task_chars", message)
 
 
 def test_a_server_that_dies_mid_rollout_fails_the_rollout_clearly_and_gather_counts_it(loop, model):

@@ -34,6 +34,8 @@ class ScriptedJudge:
     async def _create(self, **kwargs):
         self.requests.append(kwargs)
         text = self.answers.pop(0)
+        if isinstance(text, Exception):
+            raise text
         return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=text))])
 
 
@@ -90,6 +92,36 @@ def test_a_bad_answer_is_retried_once_with_the_problem_named_then_fails_clearly(
     with pytest.raises(RulerError, match="outside"):
         asyncio.run(ruler([traj("4", 0).messages(), traj("5", 0).messages()], judge_model="j", client=judge))
     assert len(judge.requests) == 2
+
+
+def test_a_judge_served_by_tempering_gets_bounded_explanations_and_a_budget_that_holds_them():
+    """Unbounded, the default model as judge explained until max_tokens cut its JSON short, twice."""
+    from tempering.endpoint import answer_budget
+    from tempering.rewards.ruler import TEMPERING_EXPLANATION_CHARS
+
+    async def tempering_models():
+        return SimpleNamespace(data=[SimpleNamespace(owned_by="tempering", structured_outputs=True)])
+
+    judge = ScriptedJudge(scores(0.2, 0.8))
+    judge.models = SimpleNamespace(list=tempering_models)
+    asyncio.run(ruler([traj("4", 0).messages(), traj("5", 0).messages()], judge_model="j", client=judge))
+    [request] = judge.requests
+    entry = request["response_format"]["json_schema"]["schema"]["properties"]["scores"]["prefixItems"][0]
+    assert entry["properties"]["explanation"]["maxLength"] == TEMPERING_EXPLANATION_CHARS
+    assert request["max_tokens"] == answer_budget(2, TEMPERING_EXPLANATION_CHARS)
+
+
+def test_a_judge_request_that_times_out_names_itself_and_the_arguments_to_change():
+    import httpx
+    import openai
+
+    from tempering.errors import RequestTimeout
+
+    judge = ScriptedJudge(openai.APITimeoutError(request=httpx.Request("POST", "http://judge/v1/chat/completions")))
+    with pytest.raises(RequestTimeout, match=r"RULER: the judge's request 1 of at most 2 to 'j' \(scores for 2 "
+                                             r"trajectories, max_tokens=1024\) got no answer in [\d.]+ s; "
+                                             r"pass a smaller max_tokens or max_explanation_chars"):
+        asyncio.run(ruler([traj("4", 0).messages(), traj("5", 0).messages()], judge_model="j", client=judge))
 
 
 def test_ruler_score_group_keeps_the_independent_reward_and_works_as_after_each():

@@ -144,3 +144,38 @@ def test_requests_without_the_api_key_are_rejected(served):
     assert response.status_code == 401
     response = httpx.get(f"{model.inference_base_url}/models", headers={"Authorization": "Bearer wrong"}, timeout=30)
     assert response.status_code == 401
+
+
+def test_a_generation_stopped_because_its_client_left_leaves_no_unretrieved_exception():
+    """Otherwise asyncio prints "Future exception was never retrieved ... RequestAborted" when the
+    server's loop drops it: all a user saw when generate_scenarios' requests timed out."""
+    import concurrent.futures
+    import gc
+
+    from fastapi import HTTPException
+
+    from tempering.errors import RequestAborted
+    from tempering.service.openai_routes import _generated
+
+    class ClientGone:
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    class Service:  # what Engine.abort does to a running request
+        def abort(self, future):
+            future.set_running_or_notify_cancel()
+            future.set_exception(RequestAborted("the request was aborted"))
+
+    reported = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context["message"]))
+        with pytest.raises(HTTPException) as stopped:
+            await _generated(ClientGone(), Service(), concurrent.futures.Future())
+        assert stopped.value.status_code == 499
+        del stopped  # its traceback holds the wrapper
+        await asyncio.sleep(0.01)  # the engine's exception reaches the wrapper, which nothing awaits now
+        gc.collect()
+
+    asyncio.run(main())
+    assert reported == []

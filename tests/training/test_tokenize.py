@@ -89,6 +89,19 @@ def test_trajectory_without_a_sampled_choice_is_an_error():
         tokenize_trajectory(t, FakeRenderer(), max_seq_len=100)
 
 
+def test_a_trajectory_with_no_assistant_turn_has_no_sequences():
+    # ART's self-play tic-tac-toe: X's invalid first move ends the game before O's first turn
+    t = Trajectory(messages_and_choices=[{"role": "system", "content": "You are O."}], reward=1.0)
+    assert tokenize_trajectory(t, FakeRenderer(), max_seq_len=100) == []
+
+
+def test_an_assistant_turn_appended_as_the_choice_message_is_still_an_error():
+    t = Trajectory(messages_and_choices=[{"role": "user", "content": "a"}])
+    t.messages_and_choices.append(choice([7], [-0.1], prompt_token_ids=[1]).message)  # ART #336: not the Choice
+    with pytest.raises(TrajectoryError, match="Append the Choice object itself"):
+        tokenize_trajectory(t, FakeRenderer(), max_seq_len=100)
+
+
 def test_choice_without_logprobs_is_an_error():
     c = Choice.model_validate({"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "b"}})
     t = Trajectory(messages_and_choices=[{"role": "user", "content": "a"}, c])

@@ -17,6 +17,7 @@ training step, which is what a PipelineTrainer needs to overlap the two.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -325,3 +326,8 @@ class LocalBackend:
         """ART's name: fork the latest checkpoint of `from_model` (at or before `not_after_step`)."""
         return await self.fork_checkpoint(model, from_project=from_project or model.project, from_model=from_model,
                                           not_after_step=not_after_step)
+
+
+# inspect.signature (so help(), IDEs and the API reference) reads a class's own `__new__` before its
+# `__init__`; `__new__` only picks in_process or a child process, so it shows `__init__`'s parameters
+LocalBackend.__new__.__signature__ = inspect.signature(LocalBackend.__init__)

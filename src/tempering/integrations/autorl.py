@@ -27,12 +27,17 @@ from ..gather import gather_trajectory_groups
 from ..rewards.ruler import DEFAULT_RUBRIC, ruler_score_group
 from ..types import TrainConfig, Trajectory, TrajectoryGroup
 from ..utils.iterate_dataset import iterate_dataset
-from .generation import GenerationError, generate_items, make_client
+from .generation import GenerationError, generate_items, make_client, resolve_budget
 
-__all__ = ["AutoRLDataset", "AutoRLResult", "GenerationError", "default_system_prompt", "generate_dataset",
-           "generate_inputs", "rollout", "train"]
+__all__ = ["TEMPERING_INPUT_CHARS", "AutoRLDataset", "AutoRLResult", "GenerationError", "default_system_prompt",
+           "generate_dataset", "generate_inputs", "rollout", "train"]
 
 log = logging.getLogger("tempering")
+
+TEMPERING_INPUT_CHARS = 300
+"""Each generated input's length bound when a tempering server writes them and `max_input_chars`
+is not given (`train`'s own default): a user message of a few sentences, which keeps a small
+generator on a CPU from writing inside one string until `max_tokens` runs out."""
 
 _PROMPT = """\
 An AI assistant is being trained for this task:
@@ -80,7 +85,7 @@ async def generate_inputs(
     generator_api_key: str | None = None,
     generator_base_url: str = "https://openrouter.ai/api/v1",
     max_input_chars: int | None = None,
-    max_tokens: int = 4000,
+    max_tokens: int | None = None,
     temperature: float = 1.0,
     structured: bool | None = None,
     max_attempts: int = 3,
@@ -92,8 +97,10 @@ async def generate_inputs(
         generator_model, generator_client, generator_api_key, generator_base_url: the endpoint, as
             in `tempering.mcp.generate_scenarios` (default OpenRouter with `OPENROUTER_API_KEY`;
             `generator_client=model.openai_client()` to use a tempering model).
-        max_input_chars: bound each input's length in the schema (keeps a small model's answer
-            within `max_tokens`); None leaves it unbounded.
+        max_input_chars: bound each input's length in the schema. None: unbounded for an external
+            API, `TEMPERING_INPUT_CHARS` (300) for a tempering server.
+        max_tokens: the answer's token budget per request. None: 8000 for an external API; for a
+            tempering server, room for `num_inputs` inputs of `max_input_chars`.
         structured: send the JSON schema as `response_format` (True), never (False), or unless the
             endpoint is a tempering server without structured outputs (None).
         exclude: inputs not to repeat (compared after stripping whitespace).
@@ -104,6 +111,7 @@ async def generate_inputs(
     Raises:
         ConfigError (a ValueError): an empty task description, or no client and no API key.
         GenerationError (a ValueError): if `max_attempts` answers held too few valid, new inputs.
+        RequestTimeout (a TimeoutError): a request got no answer within the client's timeout.
     """
     if not task_description.strip():
         raise ConfigError("describe the task: task_description is empty")
@@ -120,13 +128,18 @@ async def generate_inputs(
         seen.add(text)
         return text
 
+    budget = await resolve_budget(client, num_items=num_inputs, max_tokens=max_tokens, max_item_chars=max_input_chars,
+                                  structured=structured, tempering_item_chars=TEMPERING_INPUT_CHARS)
     item: dict[str, Any] = {"type": "string", "minLength": 1}
-    if max_input_chars is not None:
-        item["maxLength"] = max_input_chars
+    if budget.max_item_chars is not None:
+        item["maxLength"] = budget.max_item_chars
     return await generate_items(
-        client=client, model=generator_model, prompt=lambda n: _PROMPT.format(task=task_description.strip(), n=n),
-        key="inputs", item_schema=item, num_items=num_inputs, check_item=check, max_tokens=max_tokens,
-        temperature=temperature, structured=structured, max_attempts=max_attempts, schema_name="task_inputs")
+        client=budget.client, model=generator_model,
+        prompt=lambda n: _PROMPT.format(task=task_description.strip(), n=n),
+        key="inputs", item_schema=item, num_items=num_inputs, check_item=check, max_tokens=budget.max_tokens,
+        temperature=temperature, structured=budget.structured, max_attempts=max_attempts, schema_name="task_inputs",
+        who="autorl.generate_inputs", fix="pass a smaller max_tokens or max_input_chars (each input's length), or "
+                                          "fewer inputs; or a generator_client with a longer timeout")
 
 
 async def generate_dataset(
@@ -135,15 +148,28 @@ async def generate_dataset(
     num_train_inputs: int = 16,
     num_val_inputs: int = 8,
     system_prompt: str | None = None,
-    **generator: Any,
+    generator_model: str = "openai/gpt-4.1-mini",
+    generator_client: Any = None,
+    generator_api_key: str | None = None,
+    generator_base_url: str = "https://openrouter.ai/api/v1",
+    max_input_chars: int | None = None,
+    max_tokens: int | None = None,
+    temperature: float = 1.0,
+    structured: bool | None = None,
+    max_attempts: int = 3,
 ) -> AutoRLDataset:
-    """Training and validation inputs for the task, written by a model (`generator`: generate_inputs' options).
+    """Training and validation inputs for the task, written by a model (the other arguments are
+    `generate_inputs`' own).
 
     The validation inputs are generated apart from, and never equal to, the training inputs.
 
     Raises:
-        ConfigError, GenerationError: as `generate_inputs`.
+        ConfigError, GenerationError, RequestTimeout: as `generate_inputs`.
     """
+    generator = {"generator_model": generator_model, "generator_client": generator_client,
+                 "generator_api_key": generator_api_key, "generator_base_url": generator_base_url,
+                 "max_input_chars": max_input_chars, "max_tokens": max_tokens, "temperature": temperature,
+                 "structured": structured, "max_attempts": max_attempts}
     train_inputs = await generate_inputs(task_description, num_train_inputs, **generator)
     val_inputs = (await generate_inputs(task_description, num_val_inputs, exclude=set(train_inputs), **generator)
                   if num_val_inputs > 0 else [])

@@ -12,7 +12,10 @@ ours.)
 A judge served by tempering (its `/v1/models` says `owned_by: "tempering"` and
 `structured_outputs: true`) is also sent `response_format` with the answer's JSON schema
 (`judge_schema`: one entry per trajectory id, in order, scores in [0, 1]), so even a small local
-judge answers in a form that parses; other endpoints get only the prompt.
+judge answers in a form that parses; other endpoints get only the prompt. A tempering-served
+judge's explanations are bounded (`TEMPERING_EXPLANATION_CHARS` unless `max_explanation_chars`
+says otherwise) and `max_tokens` holds the whole answer, so a small judge on a CPU finishes with
+JSON that parses instead of explaining until the budget cuts it off.
 """
 
 from __future__ import annotations
@@ -23,13 +26,21 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ..endpoint import answer_budget, create_completion, describe_endpoint, without_retries
 from ..errors import TemperingError
 from ..types import TrajectoryGroup
 
-__all__ = ["DEFAULT_RUBRIC", "RulerError", "TrajectoryScore", "judge_schema", "parse_scores", "ruler", "ruler_score_group",
-           "serves_structured_outputs"]
+__all__ = ["DEFAULT_RUBRIC", "TEMPERING_EXPLANATION_CHARS", "RulerError", "TrajectoryScore", "judge_schema",
+           "parse_scores", "ruler", "ruler_score_group", "serves_structured_outputs"]
 
 log = logging.getLogger("tempering")
+
+EXTERNAL_MAX_TOKENS = 1024  # the judge's budget at an external API (the schema is not sent there)
+
+TEMPERING_EXPLANATION_CHARS = 160
+"""Each explanation's length bound for a judge served by tempering when `max_explanation_chars` is
+not given: a sentence or two. Unbounded, the default model as judge often explained until
+`max_tokens` cut its JSON short, twice (the retry), and the group was lost."""
 
 DEFAULT_RUBRIC = """\
 - A trajectory that reaches its goal scores clearly higher than one that does not.
@@ -121,17 +132,7 @@ async def serves_structured_outputs(client: Any) -> bool:
 
     Asks `/v1/models` once; any failure (another API, no such route) means no.
     """
-    models = getattr(client, "models", None)
-    if models is None:
-        return False
-    from openai import OpenAIError
-
-    try:
-        page = await models.list()
-    except (OpenAIError, AttributeError, TypeError):  # no OpenAI-compatible models route: an external judge
-        return False
-    return any(getattr(m, "owned_by", None) == "tempering" and getattr(m, "structured_outputs", False) is True
-               for m in getattr(page, "data", []))
+    return (await describe_endpoint(client)).has_structured_outputs
 
 
 def parse_scores(text: str, num_trajectories: int) -> list[TrajectoryScore]:
@@ -178,7 +179,7 @@ async def ruler(
     api_key: str | None = None,
     rubric: str = DEFAULT_RUBRIC,
     tools: list[dict[str, Any]] | None = None,
-    max_tokens: int = 1024,
+    max_tokens: int | None = None,
     temperature: float = 0.0,
     structured: bool | None = None,
     max_explanation_chars: int | None = None,
@@ -190,15 +191,20 @@ async def ruler(
         judge_model: the judge's model name at the endpoint.
         client: an `openai.AsyncOpenAI` (e.g. `model.openai_client()` to judge with a tempering
             model); otherwise one is made from `base_url` and `api_key`.
+        max_tokens: the answer's budget. None: 1024 for an external judge; for a judge served by
+            tempering, room for every explanation at its bound.
         structured: send the answer's JSON schema as `response_format` (True), not (False), or
             when the judge is served by tempering (None, the default).
         max_explanation_chars: bound each explanation's length in that schema (see judge_schema).
+            None: unbounded for an external judge, `TEMPERING_EXPLANATION_CHARS` (160) for one
+            served by tempering.
 
     Returns:
         one TrajectoryScore per conversation, in order.
 
     Raises:
         RulerError: if the judge's answer is unusable twice in a row.
+        RequestTimeout (a TimeoutError): the judge did not answer within the client's timeout.
     """
     if not message_lists:
         return []
@@ -207,18 +213,31 @@ async def ruler(
 
         client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none")
     messages = judge_prompt(message_lists, rubric, tools)
+    endpoint = await describe_endpoint(client)
     if structured is None:
-        structured = await serves_structured_outputs(client)
+        structured = endpoint.has_structured_outputs
+    if endpoint.is_tempering:
+        client = without_retries(client)  # a judge's request that timed out would take as long again
+        if max_explanation_chars is None:
+            max_explanation_chars = TEMPERING_EXPLANATION_CHARS
+        if max_tokens is None:
+            max_tokens = answer_budget(len(message_lists), max_explanation_chars)
+    max_tokens = max_tokens or EXTERNAL_MAX_TOKENS
     extra: dict[str, Any] = {}
     if structured:
         extra["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "ruler_scores", "schema": judge_schema(len(message_lists), max_explanation_chars=max_explanation_chars),
             "strict": True}}
+    base = getattr(client, "base_url", None)
     completions = []
     for attempt in range(2):
-        completion = await client.chat.completions.create(
-            model=judge_model, messages=messages, max_tokens=max_tokens, temperature=temperature, **extra
-        )
+        what = (f"RULER: the judge's request {attempt + 1} of at most 2 to {judge_model!r}"
+                + (f" at {base}" if base else "")
+                + f" (scores for {len(message_lists)} trajectories, max_tokens={max_tokens})")
+        completion = await create_completion(
+            client, {"model": judge_model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                     **extra}, what=what,
+            fix="pass a smaller max_tokens or max_explanation_chars, or a client with a longer timeout")
         completions.append(completion)
         text = completion.choices[0].message.content or ""
         try:
@@ -243,12 +262,16 @@ async def ruler_score_group(
     api_key: str | None = None,
     rubric: str = DEFAULT_RUBRIC,
     swallow_exceptions: bool = False,
-    **kwargs: Any,
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    structured: bool | None = None,
+    max_explanation_chars: int | None = None,
 ) -> TrajectoryGroup | None:
     """A copy of `group` whose rewards are the judge's scores (for `gather_trajectory_groups(after_each=...)`).
 
     Each trajectory keeps its original reward in `metrics["independent_reward"]`, gets the score
-    as `reward` and `metrics["ruler_score"]`, and the judge's explanation in `logs`.
+    as `reward` and `metrics["ruler_score"]`, and the judge's explanation in `logs`. The judge is
+    sent the tools of the first trajectory that has any. The other arguments are `ruler`'s.
 
     Raises:
         RulerError: if the judge's answer is unusable (unless `swallow_exceptions`, which logs a
@@ -260,7 +283,9 @@ async def ruler_score_group(
     tools = next((t.tools for t in trajectories if t.tools), None)
     try:
         scores = await ruler([t.messages() for t in trajectories], judge_model=judge_model, client=client,
-                             base_url=base_url, api_key=api_key, rubric=rubric, tools=tools, **kwargs)
+                             base_url=base_url, api_key=api_key, rubric=rubric, tools=tools, max_tokens=max_tokens,
+                             temperature=temperature, structured=structured,
+                             max_explanation_chars=max_explanation_chars)
     except RulerError:
         if swallow_exceptions:
             log.warning("RULER could not score a group; it is dropped (swallow_exceptions=True)")

@@ -27,8 +27,9 @@ Structured outputs (service/structured.py): `response_format`, vLLM's `guided_*`
 `structured_outputs`, and "required"/named tool calls constrain sampling with a grammar. Such a
 choice also carries `grammar_forced`: per sampled token, whether the grammar allowed only that
 token (training can leave those out of the loss). `/v1/models` lists `structured_outputs: true`
-when the server can constrain (llguidance is installed); without it, constrained requests get a
-400 naming the extra, and "required"/named tool calls are started but not held to the schema.
+when the server can constrain (llguidance, a dependency, is installed); without it (a broken
+install), constrained requests get a 400 naming the package, and "required"/named tool calls are
+started but not held to the schema.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ async def _generated(request: Request, service: Any, future: Any) -> Any:
         gone.cancel()
         if not future.done():  # the client left (or this handler was cancelled)
             service.abort(future)
+            # nobody awaits it now: take its RequestAborted so asyncio does not print "Future exception
+            # was never retrieved ... RequestAborted" to the user, who only stopped waiting
+            result.add_done_callback(lambda f: f.cancelled() or f.exception())
     if not result.done():
         raise HTTPException(499, "the client closed the connection; the generation was stopped")
     return result.result()

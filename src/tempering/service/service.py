@@ -319,14 +319,18 @@ class ModelService:
         `on_event(dict)` receives progress: {"type": "started", ...}, one {"type": "update", ...}
         per optimizer update, {"type": "checkpoint", "step": ...}.
 
+        A trajectory with no assistant turn at all (tokenize.py) counts in its group's advantages
+        and in `data/step_num_trajectories_without_tokens`, and adds no tokens.
+
         Raises:
-            TrajectoryError: for an empty list of groups, a non-finite reward, or a trajectory
-                with nothing to train on. Nothing is changed then.
+            TrajectoryError: for an empty list of groups, a non-finite reward, a trajectory whose
+                assistant turns were appended as messages instead of Choices, or a batch in which
+                no trajectory has an assistant turn. Nothing is changed then.
             ConfigError: if `config` asks for a LoRA rank/alpha other than the adapter's.
         """
         start = time.perf_counter()
         emit = on_event or (lambda event: None)
-        sequences, num_trainable, num_groups = self._prepare(groups, config)
+        sequences, num_trainable, num_groups, num_without_tokens = self._prepare(groups, config)
         emit({"type": "started", "num_sequences": len(sequences), "num_groups": num_groups,
               "num_groups_trainable": num_trainable})
         with self.train_lock:
@@ -366,6 +370,7 @@ class ModelService:
             "data/step_num_groups_trainable": float(num_trainable),
             "data/step_num_groups_skipped": float(num_groups - num_trainable),
             "data/step_num_trajectories": float(sum(len(g) for g in groups)),
+            "data/step_num_trajectories_without_tokens": float(num_without_tokens),
             "time/step_wall_s": time.perf_counter() - start,
         })
         row = {"step": data_step, **summarize_groups(groups, split="train"), **metrics}
@@ -507,8 +512,13 @@ class ModelService:
             raise error
         return trainer
 
-    def _prepare(self, groups: list[TrajectoryGroup], config: TrainConfig) -> tuple[list[TokenizedSequence], int, int]:
-        """Validate and tokenize; returns (sequences with advantages, trainable groups, groups)."""
+    def _prepare(self, groups: list[TrajectoryGroup],
+                 config: TrainConfig) -> tuple[list[TokenizedSequence], int, int, int]:
+        """Validate and tokenize; returns (sequences with advantages, trainable groups, groups,
+        trajectories without tokens).
+
+        A trainable group has a trajectory with tokens and a nonzero advantage (with tokens on
+        every trajectory, as before tokenless ones were allowed: a group with reward spread)."""
         if not groups:
             raise TrajectoryError("train() got an empty list of trajectory groups; gather some rollouts first")
         if not any(len(g) for g in groups):
@@ -525,7 +535,7 @@ class ModelService:
             flat = [r for rewards in rewards_G for r in rewards]
             mean = sum(flat) / len(flat)
             batch_std = math.sqrt(sum((r - mean) ** 2 for r in flat) / len(flat))
-        sequences, num_trainable = [], 0
+        sequences_G = []  # per group, per trajectory: its sequences ([] for one with no assistant turn)
         for g, group in enumerate(groups):
             per_trajectory = []
             for i, trajectory in enumerate(group):
@@ -534,18 +544,26 @@ class ModelService:
                                                               exclude_forced_tokens=config.exclude_forced_tokens))
                 except TrajectoryError as exc:
                     raise TrajectoryError(f"group {g}, trajectory {i}: {exc}") from None
+            sequences_G.append(per_trajectory)
+        num_without_tokens = sum(not seqs for per_trajectory in sequences_G for seqs in per_trajectory)
+        if num_without_tokens == sum(len(g) for g in groups):
+            raise TrajectoryError(
+                f"none of the {num_without_tokens} trajectories has an assistant turn, so there is nothing to train "
+                "on; append each completion's Choice (completion.choices[0]) to its trajectory's messages_and_choices"
+            )
+        sequences, num_trainable = [], 0
+        for g, per_trajectory in enumerate(sequences_G):
+            # every trajectory's reward counts, one with no tokens included: it shifts the group's mean
             advantages = group_advantages(rewards_G[g], normalize=mode == "group")
             if batch_std is not None:
                 advantages = [a / (batch_std + 1e-6) for a in advantages]
-            if any(advantages):
-                num_trainable += 1
-            for i, (advantage, seqs) in enumerate(zip(advantages, per_trajectory)):
-                if advantage == 0.0:
-                    continue
+            trained = [(i, a, seqs) for i, (a, seqs) in enumerate(zip(advantages, per_trajectory)) if a != 0.0 and seqs]
+            num_trainable += bool(trained)
+            for i, advantage, seqs in trained:
                 for seq in seqs:
                     seq.advantage, seq.group_index, seq.trajectory_index = advantage, g, i
                     sequences.append(seq)
-        return sequences, num_trainable, len(groups)
+        return sequences, num_trainable, len(groups), num_without_tokens
 
     @contextlib.contextmanager
     def _on_train_stream(self):

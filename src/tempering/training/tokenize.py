@@ -11,6 +11,13 @@ template rewrote history, or the client edited messages), the later turn starts 
 with its own exact prompt, so every trained token is still scored in the context it was
 sampled in.
 
+A trajectory with no assistant turn at all has no tokens: it still counts in its group's reward
+statistics (the service computes advantages over every trajectory), but adds no sequence. ART's
+self-play tic-tac-toe makes one whenever the first move loses the game: the other player's
+trajectory holds only its system prompt. A trajectory whose assistant turns are all message dicts
+(`choice.message` or a dict appended instead of the Choice, ART #336) is refused: its tokens are
+unknown, and training would silently skip what the user meant to train.
+
 A choice sampled under a grammar (structured outputs) carries `grammar_forced`: per sampled
 token, whether the grammar allowed only that token. Those flags are kept per token
 (`TokenizedSequence.forced`), and with `exclude_forced_tokens` such tokens leave the loss: the
@@ -143,15 +150,29 @@ def _segments(history: History, renderer: ChatRenderer) -> list[tuple[list[int],
     return segments
 
 
+def has_assistant_turn(trajectory: Trajectory) -> bool:
+    """Whether any history of the trajectory holds an assistant turn: a Choice, or an assistant
+    message (a dict, or an object such as `choice.message` appended to the list as it is)."""
+    def role(item) -> str | None:
+        return item.get("role") if isinstance(item, dict) else getattr(item, "role", None)
+
+    return any(isinstance(item, Choice) or role(item) == "assistant"
+               for history in trajectory.histories() for item in history.messages_and_choices)
+
+
 def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_seq_len: int,
                         exclude_forced_tokens: bool = False) -> list[TokenizedSequence]:
     """The training sequences of one trajectory (its main history and `additional_histories`).
 
     With `exclude_forced_tokens`, tokens that a grammar forced get loss mask 0 (see the module doc).
 
+    Returns:
+        the sequences; none for a trajectory with no assistant turn at all (see the module doc).
+
     Raises:
-        TrajectoryError: if the trajectory holds no Choice with logprobs, if a choice lacks
-            token ids, or if a sequence is longer than `max_seq_len`.
+        TrajectoryError: if the trajectory has assistant turns but no Choice with logprobs among
+            them (dicts appended instead of Choices), if a choice lacks token ids, or if a
+            sequence is longer than `max_seq_len`.
     """
     sequences: list[TokenizedSequence] = []
     for history in trajectory.histories():
@@ -177,7 +198,7 @@ def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_s
                 forced=[False] * len(prompt) + forced if forced is not None else None,
             )
             sequences.append(current)
-    if not sequences:
+    if not sequences and has_assistant_turn(trajectory):
         raise TrajectoryError(
             "a trajectory has no assistant Choice with logprobs, so there is nothing to train on. "
             "Append the Choice object itself (completion.choices[0]) to messages_and_choices, "

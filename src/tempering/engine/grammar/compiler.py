@@ -41,7 +41,7 @@ _HINTS = {
 
 
 def llguidance_installed() -> bool:
-    """Whether the grammar library is installed (the `structured` extra), without importing it."""
+    """Whether the grammar library (a dependency of tempering) is installed, without importing it."""
     return importlib.util.find_spec("llguidance") is not None
 
 
@@ -57,7 +57,8 @@ def import_llguidance() -> Any:
     except ImportError:
         raise MissingDependencyError(
             "structured outputs (response_format, guided_json/regex/choice/grammar, forced tool calls) need "
-            "the llguidance package: pip install 'tempering[structured]' (or pip install llguidance)"
+            "the llguidance package, a dependency of tempering that is missing here: "
+            "pip install 'llguidance>=1.6.1,<1.7'"
         ) from None
     return llguidance
 
@@ -228,13 +229,25 @@ class GrammarCompiler:
                 self._executor = llg.LLExecutor(num_threads=1)
             if self._lltokenizer is None:
                 try:
-                    self._lltokenizer = llg.hf.from_tokenizer(
-                        self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.stop_token_ids
-                    )
+                    self._lltokenizer = _lltokenizer(llg, self.hf_tokenizer, self.vocab_size, self.stop_token_ids)
                 except ValueError as exc:  # a slow (Python) tokenizer
                     raise ConfigError(f"structured outputs need a fast (tokenizers-backed) tokenizer: {exc}") from None
                 self._executor = llg.LLExecutor(num_threads=1)
         return llg
+
+
+def _lltokenizer(llg: Any, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
+    """llguidance's tokenizer, ending a completed grammar on any of `stop_token_ids`.
+
+    llguidance before 1.7 takes one EOS id only (its wheels for glibc 2.28, 1.6.1, among them):
+    then a completed grammar ends on the tokenizer's own EOS, which is the end of turn of the chat
+    models' tokenizers (SmolLM2's and Qwen's `<|im_end|>`, Llama 3 Instruct's `<|eot_id|>`)."""
+    try:
+        return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
+    except TypeError:  # "'list' object cannot be interpreted as an integer": llguidance < 1.7
+        eos = hf_tokenizer.eos_token_id
+        return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                     eos_token=eos if eos in stop_token_ids else stop_token_ids[0])
 
 
 def _llguidance_grammar(spec: GrammarSpec, llg: Any) -> str:
