@@ -109,6 +109,7 @@ def serve(
             raise typer.BadParameter(
                 "no API key: pass --api-key or set TEMPERING_API_KEY (--insecure allows none, on a loopback host only)"
             )
+    _log_to_stderr()
     engine = _engine_config(engine_config)
     device_type = "cpu" if device is not None and device.startswith("cpu") else "cuda"
     driver = None
@@ -148,6 +149,19 @@ def serve(
     if failures:
         typer.echo(f"tempering serve stopped: {failures[0]}", err=True)
         raise typer.Exit(1)
+
+
+def _log_to_stderr() -> None:
+    """tempering's own log lines at INFO and above (which engine serves a model and why, training
+    notes) on stderr, as `tempering serve` runs with no logging set up."""
+    import logging
+
+    logger = logging.getLogger("tempering")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s tempering: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _engine_config(text: str | None):
