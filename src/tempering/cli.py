@@ -21,6 +21,8 @@ def demo(
     seed: Annotated[int, typer.Option(help="seed of the problem sets")] = 0,
     max_staleness: Annotated[int | None, typer.Option(
         help="pipeline the steps (rollouts run while the model trains), trained tokens at most this many steps old")] = None,
+    base_model: Annotated[str, typer.Option(help="model to train: SmolLM2-135M-Instruct, gemma-3-270m, or a "
+                                                 "model directory")] = "SmolLM2-135M-Instruct",
 ) -> None:
     """Train the default model (SmolLM2-135M-Instruct) on addition and show the reward rising."""
     from transformers.utils import logging as hf_logging
@@ -30,7 +32,8 @@ def demo(
     hf_logging.disable_progress_bar()
     result = run_demo(
         path=path, steps=steps, groups_per_step=groups_per_step, group_size=group_size,
-        learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness, echo=typer.echo,
+        learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness, base_model=base_model,
+        echo=typer.echo,
     )
     typer.echo("")
     typer.echo(f"validation reward: {result.val_reward_before:.3f} -> {result.val_reward_after:.3f} "

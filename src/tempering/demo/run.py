@@ -70,6 +70,7 @@ async def run_demo_async(
     name: str | None = None,
     max_staleness: int | None = None,
     train_options: dict[str, Any] | None = None,
+    base_model: str = DEFAULT_BASE_MODEL,
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
     """Train on `steps` × `groups_per_step` addition problems (`group_size` rollouts each).
@@ -78,14 +79,15 @@ async def run_demo_async(
     temperature, before the first step, every `val_every` steps and after the last.
     `max_staleness` (None: the sequential gather-then-train loop) pipelines the same steps.
     `train_options`: more TrainConfig fields (e.g. {"loss_fn": "cispo"} or {"decoupled": True}).
+    `base_model`: the model to train (any `base_model` that `TrainableModel` takes, e.g. "gemma-3-270m").
     """
     start = time.perf_counter()
     task = AdditionTask()
     val_scenarios = task.scenarios(num_val, seed=seed + 10_000)
     name = name or "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    model = TrainableModel(name=name, project="tempering-demo", base_model=DEFAULT_BASE_MODEL)
+    model = TrainableModel(name=name, project="tempering-demo", base_model=base_model)
     async with LocalBackend(path=path) as backend:
-        echo(f"loading {DEFAULT_BASE_MODEL} (the first run converts it from GGUF, about 30 s) ...")
+        echo(f"loading {base_model} (a built-in model is converted from GGUF on its first run) ...")
         await model.register(backend)
         echo(f"validation before training: {num_val} held-out problems x {val_samples} samples")
         before = await _validate(model, task, val_scenarios, val_samples)
@@ -110,7 +112,7 @@ async def run_demo_async(
         paths.plots_dir / "reward.png",
         metrics=("train/reward", "val/reward"),
         overlay=True,
-        title=f"tempering demo: {DEFAULT_BASE_MODEL} on addition",
+        title=f"tempering demo: {base_model} on addition",
     )
     result.seconds = time.perf_counter() - start
     return result
