@@ -66,7 +66,8 @@ def test_greedy_decode_of_the_engine_equals_transformers(gemma):
     try:
         prompts = [renderer.render_prompt(m) for m in CONVERSATIONS]
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-        completions = [f.result(timeout=600)[0] for f in [engine.submit(p, params, policy=BasePolicy()) for p in prompts]]
+        futures = [engine.submit(p, params, policy=BasePolicy()) for p in prompts]
+        completions = [f.result(timeout=600)[0] for f in futures]
     finally:
         engine.close()
     for prompt, c in zip(prompts, completions):

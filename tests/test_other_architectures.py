@@ -50,7 +50,8 @@ async def register_roll_out_and_train(root, base_model: str):
         model = art.TrainableModel(name="tiny", project="archs", base_model=base_model)
         await model.register(backend)
         groups = await art.gather_trajectory_groups(
-            (art.TrajectoryGroup(rollout(model, p) for _ in range(3)) for p in ("Hi.", "Name a color.")), pbar_desc=None)
+            (art.TrajectoryGroup(rollout(model, p) for _ in range(3)) for p in ("Hi.", "Name a color.")),
+            pbar_desc=None)
         result = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
         return result, backend._registry.get("tiny")
 
@@ -67,8 +68,9 @@ def test_the_whole_loop_runs_and_the_service_says_which_path_serves_the_model(ar
         assert "served by the transformers fallback engine" in caplog.text
         assert "no model code for ['Phi3ForCausalLM']" in caplog.text  # the why
         assert "training Phi3ForCausalLM with the transformers model's own forward" in caplog.text
-        # of the default target modules Phi-3 has o_proj and down_proj (its q/k/v and gate/up are qkv_proj, gate_up_proj)
-        wrapped = {name.rsplit(".", 1)[-1] for name, m in service.trainer.model.named_modules() if hasattr(m, "lora_A")}
+        # of the default targets Phi-3 has o_proj and down_proj (its q/k/v and gate/up are qkv_proj, gate_up_proj)
+        modules = service.trainer.model.named_modules()
+        wrapped = {name.rsplit(".", 1)[-1] for name, m in modules if hasattr(m, "lora_A")}
         assert wrapped == {"o_proj", "down_proj"}
     else:
         assert type(service.engine.model).__name__ == "Gemma3Model"

@@ -23,17 +23,22 @@ def demo(
         help="pipeline the steps (rollouts run while the model trains), trained tokens at most this many steps old")] = None,
     base_model: Annotated[str, typer.Option(help="model to train: SmolLM2-135M-Instruct, gemma-3-270m, or a "
                                                  "model directory")] = "SmolLM2-135M-Instruct",
+    task: Annotated[str, typer.Option(help="addition, or say-word (for a pretrained model that cannot follow the "
+                                           "addition prompt, such as gemma-3-270m)")] = "addition",
 ) -> None:
     """Train the default model (SmolLM2-135M-Instruct) on addition and show the reward rising."""
     from transformers.utils import logging as hf_logging
 
     from .demo import run_demo
+    from .demo.run import TASKS
 
     hf_logging.disable_progress_bar()
+    if task not in TASKS:
+        raise typer.BadParameter(f"unknown task {task!r}; choose one of {sorted(TASKS)}", param_hint="--task")
     result = run_demo(
         path=path, steps=steps, groups_per_step=groups_per_step, group_size=group_size,
         learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness, base_model=base_model,
-        echo=typer.echo,
+        task=task, echo=typer.echo,
     )
     typer.echo("")
     typer.echo(f"validation reward: {result.val_reward_before:.3f} -> {result.val_reward_after:.3f} "

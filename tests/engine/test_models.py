@@ -35,8 +35,8 @@ def tiny(arch: str, device: str, dtype: torch.dtype):
     elif arch == "mistral":
         config, cls = transformers.MistralConfig(**{**common, "tie_word_embeddings": True}, sliding_window=None), transformers.MistralForCausalLM
     elif arch == "gemma3":  # local layers with a 16-token window around a global one; prompts and decodes outgrow it
-        config = transformers.Gemma3TextConfig(**{**common, "tie_word_embeddings": True, "num_hidden_layers": 3}, head_dim=32,
-                                               sliding_window=16, query_pre_attn_scalar=24,
+        config = transformers.Gemma3TextConfig(**{**common, "tie_word_embeddings": True, "num_hidden_layers": 3},
+                                               head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
                                                layer_types=["sliding_attention", "full_attention", "sliding_attention"])
         cls = transformers.Gemma3ForCausalLM
     else:

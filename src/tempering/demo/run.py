@@ -22,7 +22,9 @@ from ..pipeline_trainer import PipelineTrainer
 from ..service.base_model import DEFAULT_BASE_MODEL
 from ..storage import ModelPaths, plot_history, read_history
 from ..types import TrainConfig, TrajectoryGroup
-from .task import AdditionTask, Scenario
+from .task import AdditionTask, SayWordTask, Scenario
+
+TASKS = {"addition": AdditionTask, "say-word": SayWordTask}
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -45,7 +47,7 @@ class DemoResult:
         return self.val_reward_after - self.val_reward_before
 
 
-async def _validate(model: TrainableModel, task: AdditionTask, scenarios: list[Scenario], samples: int,
+async def _validate(model: TrainableModel, task: AdditionTask | SayWordTask, scenarios: list[Scenario], samples: int,
                     step: int | None = None) -> float:
     """The mean reward on `scenarios` of the live policy, or of saved `step` (logged at that step)."""
     groups = await gather_trajectory_groups(
@@ -71,6 +73,7 @@ async def run_demo_async(
     max_staleness: int | None = None,
     train_options: dict[str, Any] | None = None,
     base_model: str = DEFAULT_BASE_MODEL,
+    task: str = "addition",
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
     """Train on `steps` × `groups_per_step` addition problems (`group_size` rollouts each).
@@ -80,9 +83,10 @@ async def run_demo_async(
     `max_staleness` (None: the sequential gather-then-train loop) pipelines the same steps.
     `train_options`: more TrainConfig fields (e.g. {"loss_fn": "cispo"} or {"decoupled": True}).
     `base_model`: the model to train (any `base_model` that `TrainableModel` takes, e.g. "gemma-3-270m").
+    `task`: "addition", or "say-word" (task.py) for a pretrained model that cannot follow the addition prompt.
     """
     start = time.perf_counter()
-    task = AdditionTask()
+    task_name, task = task, TASKS[task]()
     val_scenarios = task.scenarios(num_val, seed=seed + 10_000)
     name = name or "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     model = TrainableModel(name=name, project="tempering-demo", base_model=base_model)
@@ -112,13 +116,13 @@ async def run_demo_async(
         paths.plots_dir / "reward.png",
         metrics=("train/reward", "val/reward"),
         overlay=True,
-        title=f"tempering demo: {base_model} on addition",
+        title=f"tempering demo: {base_model} on {task_name}",
     )
     result.seconds = time.perf_counter() - start
     return result
 
 
-async def _sequential(model: TrainableModel, task: AdditionTask, result: DemoResult, *, steps: int,
+async def _sequential(model: TrainableModel, task: AdditionTask | SayWordTask, result: DemoResult, *, steps: int,
                       groups_per_step: int, group_size: int, config: TrainConfig, seed: int, held_out: set[Scenario],
                       val: tuple[list[Scenario], int, int], echo: Callable[[str], None]) -> None:
     """The explicit loop: gather a step's groups, train on them, validate every `val_every` steps."""
@@ -145,7 +149,8 @@ async def _sequential(model: TrainableModel, task: AdditionTask, result: DemoRes
             echo(f"  val/reward after step {step + 1} = {result.val_reward_after:.3f}")
 
 
-async def _pipelined(model: TrainableModel, backend: LocalBackend, task: AdditionTask, result: DemoResult, *,
+async def _pipelined(model: TrainableModel, backend: LocalBackend, task: AdditionTask | SayWordTask,
+                     result: DemoResult, *,
                      steps: int, groups_per_step: int, group_size: int, config: TrainConfig, max_staleness: int,
                      seed: int, held_out: set[Scenario], val: tuple[list[Scenario], int, int],
                      echo: Callable[[str], None]) -> None:

@@ -89,7 +89,8 @@ def resolve_base_model(spec: str, *, cache_dir: Path | None = None, _depth: int 
         return ResolvedBaseModel(spec)
     raise UnknownModelError(
         f"unknown base_model {spec!r}: it is not a local model or adapter directory, and no model of that "
-        f"name could be found offline or on the Hugging Face hub. Use {DEFAULT_BASE_MODEL!r} or 'gemma-3-270m' (built in), "
+        f"name could be found offline or on the Hugging Face hub. Use {DEFAULT_BASE_MODEL!r} or 'gemma-3-270m' "
+        "(built in), "
         "the path of a local Hugging Face model directory, or a PEFT adapter directory"
     )
 

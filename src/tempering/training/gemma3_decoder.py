@@ -68,7 +68,7 @@ class Gemma3PackedDecoder(PackedDecoder):
     and for Gemma configs it does not cover). Called as `PackedDecoder` is.
     """
 
-    def __init__(self, peft_model: Any, adapter: str) -> None:  # noqa: D107 - PackedDecoder's __init__ is not used
+    def __init__(self, peft_model: Any, adapter: str) -> None:  # PackedDecoder's __init__ is not called
         hf = peft_model.get_base_model()
         config = hf.config
         inner = hf.model
@@ -110,7 +110,8 @@ class Gemma3PackedDecoder(PackedDecoder):
                 q_norm=norm_gain(attn.q_norm), k_norm=norm_gain(attn.k_norm), o=base_layer(attn.o_proj).weight,
                 post_attention_norm=norm_gain(layer.post_attention_layernorm),
                 pre_feedforward_norm=norm_gain(layer.pre_feedforward_layernorm), gate_up=gate_up,
-                down=base_layer(mlp.down_proj).weight, post_feedforward_norm=norm_gain(layer.post_feedforward_layernorm),
+                down=base_layer(mlp.down_proj).weight,
+                post_feedforward_norm=norm_gain(layer.post_feedforward_layernorm),
                 lora=lora, layer_type=config.layer_types[i], window=_sliding_window(config, i),
             ))
         self.ops = ops_for(self.final_norm.device)
@@ -143,11 +144,12 @@ class Gemma3PackedDecoder(PackedDecoder):
             rotary[t] = (cos[0], sin[0])
         recompute = checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            adapters = {name: g.delta_inputs(x.dtype, layer.out_features[name]) for name, g in layer.lora.items()} if lora else {}
+            adapters = ({name: g.delta_inputs(x.dtype, layer.out_features[name]) for name, g in layer.lora.items()}
+                        if lora else {})
             cos, sin = rotary[layer.layer_type]
             if recompute:
-                x = checkpoint(_Recomputable(self._layer), layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys,
-                               use_reentrant=False, preserve_rng_state=self.has_dropout)
+                x = checkpoint(_Recomputable(self._layer), layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters,
+                               keys, use_reentrant=False, preserve_rng_state=self.has_dropout)
             else:
                 x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys)
         return gemma_rms_norm(x, self.final_norm, self.eps)

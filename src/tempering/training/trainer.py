@@ -183,7 +183,8 @@ class Trainer:
         self.num_updates = 0
         self.rng = random.Random(seed)
         # our own forward for the Llama family and Gemma 3; None: run the transformers model (other architectures)
-        self.decoder = PackedDecoder.maybe(peft_model, ADAPTER_NAME) or Gemma3PackedDecoder.maybe(peft_model, ADAPTER_NAME)
+        self.decoder = (PackedDecoder.maybe(peft_model, ADAPTER_NAME)
+                        or Gemma3PackedDecoder.maybe(peft_model, ADAPTER_NAME))
         log.info("training %s with %s", type(self.model).__name__,
                  f"tempering's packed forward ({type(self.decoder).__name__})" if self.decoder is not None
                  else "the transformers model's own forward (PEFT): tempering's packed forward does not cover it")

@@ -64,8 +64,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                       window=window)
     out = torch.empty_like(q)
     if B and gpu:
-        out[:B] = paged_decode_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale,
-                                         window=window)
+        out[:B] = paged_decode_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
+                                         scale, window=window)
     elif B:
         out[:B] = _decode_sdpa(q[:B], k_cache, v_cache, ctx, scale, window)
     if ctx.prefill:

@@ -37,7 +37,8 @@ def fallback_reason(hf_model: Any, max_positions: int) -> str | None:
         return f"{arch}: {reason}" if reason else None
     if not rope_is_static(config):
         return f"the tempering engine does not support rope scaling {getattr(config, 'rope_scaling', None)!r}"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) and arch == "MistralForCausalLM":
+    mistral_window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if mistral_window and arch == "MistralForCausalLM":
         if config.sliding_window < max_positions:
             return "sliding-window attention is not supported"
     return None

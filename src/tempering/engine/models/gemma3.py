@@ -90,8 +90,8 @@ class Gemma3Model:
         self.fused_slices: dict[str, dict[str, slice]] = {}
         for i, layer in enumerate(self.hf_layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, _, qkv_slices = fuse_linears([base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)],
-                                              ["q_proj", "k_proj", "v_proj"])
+            qkv, _, qkv_slices = fuse_linears(
+                [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)], ["q_proj", "k_proj", "v_proj"])
             gate_up, _, gate_up_slices = fuse_linears([base_layer(mlp.gate_proj), base_layer(mlp.up_proj)],
                                                       ["gate_proj", "up_proj"])
             self.fused_slices = {"qkv": qkv_slices, "gate_up": gate_up_slices}
