@@ -23,7 +23,7 @@ def demo(
         help="pipeline the steps (rollouts run while the model trains), trained tokens at most this many steps old")] = None,
     base_model: Annotated[str, typer.Option(help="model to train: SmolLM2-135M-Instruct, gemma-3-270m, or a "
                                                  "model directory")] = "SmolLM2-135M-Instruct",
-    task: Annotated[str, typer.Option(help="addition, or say-word (for a pretrained model that cannot follow the "
+    task: Annotated[str, typer.Option(help="addition, or repeat-word (for a pretrained model that cannot follow the "
                                            "addition prompt, such as gemma-3-270m)")] = "addition",
 ) -> None:
     """Train the default model (SmolLM2-135M-Instruct) on addition and show the reward rising."""

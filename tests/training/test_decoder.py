@@ -198,9 +198,9 @@ def group_sequences(vocab: int) -> list[TokenizedSequence]:
     return out
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_an_rl_groups_shared_prompt_is_computed_once_with_the_same_logprobs_and_gradients(checkpointing):
-    trainer = trainer_for(tiny_model("qwen2"))
+@pytest.mark.parametrize("arch,checkpointing", [("qwen2", False), ("qwen2", True), ("gemma3", True)])
+def test_an_rl_groups_shared_prompt_is_computed_once_with_the_same_logprobs_and_gradients(arch, checkpointing):
+    trainer = trainer_for(tiny_model(arch))
     seqs = group_sequences(trainer.model.config.vocab_size)
     [shared] = pack_sequences(seqs, max_tokens=4096, share_prefixes=True, min_shared_tokens=8)
     [whole] = pack_sequences(seqs, max_tokens=4096)

@@ -22,9 +22,9 @@ from ..pipeline_trainer import PipelineTrainer
 from ..service.base_model import DEFAULT_BASE_MODEL
 from ..storage import ModelPaths, plot_history, read_history
 from ..types import TrainConfig, TrajectoryGroup
-from .task import AdditionTask, SayWordTask, Scenario
+from .task import AdditionTask, RepeatWordTask, Scenario
 
-TASKS = {"addition": AdditionTask, "say-word": SayWordTask}
+TASKS = {"addition": AdditionTask, "repeat-word": RepeatWordTask}
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -47,7 +47,7 @@ class DemoResult:
         return self.val_reward_after - self.val_reward_before
 
 
-async def _validate(model: TrainableModel, task: AdditionTask | SayWordTask, scenarios: list[Scenario], samples: int,
+async def _validate(model: TrainableModel, task: AdditionTask | RepeatWordTask, scenarios: list[Scenario], samples: int,
                     step: int | None = None) -> float:
     """The mean reward on `scenarios` of the live policy, or of saved `step` (logged at that step)."""
     groups = await gather_trajectory_groups(
@@ -83,7 +83,7 @@ async def run_demo_async(
     `max_staleness` (None: the sequential gather-then-train loop) pipelines the same steps.
     `train_options`: more TrainConfig fields (e.g. {"loss_fn": "cispo"} or {"decoupled": True}).
     `base_model`: the model to train (any `base_model` that `TrainableModel` takes, e.g. "gemma-3-270m").
-    `task`: "addition", or "say-word" (task.py) for a pretrained model that cannot follow the addition prompt.
+    `task`: "addition", or "repeat-word" (task.py) for a pretrained model that cannot follow the addition prompt.
     """
     start = time.perf_counter()
     task_name, task = task, TASKS[task]()
@@ -122,7 +122,7 @@ async def run_demo_async(
     return result
 
 
-async def _sequential(model: TrainableModel, task: AdditionTask | SayWordTask, result: DemoResult, *, steps: int,
+async def _sequential(model: TrainableModel, task: AdditionTask | RepeatWordTask, result: DemoResult, *, steps: int,
                       groups_per_step: int, group_size: int, config: TrainConfig, seed: int, held_out: set[Scenario],
                       val: tuple[list[Scenario], int, int], echo: Callable[[str], None]) -> None:
     """The explicit loop: gather a step's groups, train on them, validate every `val_every` steps."""
@@ -149,7 +149,7 @@ async def _sequential(model: TrainableModel, task: AdditionTask | SayWordTask, r
             echo(f"  val/reward after step {step + 1} = {result.val_reward_after:.3f}")
 
 
-async def _pipelined(model: TrainableModel, backend: LocalBackend, task: AdditionTask | SayWordTask,
+async def _pipelined(model: TrainableModel, backend: LocalBackend, task: AdditionTask | RepeatWordTask,
                      result: DemoResult, *,
                      steps: int, groups_per_step: int, group_size: int, config: TrainConfig, max_staleness: int,
                      seed: int, held_out: set[Scenario], val: tuple[list[Scenario], int, int],

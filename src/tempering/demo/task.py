@@ -6,14 +6,13 @@ as "12 + 13 = 25" or "The answer is 25". Sampled at temperature 0.7 it is right 
 time (greedy: about 45-60%), which leaves RL room to learn: the reward is 1 for a correct sum and
 0 otherwise.
 
-`SayWordTask`: a simpler task for a pretrained (not instruction-tuned) model such as Gemma 3
+`RepeatWordTask`: a simpler task for a pretrained (not instruction-tuned) model such as Gemma 3
 270M, which cannot follow the addition prompt: asked in its chat format it mostly repeats the
-question and rambles (right 0-6% of the time). Asked 'Say the word "river".', it echoes the
-request in variants ('Say the word "river".', 'Say "river" and nothing else.'), so the word
-appears in about half of its replies but starts under 2% of them. The reward is 1 / (1 + i) for
-the word at index i of the reply's words (1 when the reply starts with it, 0.25 for the plain
-echo), 0 when it is missing: a graded reward keeps the spread within a group that a 0.5 for
-"somewhere" lost once every sample echoed (measured: no trainable group from step 3 on).
+question and rambles (right 0-6% of the time), and asked 'Say the word "river".' it echoes the
+request. The user's message is one word, and the reply should start with it: the reward is
+1 / (1 + i) for the word at index i of the reply's words, 0 when it is missing. Sampled at
+temperature 0.7, Gemma 3 270M starts 28% of its replies with the word (mean reward 0.31, every
+group of 8 with spread; 12 words × 8 samples).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from ..model import Model
 from ..types import Trajectory
 
-__all__ = ["AdditionTask", "SayWordTask", "Scenario", "WordScenario", "extract_answer"]
+__all__ = ["AdditionTask", "RepeatWordTask", "Scenario", "WordScenario", "extract_answer"]
 
 _INT = re.compile(r"-?\d+")
 
@@ -130,7 +129,7 @@ class WordScenario:
 
     @property
     def prompt(self) -> str:
-        return f'Say the word "{self.word}".'
+        return self.word
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -138,8 +137,8 @@ class WordScenario:
 
 
 @dataclass(slots=True)
-class SayWordTask(_AskTask):
-    """Scenarios, rollout and reward of the say-a-word task (see the module docstring).
+class RepeatWordTask(_AskTask):
+    """Scenarios, rollout and reward of the repeat-a-word task (see the module docstring).
 
     Args:
         temperature: sampling temperature of rollouts and validation.
