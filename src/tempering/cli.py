@@ -21,16 +21,24 @@ def demo(
     seed: Annotated[int, typer.Option(help="seed of the problem sets")] = 0,
     max_staleness: Annotated[int | None, typer.Option(
         help="pipeline the steps (rollouts run while the model trains), trained tokens at most this many steps old")] = None,
+    base_model: Annotated[str, typer.Option(help="model to train: SmolLM2-135M-Instruct, gemma-3-270m, or a "
+                                                 "model directory")] = "SmolLM2-135M-Instruct",
+    task: Annotated[str, typer.Option(help="addition, or repeat-word (for a pretrained model that cannot follow the "
+                                           "addition prompt, such as gemma-3-270m)")] = "addition",
 ) -> None:
     """Train the default model (SmolLM2-135M-Instruct) on addition and show the reward rising."""
     from transformers.utils import logging as hf_logging
 
     from .demo import run_demo
+    from .demo.run import TASKS
 
     hf_logging.disable_progress_bar()
+    if task not in TASKS:
+        raise typer.BadParameter(f"unknown task {task!r}; choose one of {sorted(TASKS)}", param_hint="--task")
     result = run_demo(
         path=path, steps=steps, groups_per_step=groups_per_step, group_size=group_size,
-        learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness, echo=typer.echo,
+        learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness, base_model=base_model,
+        task=task, echo=typer.echo,
     )
     typer.echo("")
     typer.echo(f"validation reward: {result.val_reward_before:.3f} -> {result.val_reward_after:.3f} "
@@ -109,6 +117,7 @@ def serve(
             raise typer.BadParameter(
                 "no API key: pass --api-key or set TEMPERING_API_KEY (--insecure allows none, on a loopback host only)"
             )
+    _log_to_stderr()
     engine = _engine_config(engine_config)
     device_type = "cpu" if device is not None and device.startswith("cpu") else "cuda"
     driver = None
@@ -148,6 +157,19 @@ def serve(
     if failures:
         typer.echo(f"tempering serve stopped: {failures[0]}", err=True)
         raise typer.Exit(1)
+
+
+def _log_to_stderr() -> None:
+    """tempering's own log lines at INFO and above (which engine serves a model and why, training
+    notes) on stderr, as `tempering serve` runs with no logging set up."""
+    import logging
+
+    logger = logging.getLogger("tempering")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s tempering: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _engine_config(text: str | None):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def reference_decode(q, k_cache, v_cache, tables, lens, scale):
+def reference_decode(q, k_cache, v_cache, tables, lens, scale, window=None):
     out = []
     page = k_cache.shape[1]
     for b in range(q.shape[0]):
@@ -17,16 +17,18 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
         if n == 0:
             out.append(torch.zeros_like(q[b]))
             continue
+        first = max(0, n - window) if window is not None else 0  # a sliding window: the last `window` keys
         blocks = tables[b, : -(-n // page)].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)[None].float()
-        v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)[None].float()
+        k = k_cache[blocks].flatten(0, 1)[first:n].transpose(0, 1)[None].float()
+        v = v_cache[blocks].flatten(0, 1)[first:n].transpose(0, 1)[None].float()
         o = F.scaled_dot_product_attention(q[b][None, :, None].float(), k, v, scale=scale, enable_gqa=True)
         out.append(o[0, :, 0].to(q.dtype))
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (9, 3, 64), (8, 8, 64), (32, 8, 128)])
-def test_triton_paged_decode_matches_sdpa(heads, kv_heads, dim):
+@pytest.mark.parametrize("window", [None, 16, 100], ids=["all-keys", "window-16", "window-100"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (9, 3, 64), (8, 8, 64), (32, 8, 128), (4, 1, 256)])
+def test_triton_paged_decode_matches_sdpa(heads, kv_heads, dim, window):
     from tempering.engine.layers.triton_attention import paged_decode_attention
 
     torch.manual_seed(0)
@@ -37,12 +39,13 @@ def test_triton_paged_decode_matches_sdpa(heads, kv_heads, dim):
     tables = torch.randint(1, num_blocks, (len(lens), 80), device=device, dtype=torch.int32)
     q = torch.randn(len(lens), heads, dim, device=device, dtype=torch.bfloat16)
     scale = dim ** -0.5
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
-    ref = reference_decode(q, k_cache, v_cache, tables, lens, scale)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window=window)
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, scale, window)
     assert (out.float() - ref.float()).abs().max() < 2e-2
 
 
-def test_varlen_prefill_matches_per_sequence_sdpa():
+@pytest.mark.parametrize("window", [None, 8], ids=["all-keys", "window-8"])
+def test_varlen_prefill_matches_per_sequence_sdpa(window):
     from tempering.engine.layers.triton_attention import HAS_VARLEN, varlen_prefill_attention
 
     if not HAS_VARLEN:
@@ -55,11 +58,13 @@ def test_varlen_prefill_matches_per_sequence_sdpa():
     vs = [torch.randn_like(k) for k in ks]
     cu_q = torch.tensor([0, 7, 12, 28], device="cuda", dtype=torch.int32)
     cu_k = torch.tensor([0, 7, 47, 63], device="cuda", dtype=torch.int32)
-    out = varlen_prefill_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cu_q, cu_k, 16, 40, dim ** -0.5)
+    out = varlen_prefill_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cu_q, cu_k, 16, 40, dim ** -0.5,
+                                   window=window)
     start = 0
     for (nq, nk), q, k, v in zip(spans, qs, ks, vs):
         rows = torch.arange(nq, device="cuda")[:, None] + (nk - nq)
-        mask = torch.arange(nk, device="cuda")[None, :] <= rows
+        cols = torch.arange(nk, device="cuda")[None, :]
+        mask = (cols <= rows) & (cols > rows - window) if window is not None else cols <= rows
         ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k.transpose(0, 1)[None].float(),
                                              v.transpose(0, 1)[None].float(), attn_mask=mask, enable_gqa=True)
         assert (out[start:start + nq].float() - ref[0].transpose(0, 1)).abs().max() < 2e-2

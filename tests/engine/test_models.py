@@ -34,14 +34,19 @@ def tiny(arch: str, device: str, dtype: torch.dtype):
         config, cls = transformers.Qwen3Config(**common, head_dim=32), transformers.Qwen3ForCausalLM
     elif arch == "mistral":
         config, cls = transformers.MistralConfig(**{**common, "tie_word_embeddings": True}, sliding_window=None), transformers.MistralForCausalLM
+    elif arch == "gemma3":  # local layers with a 16-token window around a global one; prompts and decodes outgrow it
+        config = transformers.Gemma3TextConfig(**{**common, "tie_word_embeddings": True, "num_hidden_layers": 3},
+                                               head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
+                                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(0)
     model = cls(config).to(device=device, dtype=dtype).eval()
-    with torch.no_grad():  # make q/k/v biases (Qwen2) non-trivial
+    with torch.no_grad():  # make q/k/v biases (Qwen2) and Gemma's zero-centred norm weights non-trivial
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
+            if name.endswith("bias") or (arch == "gemma3" and name.endswith("norm.weight")):
+                p.normal_(0, 0.5 if name.endswith("bias") else 0.3)
     return model
 
 
@@ -51,7 +56,7 @@ DEVICES += [("cuda:1", torch.bfloat16)] if torch.cuda.device_count() >= 2 else [
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_engine_logprobs_and_greedy_tokens_match_transformers(arch, device, dtype):
     model = tiny(arch, device, dtype)
     reference = tiny(arch, device, dtype)  # same seed: the same weights, left unfused
@@ -123,7 +128,7 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 @pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])
 @pytest.mark.parametrize("targets", [ALL, ("q_proj", "v_proj", "up_proj", "down_proj")], ids=["all", "some"])
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "gemma3"])
 def test_engine_with_a_live_lora_matches_the_peft_forward(arch, targets, device, dtype):
     """Greedy tokens and logprobs with a non-zero adapter equal transformers + PEFT (decode graphs on GPU)."""
     model = tiny(arch, device, dtype)

@@ -26,12 +26,16 @@ def tiny_model(arch: str):
     elif arch == "qwen3":  # per-head q/k RMSNorm, explicit head_dim
         config = transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "gemma3":  # a local layer (window 16 < the 30-token sequence) and a global one
+        config = transformers.Gemma3TextConfig(**TINY, head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
+                                               layer_types=["sliding_attention", "full_attention"])
+        cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     model = cls(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("bias") or (arch == "gemma3" and name.endswith("norm.weight")):  # Gemma's norms start at 0
                 p.normal_(0, 0.1)
     return model
 
@@ -87,7 +91,7 @@ def lora_grads(trainer: Trainer, logprobs: torch.Tensor, upstream: torch.Tensor)
     return [p.grad.clone() for p in trainer.params]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_packed_forward_matches_the_peft_model_in_logprobs_and_lora_gradients(arch):
     trainer = trainer_for(tiny_model(arch))
     assert trainer.decoder is not None
@@ -194,9 +198,9 @@ def group_sequences(vocab: int) -> list[TokenizedSequence]:
     return out
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_an_rl_groups_shared_prompt_is_computed_once_with_the_same_logprobs_and_gradients(checkpointing):
-    trainer = trainer_for(tiny_model("qwen2"))
+@pytest.mark.parametrize("arch,checkpointing", [("qwen2", False), ("qwen2", True), ("gemma3", True)])
+def test_an_rl_groups_shared_prompt_is_computed_once_with_the_same_logprobs_and_gradients(arch, checkpointing):
+    trainer = trainer_for(tiny_model(arch))
     seqs = group_sequences(trainer.model.config.vocab_size)
     [shared] = pack_sequences(seqs, max_tokens=4096, share_prefixes=True, min_shared_tokens=8)
     [whole] = pack_sequences(seqs, max_tokens=4096)

@@ -22,7 +22,9 @@ from ..pipeline_trainer import PipelineTrainer
 from ..service.base_model import DEFAULT_BASE_MODEL
 from ..storage import ModelPaths, plot_history, read_history
 from ..types import TrainConfig, TrajectoryGroup
-from .task import AdditionTask, Scenario
+from .task import AdditionTask, RepeatWordTask, Scenario
+
+TASKS = {"addition": AdditionTask, "repeat-word": RepeatWordTask}
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -45,7 +47,7 @@ class DemoResult:
         return self.val_reward_after - self.val_reward_before
 
 
-async def _validate(model: TrainableModel, task: AdditionTask, scenarios: list[Scenario], samples: int,
+async def _validate(model: TrainableModel, task: AdditionTask | RepeatWordTask, scenarios: list[Scenario], samples: int,
                     step: int | None = None) -> float:
     """The mean reward on `scenarios` of the live policy, or of saved `step` (logged at that step)."""
     groups = await gather_trajectory_groups(
@@ -70,6 +72,8 @@ async def run_demo_async(
     name: str | None = None,
     max_staleness: int | None = None,
     train_options: dict[str, Any] | None = None,
+    base_model: str = DEFAULT_BASE_MODEL,
+    task: str = "addition",
     device: str | None = None,
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
@@ -79,15 +83,17 @@ async def run_demo_async(
     temperature, before the first step, every `val_every` steps and after the last.
     `max_staleness` (None: the sequential gather-then-train loop) pipelines the same steps.
     `train_options`: more TrainConfig fields (e.g. {"loss_fn": "cispo"} or {"decoupled": True}).
+    `base_model`: the model to train (any `base_model` that `TrainableModel` takes, e.g. "gemma-3-270m").
+    `task`: "addition", or "repeat-word" (task.py) for a pretrained model that cannot follow the addition prompt.
     `device`: "cpu" or "cuda" (default: CUDA when available).
     """
     start = time.perf_counter()
-    task = AdditionTask()
+    task_name, task = task, TASKS[task]()
     val_scenarios = task.scenarios(num_val, seed=seed + 10_000)
     name = name or "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    model = TrainableModel(name=name, project="tempering-demo", base_model=DEFAULT_BASE_MODEL)
+    model = TrainableModel(name=name, project="tempering-demo", base_model=base_model)
     async with LocalBackend(path=path, device=device) as backend:
-        echo(f"loading {DEFAULT_BASE_MODEL} (the first run converts it from GGUF, about 30 s) ...")
+        echo(f"loading {base_model} (a built-in model is converted from GGUF on its first run) ...")
         await model.register(backend)
         echo(f"validation before training: {num_val} held-out problems x {val_samples} samples")
         before = await _validate(model, task, val_scenarios, val_samples)
@@ -112,13 +118,13 @@ async def run_demo_async(
         paths.plots_dir / "reward.png",
         metrics=("train/reward", "val/reward"),
         overlay=True,
-        title=f"tempering demo: {DEFAULT_BASE_MODEL} on addition",
+        title=f"tempering demo: {base_model} on {task_name}",
     )
     result.seconds = time.perf_counter() - start
     return result
 
 
-async def _sequential(model: TrainableModel, task: AdditionTask, result: DemoResult, *, steps: int,
+async def _sequential(model: TrainableModel, task: AdditionTask | RepeatWordTask, result: DemoResult, *, steps: int,
                       groups_per_step: int, group_size: int, config: TrainConfig, seed: int, held_out: set[Scenario],
                       val: tuple[list[Scenario], int, int], echo: Callable[[str], None]) -> None:
     """The explicit loop: gather a step's groups, train on them, validate every `val_every` steps."""
@@ -140,7 +146,8 @@ async def _sequential(model: TrainableModel, task: AdditionTask, result: DemoRes
             echo(f"  val/reward after step {step + 1} = {result.val_reward_after:.3f}")
 
 
-async def _pipelined(model: TrainableModel, backend: LocalBackend, task: AdditionTask, result: DemoResult, *,
+async def _pipelined(model: TrainableModel, backend: LocalBackend, task: AdditionTask | RepeatWordTask,
+                     result: DemoResult, *,
                      steps: int, groups_per_step: int, group_size: int, config: TrainConfig, max_staleness: int,
                      seed: int, held_out: set[Scenario], val: tuple[list[Scenario], int, int],
                      echo: Callable[[str], None]) -> None:

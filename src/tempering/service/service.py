@@ -47,6 +47,7 @@ from ..chat import ChatRenderer, TurnCache
 from ..engine import Engine, EngineConfig, HFEngine, Policy, SamplingParams, engine_model_for
 from ..engine.grammar import GrammarCompiler
 from ..engine.memory import release_free_memory
+from ..engine.models import fallback_reason
 from ..errors import ConfigError, DistributedError, TrajectoryError, UnknownModelError
 from ..parallel import Router, WorkerLink
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
@@ -187,9 +188,14 @@ class ModelService:
         self.router = Router([*([self._submit_local] if self.serves else []), *remote]) if remote else None
 
     def _make_engine(self, config: EngineConfig) -> Engine | HFEngine:
-        """tempering's engine when it has model code for the architecture, else the transformers one."""
-        decoder = engine_model_for(self.model, self.max_seq_len)
+        """tempering's engine when it has model code for the architecture, else the transformers one
+        (a log line says which serves the model, and why)."""
+        arch = type(self.model).__name__
+        reason = fallback_reason(self.model, self.max_seq_len)
+        decoder = engine_model_for(self.model, self.max_seq_len) if reason is None else None
         if decoder is None:
+            log.warning("%s (%s, %s): served by the transformers fallback engine (HFEngine, static batches), "
+                        "because %s", self.paths.name, self.base_model, arch, reason)
             return HFEngine(
                 self.model,
                 self.tokenizer,
@@ -198,6 +204,8 @@ class ModelService:
                 max_batch_size=min(config.max_num_seqs, 64),
                 max_seq_len=self.max_seq_len,
             )
+        log.info("%s (%s, %s): served by tempering's engine (%s: paged KV cache, continuous batching, live LoRA)",
+                 self.paths.name, self.base_model, arch, type(decoder).__name__)
         return Engine(
             decoder,
             self.tokenizer,

