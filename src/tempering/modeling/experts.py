@@ -8,8 +8,9 @@ sums the outputs weighted by those probabilities. Transformers 5 stores the expe
 
 The flat (token, slot) pairs are sorted by expert, so each expert's rows are contiguous, and every
 projection is ONE grouped GEMM over all experts (`torch._grouped_mm` with the experts' row
-offsets on the device: no host sync, so CUDA graphs can capture it). The CPU twin loops over the
-experts' contiguous row ranges; tests check both against each other and against transformers.
+offsets on the device: no host sync, so CUDA graphs can capture it; on CPU, torch's fallback of
+the same op where it has one). The twin loops over the experts' contiguous row ranges (older
+torch, fp32 on CUDA); tests check both against each other and against transformers.
 Nothing here is [tokens, experts, hidden]: the largest tensor is [tokens · k, 2I].
 
 LoRA on a stacked parameter is PEFT's `ParamWrapper` (`target_parameters`; PEFT converts the
@@ -28,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +38,30 @@ __all__ = ["ExpertBatch", "ExpertLoRA", "MoEDelta", "collect_expert_lora", "expe
            "route", "routing_dtype", "sort_by_expert", "sparse_moe"]
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+@functools.cache
+def _grouped_mm_on_cpu() -> bool:
+    """Whether this torch has the CPU fallback of `torch._grouped_mm` (2.9+; several times faster than a loop)."""
+    if not HAS_GROUPED_MM:
+        return False
+    try:
+        torch._grouped_mm(torch.ones(2, 8), torch.ones(2, 8, 8).transpose(1, 2), offs=torch.tensor([1, 2], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _impl_for(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The `grouped_linear` implementation for "auto": grouped_mm on CUDA in bf16 (its kernels) and
+    on CPU where torch has its fallback, when every row is 16-byte aligned (as it requires); the
+    per-expert loop otherwise."""
+    aligned = (x.shape[1] * x.element_size()) % 16 == 0 and (weight.shape[1] * weight.element_size()) % 16 == 0
+    if not aligned:
+        return "loop"
+    if x.is_cuda:
+        return "grouped_mm" if HAS_GROUPED_MM and x.dtype == torch.bfloat16 else "loop"
+    return "grouped_mm" if _grouped_mm_on_cpu() else "loop"
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
@@ -116,15 +143,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, batch: ExpertBatch, *,
         x: [M, in], rows sorted by expert (`sort_by_expert`).
         weight: [E, out, in] (the nn.Linear layout of each expert).
         batch: the sorted layout.
-        impl: "grouped_mm" (one `torch._grouped_mm`: CUDA, and torch's CPU fallback, which tests
-            use), "loop" (the CPU twin: one matmul per expert with rows, needs `batch.counts`),
-            or "auto" (grouped_mm on CUDA in bf16, else loop).
+        impl: "grouped_mm" (one `torch._grouped_mm`: CUDA kernels, or torch's CPU fallback), "loop"
+            (the twin: one matmul per expert with rows, reading the counts on the host), or "auto"
+            (`_impl_for`).
 
     Returns:
         [M, out] in x's dtype; differentiable in x and weight.
     """
     if impl == "auto":
-        impl = "grouped_mm" if x.is_cuda and HAS_GROUPED_MM and x.dtype == torch.bfloat16 else "loop"
+        impl = _impl_for(x, weight)
     if impl == "grouped_mm":
         # weight[e]^T is a column-major [in, out] view of the row-major [out, in]: the layout the kernel wants
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=batch.offsets)
@@ -240,16 +267,14 @@ def sparse_moe(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, dow
         silu_and_mul: [M, 2I] → [M, I] (the caller's kernel).
         deltas: the adapters' expert LoRAs.
         replay: [N, k] expert ids to route to instead (see `route`), or None.
-        impl: `grouped_linear`'s.
+        impl: `grouped_linear`'s, for every projection.
 
     Returns:
         (out [N, H] in h's dtype, ids [N, k] int64 the experts used).
     """
     N, H = h.shape
     weights, ids = route(F.linear(h, router), top_k, normalize, replay)  # [N, k] each
-    if impl == "auto":
-        impl = "grouped_mm" if h.is_cuda and HAS_GROUPED_MM and h.dtype == torch.bfloat16 else "loop"
-    batch = sort_by_expert(ids, router.shape[0], host_counts=impl == "loop")
+    batch = sort_by_expert(ids, router.shape[0], host_counts=not h.is_cuda)  # a sync only where it costs nothing
     xs = h[batch.token]  # [M, H], M = N·k rows sorted by expert
     y = grouped_linear(xs, gate_up, batch, impl=impl)  # [M, 2I]
     for d in deltas:

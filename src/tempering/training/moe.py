@@ -3,7 +3,7 @@
 Attention is the Llama family's (decoder.py: fused q/k/v with their LoRAs in one GEMM, q/k norm,
 rotary, varlen attention over the packed row). A sparse MoE block runs modeling/experts.py's
 `sparse_moe`: the router's softmax and top-k, the tokens sorted by expert, each expert
-projection as one grouped GEMM (`torch._grouped_mm` on a GPU, a loop over experts on CPU)
+projection as one grouped GEMM (`torch._grouped_mm`; a loop over experts where torch lacks it)
 and each expert's LoRA (PEFT `target_parameters`, rank r per expert) as two more; no tensor is
 [tokens, experts, hidden]. Layers are recomputed in the backward pass when checkpointing.
 

@@ -4,7 +4,7 @@ The attention is Qwen3's (fused q/k/v, RMSNorm on each head's q and k, rotary, p
 LoRA on q/k/v and o), with the same building blocks as the Llama family (llama.py). The MLP of
 most layers is a sparse MoE block (modeling/experts.py): router softmax, top-k experts with
 renormalized weights, the experts' SwiGLU as grouped GEMMs over the tokens sorted by expert
-(`torch._grouped_mm` on CUDA, a loop over experts on CPU), and the live adapter's rank-r LoRA
+(`torch._grouped_mm`; a loop over experts where torch lacks it), and the live adapter's rank-r LoRA
 on each expert's gate/up and down as two more grouped GEMMs each. Layers named in
 `mlp_only_layers` (or off `decoder_sparse_step`) keep a dense SwiGLU MLP.
 
