@@ -41,27 +41,25 @@ HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 @functools.cache
-def _grouped_mm_on_cpu() -> bool:
-    """Whether this torch has the CPU fallback of `torch._grouped_mm` (2.9+; several times faster than a loop)."""
-    if not HAS_GROUPED_MM:
+def _has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs on this device and dtype: its CUDA kernels (bf16; Hopper and
+    newer in some torch releases) or its CPU fallback (torch 2.9+, several times faster than a loop)."""
+    if not HAS_GROUPED_MM or (device.type == "cuda" and dtype != torch.bfloat16):
         return False
     try:
-        torch._grouped_mm(torch.ones(2, 8), torch.ones(2, 8, 8).transpose(1, 2), offs=torch.tensor([1, 2], dtype=torch.int32))
+        a = torch.ones(2, 8, dtype=dtype, device=device)
+        b = torch.ones(2, 8, 8, dtype=dtype, device=device).transpose(1, 2)
+        torch._grouped_mm(a, b, offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
     except (RuntimeError, NotImplementedError):
         return False
     return True
 
 
 def _impl_for(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """The `grouped_linear` implementation for "auto": grouped_mm on CUDA in bf16 (its kernels) and
-    on CPU where torch has its fallback, when every row is 16-byte aligned (as it requires); the
-    per-expert loop otherwise."""
+    """The `grouped_linear` implementation for "auto": grouped_mm where torch has it for this device
+    and dtype and every row is 16-byte aligned (as it requires); the per-expert loop otherwise."""
     aligned = (x.shape[1] * x.element_size()) % 16 == 0 and (weight.shape[1] * weight.element_size()) % 16 == 0
-    if not aligned:
-        return "loop"
-    if x.is_cuda:
-        return "grouped_mm" if HAS_GROUPED_MM and x.dtype == torch.bfloat16 else "loop"
-    return "grouped_mm" if _grouped_mm_on_cpu() else "loop"
+    return "grouped_mm" if aligned and _has_grouped_mm(x.device, x.dtype) else "loop"
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
@@ -286,5 +284,5 @@ def sparse_moe(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, dow
         if d.down is not None:
             y = _add_delta_(y, act, d.down, batch, d.rows, impl)
     y = y[batch.inverse].view(N, top_k, H)  # back to token order
-    out = (y * weights.to(h.dtype)[:, :, None]).sum(dim=1)  # [N, H]
+    out = torch.bmm(weights.to(h.dtype)[:, None, :], y)[:, 0]  # [N, H]: Σ_j w_j y_j, no [N, k, H] product
     return out, ids

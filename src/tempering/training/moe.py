@@ -50,7 +50,8 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 def expert_target_modules(model: Any, target_modules: list[str]) -> list[str]:
     """The target modules naming expert projections that a model stores as stacked parameters
     (PEFT maps them onto those parameters); empty for a dense model."""
-    has_stacked = any(hasattr(m, "gate_up_proj") and getattr(m, "gate_up_proj").dim() == 3 for m in model.modules())
+    has_stacked = any(isinstance(w := getattr(m, "gate_up_proj", None), torch.Tensor) and w.dim() == 3
+                      for m in model.modules())  # (Phi-3's gate_up_proj is an nn.Linear)
     return [m for m in target_modules if m in EXPERT_PROJECTIONS] if has_stacked else []
 
 
