@@ -34,8 +34,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ExpertBatch", "ExpertLoRA", "MoEDelta", "collect_expert_lora", "experts_of", "grouped_linear", "is_moe_layer",
-           "route", "routing_dtype", "sort_by_expert", "sparse_moe"]
+__all__ = ["ExpertBatch", "ExpertLoRA", "MoEDelta", "collect_expert_lora", "experts_of", "grouped_linear",
+           "is_moe_layer", "route", "routing_dtype", "sort_by_expert", "sparse_moe"]
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 

@@ -20,6 +20,8 @@ transformers 5 the experts are stacked parameters, and PEFT (0.21) turns gate_pr
 into one LoRA on `experts.gate_up_proj` of rank 2r (alpha 2·alpha: the same scale) and down_proj
 into one on `experts.down_proj` of rank r, each expert with its own A and B (`ParamWrapper`).
 `expert_target_modules` keeps those names in the list PEFT gets although no module carries them.
+(PEFT moves those names to the experts altogether: the dense MLP of a layer in `mlp_only_layers`
+then gets no LoRA. Qwen3-30B-A3B has none; the forward below covers such layers either way.)
 """
 
 from __future__ import annotations
@@ -120,8 +122,8 @@ class MoEPackedDecoder(PackedDecoder):
         views, fused = [], []
         for i, layer in enumerate(hf_layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias, slices["qkv"] = fuse_linears(
-                [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)], ["q_proj", "k_proj", "v_proj"])
+            qkv_parts = [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)]
+            qkv, qkv_bias, slices["qkv"] = fuse_linears(qkv_parts, ["q_proj", "k_proj", "v_proj"])
             if is_moe_layer(config, i):
                 fused.append((qkv, qkv_bias, None, None))
                 views.append(_AttentionOnly(attn))
@@ -150,11 +152,12 @@ class MoEPackedDecoder(PackedDecoder):
                            down=experts.down_proj, experts=collect_expert_lora(mlp.experts, adapter))
                 num_moe += 1
             else:
-                moe = dict(moe_index=-1, router=None, gate_up=gate_up, down=base_layer(mlp.down_proj).weight, experts={})
+                down = base_layer(mlp.down_proj).weight
+                moe = dict(moe_index=-1, router=None, gate_up=gate_up, down=down, experts={})
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias, q_norm=attn.q_norm.weight,
-                k_norm=attn.k_norm.weight, o=o_proj.weight, o_bias=o_proj.bias, post_norm=layer.post_attention_layernorm.weight,
-                lora=lora, window=_sliding_window(config, i), **moe,
+                k_norm=attn.k_norm.weight, o=o_proj.weight, o_bias=o_proj.bias,
+                post_norm=layer.post_attention_layernorm.weight, lora=lora, window=_sliding_window(config, i), **moe,
             ))
         self.num_moe_layers = num_moe
         self.ops = ops_for(self.final_norm.device)
@@ -166,7 +169,9 @@ class MoEPackedDecoder(PackedDecoder):
         hf = peft_model.get_base_model()
         if not _is_covered(hf.config) and type(hf).__name__ not in ARCHITECTURES:
             return None
-        if getattr(hf.config, "hidden_act", "silu") != "silu" or getattr(peft_model.peft_config[adapter], "use_dora", False):
+        if getattr(hf.config, "hidden_act", "silu") != "silu":
+            return None
+        if getattr(peft_model.peft_config[adapter], "use_dora", False):
             return None
         try:
             return cls(peft_model, adapter)
@@ -200,7 +205,8 @@ class MoEPackedDecoder(PackedDecoder):
             replay = routed_experts[:, layer.moe_index] if routed_experts is not None and layer.moe_index >= 0 else None
             args = (layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys, delta, replay)
             if recompute:
-                x = checkpoint(_Recomputable(self._layer), *args, use_reentrant=False, preserve_rng_state=self.has_dropout)
+                x = checkpoint(_Recomputable(self._layer), *args, use_reentrant=False,
+                               preserve_rng_state=self.has_dropout)
             else:
                 x = self._layer(*args)
         return self.ops.rms_norm(x, self.final_norm, self.eps)

@@ -602,7 +602,8 @@ class Trainer:
     def _row_hidden(self, row: Row, lora: bool) -> torch.Tensor:
         """Final hidden states [T, H] of a row (`lora=False`: the base model's)."""
         if self.decoder is not None:
-            replay = {"routed_experts": row.routed_experts} if row.routed_experts is not None else {}  # MoE only
+            moe = isinstance(self.decoder, MoEPackedDecoder) and row.routed_experts is not None
+            replay = {"routed_experts": row.routed_experts} if moe else {}  # the experts the sampler routed to
             return self.decoder(row.input_ids, row.position_ids, row.cu_seq_lens, row.max_seq_len, keys=row.keys,
                                 lora=lora, checkpointing=self._checkpointing, **replay)
         with contextlib.nullcontext() if lora else self.peft_model.disable_adapter():

@@ -24,8 +24,8 @@ def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 
     archs = list(getattr(config, "architectures", None) or [type(hf_model).__name__])
     if "Qwen3MoeForCausalLM" in archs or type(hf_model).__name__ == "Qwen3MoeForCausalLM":
         if not rope_is_static(config):
-            log.warning("the tempering engine does not support rope scaling %r; falling back to the transformers engine",
-                        getattr(config, "rope_scaling", None))
+            log.warning("the tempering engine does not support rope scaling %r; falling back to the transformers "
+                        "engine", getattr(config, "rope_scaling", None))
             return None
         if getattr(config, "sliding_window", None) and config.sliding_window < max_positions:
             log.warning("sliding-window attention is not supported; falling back to the transformers engine")

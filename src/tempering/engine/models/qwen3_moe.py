@@ -130,8 +130,8 @@ class Qwen3MoeModel:
         num_moe = 0
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias, qkv_slices = fuse_linears(
-                [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)], ["q_proj", "k_proj", "v_proj"])
+            qkv_parts = [base_layer(attn.q_proj), base_layer(attn.k_proj), base_layer(attn.v_proj)]
+            qkv, qkv_bias, qkv_slices = fuse_linears(qkv_parts, ["q_proj", "k_proj", "v_proj"])
             if is_moe_layer(config, i):
                 experts = experts_of(mlp)
                 moe, moe_index, router = mlp, num_moe, mlp.gate.weight
@@ -145,8 +145,9 @@ class Qwen3MoeModel:
                 self.hf_layers.append(layer)
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias, q_norm=attn.q_norm.weight,
-                k_norm=attn.k_norm.weight, o=base_layer(attn.o_proj).weight, post_norm=layer.post_attention_layernorm.weight,
-                moe=moe, moe_index=moe_index, router=router, gate_up=gate_up, down=down,
+                k_norm=attn.k_norm.weight, o=base_layer(attn.o_proj).weight,
+                post_norm=layer.post_attention_layernorm.weight, moe=moe, moe_index=moe_index, router=router,
+                gate_up=gate_up, down=down,
             ))
         I = config.intermediate_size
         self.fused_slices = {"qkv": qkv_slices,
@@ -176,7 +177,8 @@ class Qwen3MoeModel:
     def _shadows(self, adapter: EngineAdapter) -> _ExpertShadows:
         shadows = getattr(adapter, "expert_shadows", None)
         if shadows is None:  # kept with the adapter: graphs captured for it read these tensors
-            shadows = adapter.expert_shadows = _ExpertShadows([lay.moe for lay in self.layers], adapter.name, self.dtype)
+            shadows = _ExpertShadows([lay.moe for lay in self.layers], adapter.name, self.dtype)
+            adapter.expert_shadows = shadows
         return shadows
 
     def bind_lora(self, lora: list[LoRASegment], num_rows: int) -> bool:
