@@ -75,6 +75,11 @@ def test_the_whole_loop_runs_on_a_qwen3_moe_directory_with_routing_replay(tmp_pa
             plain = await client.with_options(default_headers={"X-Return-Routed-Experts": "false"}).chat.completions.create(
                 model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
             assert getattr(plain.choices[0], "routed_experts", None) is None  # not in the payload unless asked for
+            stream = await client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "Hi"}],
+                                                          max_tokens=3, stream=True)
+            streamed = [c.choices[0] async for c in stream if c.choices]
+            ids = streamed[0].prompt_token_ids + [t for c in streamed for t in (getattr(c, "token_ids", None) or [])]
+            assert decode_routed_experts(streamed[-1].routed_experts).shape[0] == len(ids) - 1  # in the last chunk
 
             service = backend.hub.service(model.name)
             assert isinstance(service.engine.model, Qwen3MoeModel)  # tempering's own engine, not the fallback

@@ -168,3 +168,35 @@ def test_tokenize_keeps_a_later_turns_routing_for_the_merged_sequence_and_packin
 
     padded = micro.row(RowShape.bucket(micro))
     assert padded.routed_experts.shape[0] == padded.input_ids.shape[0] and (padded.routed_experts[14:] == -1).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moe_rows_replay_from_cuda_graphs_like_eager_rows_with_routed_experts():
+    """On a GPU (bf16, grouped GEMMs with device offsets): a row with routed experts to replay is
+    captured and replayed from a CUDA graph, giving the eager run's loss statistics and LoRA gradients,
+    after the adapter changed in place."""
+    from tempering.training.objective import rl_objective
+    from tempering.types import TrainConfig
+
+    model = tiny_moe(torch.bfloat16, hidden_size=128, moe_intermediate_size=64, head_dim=32).cuda()
+    trainer = trainer_for(model, rank=8)
+    config = TrainConfig(learning_rate=1e-3, micro_batch_tokens=1024)
+    g = torch.Generator().manual_seed(3)
+    seqs = sequences(trainer.model.config.vocab_size, lengths=(120, 77, 41))
+    for s in seqs:  # k distinct experts per token and MoE layer, as a sampler routes them
+        s.routed_experts = torch.rand(len(s), 2, 8, generator=g).argsort(-1)[..., :2].to(torch.int16).numpy()
+        s.routed_experts[-1] = -1
+    trainer.step(seqs, config)  # captures this shape's graph, then updates the adapter in place
+    assert trainer.rows.capture_error is None and trainer.rows.num_captures >= 1
+    objective = lambda row: rl_objective(trainer._row_logprobs, row, config)
+    [micro] = pack_sequences(seqs, max_tokens=1024, weights=[0.01] * len(seqs))
+    out = []
+    for capture in (True, True, False):  # capture (with its eager warm-up), replay, plain eager
+        trainer.rows.begin_update()
+        with trainer._forward_mode(True):
+            stats = trainer.rows.run(micro, objective, ("probe",), capture=capture, pad=True).clone()
+        out.append((stats, [gr.clone() for gr in trainer.rows.grads]))
+    for stats, grads in out[1:]:
+        torch.testing.assert_close(stats, out[0][0], rtol=1e-3, atol=1e-4)
+        for a, b in zip(grads, out[0][1]):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-5)
