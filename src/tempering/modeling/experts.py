@@ -26,10 +26,9 @@ so the trainer computes the function the engine sampled from.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
-
-import functools
 
 import torch
 import torch.nn.functional as F
