@@ -105,6 +105,9 @@ class Model(BaseModel):
                 timeout=1200.0,
                 max_retries=2,
                 http_client=capturing_http_client(),
+                # a trained mixture of experts' choices carry the experts they were routed to, for routing
+                # replay in training (a tempering server extension; other servers ignore the header)
+                default_headers={"X-Return-Routed-Experts": "true"} if self.trainable else None,
             )
         return self._openai_client
 

@@ -346,6 +346,10 @@ class TrainConfig(BaseModel):
     forced (it allowed only that token; `choice.grammar_forced`). The model made no decision
     there. Keep the default (False) to train on them too, e.g. when a guided choice forces a
     teacher's answer on the student (ART's `guided_completion`), where they are the whole signal.
+
+    Mixture of experts (Qwen3-MoE): with `moe_routing_replay` (default) each token is routed to
+    the experts the sampler routed it to (`choice.routed_experts`, which `model.openai_client()`
+    asks for), as ART's Megatron backend does; False lets the trainer route by itself (to compare).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -372,6 +376,9 @@ class TrainConfig(BaseModel):
     decoupled: bool = Field(default=False, description="clip against the current weights, weight by π_prox/π_sampled (AReaL)")
     exclude_forced_tokens: bool = Field(
         default=False, description="leave tokens a grammar forced (structured outputs: the only allowed token) out of the loss")
+    moe_routing_replay: bool = Field(
+        default=True, description="mixture of experts: route each token to the experts the sampler chose for it "
+                                  "(`choice.routed_experts`), so the trainer computes the function that sampled")
     gradient_checkpointing: bool = True
     cuda_graphs: bool = Field(default=True, description="on a GPU, replay each row's forward/backward from a CUDA graph")
     logprob_chunk_size: int = Field(default=1024, ge=16)

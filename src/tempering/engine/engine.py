@@ -43,6 +43,7 @@ from .memory import release_free_memory
 from .model_runner import LaunchedStep, ModelRunner, SampledTokens
 from .models import LlamaFamilyModel
 from .request import Completion, GenerationRequest, Policy, TokenCallback, new_request
+from .routing import token_slots
 from .sampling_params import SamplingParams, row_seed
 from .scheduler import Scheduler
 from .sequence import PENDING, Sequence
@@ -109,6 +110,7 @@ class Engine:
         self._inbox: collections.deque[GenerationRequest] = collections.deque()
         self._aborts: collections.deque = collections.deque()  # futures of requests to stop
         self._pending: dict[int, list[Sequence]] = {}  # id(request) -> its sequences
+        self._awaiting: list[list[Sequence]] = []  # finished requests whose routed experts are still being copied
         self._cond = threading.Condition()
         self._closed = False
         self._rng = random.Random()
@@ -335,6 +337,8 @@ class Engine:
         elif newest is None and older is None:
             raise EngineError("the scheduler could not place any request (KV cache too small?)")
         self._to_collect, self._in_flight = newest, launched
+        if self._awaiting:  # nothing left in flight: wait for the copies now (the device is idle anyway)
+            self._complete_awaiting(wait=newest is None and launched is None)
 
     def _mask_worker(self) -> MaskWorker:
         """The helper thread that fills grammar bitmasks (started on first use)."""
@@ -345,6 +349,7 @@ class Engine:
     def _process(self, sampled: SampledTokens) -> None:
         """Fill in a collected step's tokens; finish the samples that end with them."""
         tops = sampled.top
+        finished: list[Sequence] = []
         for j, seq in enumerate(sampled.seqs):
             if seq.is_finished:  # ended at an earlier token; this one was computed for nothing
                 continue
@@ -364,22 +369,50 @@ class Engine:
             if seq.finish_reason is not None:
                 del seq.token_ids[index + 1:]  # a token launched after this one
                 seq.num_pending = 0
+                finished.append(seq)
+                if seq.request.params.return_routed_experts and self.runner.routing is not None:
+                    # the slots of every token that was an input, read before its blocks are freed
+                    seq.routing = token_slots(seq.block_table, len(seq.token_ids) - 1, self.runner.block_size)
                 self.scheduler.finish(seq)
                 self.runner.release(seq)
-                self._maybe_complete(seq.request)
+        routed = [s for s in finished if s.routing is not None]
+        if routed:  # one gather for the step, queued before any later step can reuse the freed blocks
+            pending = self.runner.routing.gather([s.routing for s in routed])
+            for i, s in enumerate(routed):
+                s.routing = (pending, i)
+        for seq in finished:
+            self._maybe_complete(seq.request)
 
     def _maybe_complete(self, request: GenerationRequest) -> None:
-        seqs = self._pending[id(request)]
-        if not all(s.is_finished for s in seqs):
+        seqs = self._pending.get(id(request))
+        if seqs is None or not all(s.is_finished for s in seqs):  # None: completed at an earlier sample
             return
         del self._pending[id(request)]
-        completions = [
-            completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params, self.tokenizer,
-                          forced=s.forced if s.grammar is not None else None,
-                          policy_versions=s.policy_versions)
-            for s in seqs
-        ]
-        request.future.set_result(completions)
+        if any(s.routing is not None and not s.routing[0].ready() for s in seqs):
+            self._awaiting.append(seqs)  # completed once the copy of its routed experts is done
+            return
+        self._complete(seqs)
+
+    def _complete(self, seqs: list[Sequence]) -> None:
+        completions = []
+        for s in seqs:
+            c = completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params,
+                              self.tokenizer, forced=s.forced if s.grammar is not None else None,
+                              policy_versions=s.policy_versions)
+            if s.routing is not None:
+                c.routed_experts = s.routing[0].array(s.routing[1])
+            completions.append(c)
+        seqs[0].request.future.set_result(completions)
+
+    def _complete_awaiting(self, *, wait: bool) -> None:
+        """Complete the requests whose routed experts reached the host (all of them when `wait`)."""
+        still = []
+        for seqs in self._awaiting:
+            if wait or all(s.routing is None or s.routing[0].ready() for s in seqs):
+                self._complete(seqs)
+            else:
+                still.append(seqs)
+        self._awaiting = still
 
     def _fail_all(self, error: EngineError) -> None:
         self._in_flight = self._to_collect = None
@@ -391,4 +424,8 @@ class Engine:
             if not seqs[0].request.future.done():
                 seqs[0].request.future.set_exception(error)
         self._pending.clear()
+        for seqs in self._awaiting:
+            if not seqs[0].request.future.done():
+                seqs[0].request.future.set_exception(error)
+        self._awaiting = []
         self.blocks.forget_cached()  # blocks of the failed step may hold garbage

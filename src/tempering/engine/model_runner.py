@@ -156,6 +156,9 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
         shape = (model.num_layers, 2, self.num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        # a mixture of experts records each cached token's experts beside its K/V (routing.py)
+        allocate_routing = getattr(model, "allocate_routing", None)
+        self.routing = allocate_routing(self.num_blocks * self.block_size) if allocate_routing is not None else None
         self.use_varlen = self.is_cuda and HAS_VARLEN
         self.max_blocks_per_seq = -(-max_seq_len // self.block_size)
         self.tables = np.zeros((64, self.max_blocks_per_seq), dtype=np.int32)  # row per live sequence
@@ -178,7 +181,8 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         m = self.model
-        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * m.embed.element_size()
+        kv = m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * m.embed.element_size()
+        return kv + self.block_size * getattr(m, "routing_bytes_per_token", 0)
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type == "cuda":

@@ -6,7 +6,7 @@ import concurrent.futures
 import contextlib
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from .sampling_params import SamplingParams
 
@@ -63,6 +63,9 @@ class Completion:
             only that token; None for a free sample.
         policy_versions: per sampled token, the policy version of the weights that sampled it
             (a sample that spans a training step has two).
+        routed_experts: for a mixture of experts, when asked for (`SamplingParams.return_routed_experts`):
+            [P + C - 1, moe_layers, k] uint8 (int16 past 256 experts) numpy array, the experts each
+            token of prompt + completion but the last was routed to; None otherwise.
     """
 
     token_ids: list[int]
@@ -73,6 +76,7 @@ class Completion:
     logprob_temperature: float
     forced: list[bool] | None = None
     policy_versions: list[int] = field(default_factory=list)
+    routed_experts: Any = None
 
 
 TokenCallback = Callable[[int, int, float, list[tuple[int, float]]], None]

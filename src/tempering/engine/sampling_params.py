@@ -34,6 +34,8 @@ class SamplingParams:
         ignore_eos: keep sampling past end-of-turn ids (benchmarks).
         num_top_logprobs: how many most likely alternatives to return per token (0-20).
         grammar: a compiled grammar (engine/grammar) every sample must follow, or None.
+        return_routed_experts: a mixture of experts returns each token's experts per MoE layer
+            (`Completion.routed_experts`, for routing replay in training).
 
     Raises:
         ConfigError: for out-of-range values.
@@ -49,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     num_top_logprobs: int = 0
     grammar: CompiledGrammar | None = None
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

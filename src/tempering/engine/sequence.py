@@ -59,6 +59,7 @@ class Sequence:
     num_table_synced: int = 0  # entries of block_table already in that row
     grammar: Any = None  # engine.grammar.GrammarMatcher | None
     forced: list[bool] = field(default_factory=list)
+    routing: Any = None  # (routing.PendingRouting, index) once finished, when the request asked for its experts
 
     @classmethod
     def from_request(cls, request: GenerationRequest, sample_index: int, seed: int, max_tokens: int) -> Sequence:

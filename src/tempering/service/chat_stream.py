@@ -107,7 +107,8 @@ async def sse_chat_stream(
             the request did not ask for logprobs (`logprobs` is then null in every chunk).
         finish: (choice index, Completion) → the choice's final message dict (content and tool
             calls, as without streaming) and finish reason: {"message": ..., "finish_reason": ...},
-            with "grammar_forced" for a constrained choice (sent in its last chunk).
+            with "grammar_forced" for a constrained choice and "routed_experts" when asked for
+            (sent in its last chunk).
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -152,7 +153,7 @@ async def sse_chat_stream(
             rest = states[i].rest(message.get("content"))
             if rest:
                 delta["content"] = rest
-            extra = {"grammar_forced": final["grammar_forced"]} if "grammar_forced" in final else {}
+            extra = {k: final[k] for k in ("grammar_forced", "routed_experts") if k in final}
             yield event([{"index": i, "delta": delta, "logprobs": None, "finish_reason": final["finish_reason"],
                           "logprob_temperature": completion.logprob_temperature,
                           "policy_versions": completion.policy_versions, **extra}])

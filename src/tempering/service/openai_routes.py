@@ -13,6 +13,11 @@ Besides the OpenAI fields, every choice carries what training needs:
   before top-k/top-p truncation (T = 1 for greedy requests);
 - `policy_versions`: per sampled token, the policy version (training step) of the weights that
   sampled it; a sample of `model.name` that spans a training step has two.
+- `routed_experts` (a mixture of experts, only when asked for: `return_routed_experts=true` in the
+  body, as vLLM and SGLang name it, or the header `X-Return-Routed-Experts: true`, which
+  `model.openai_client()` sends): the experts each token of prompt + completion but the last was
+  routed to in each MoE layer, base64 of a [tokens - 1, layers, k] array
+  (modeling/routing_format.py); training replays them (`TrainConfig.moe_routing_replay`).
 
 With `tools`, the model's `<tool_call>{...}</tool_call>` text becomes OpenAI `tool_calls` with
 `finish_reason="tool_calls"` (a malformed call stays plain content). `tool_choice` "auto"
@@ -49,6 +54,7 @@ from ..chat.tools import TOOL_CALL_END, forced_prefix, parse_tool_calls
 from ..engine import Completion, SamplingParams
 from ..engine.grammar import CompiledGrammar, GrammarSpec, llguidance_installed
 from ..errors import ConfigError, UnknownModelError
+from ..modeling.routing_format import encode_routed_experts
 from .chat_stream import StreamState, sse_chat_stream
 from .registry import ServiceRegistry
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -126,6 +132,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
         params = _params(body, max_tokens, service.max_seq_len - len(prompt_ids), num_top, grammar)
+        params.return_routed_experts = _wants_routing(body, request)
         if tools and TOOL_CALL_END not in params.stop:
             params.stop = [*params.stop, TOOL_CALL_END]  # a call ends the turn; the engine hands back control
         decode = _token_decoder(service.tokenizer)
@@ -139,7 +146,8 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             # the model's own text of the turn (stop string included): how a later request renders it back
             raw = (prefix or "") + service.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             service.turns.remember(prompt_ids, c.token_ids, raw, content, [call.id for call in calls])
-            return {"message": message, "finish_reason": "tool_calls" if calls else c.finish_reason, **_forced(c)}
+            return {"message": message, "finish_reason": "tool_calls" if calls else c.finish_reason, **_forced(c),
+                    **_routed(c)}
 
         if body.stream:
             states = [StreamState(lambda ids: service.tokenizer.decode(ids, skip_special_tokens=True), prefix=prefix,
@@ -183,6 +191,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         num_top = body.logprobs or 0
         grammar = await _compiled(service, request_spec(body))
         params = _params(body, body.max_tokens or 16, service.max_seq_len - len(prompt_ids), num_top, grammar)
+        params.return_routed_experts = _wants_routing(body, request)
         results = await _generated(request, service, service.submit(prompt_ids, params, n=body.n, step=step))
         decode = _token_decoder(service.tokenizer)
         choices = []
@@ -198,6 +207,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
                 "logprob_temperature": c.logprob_temperature,
                 **_forced(c),
                 "policy_versions": c.policy_versions,
+                **_routed(c),
             })
         return _response("text_completion", body.model, choices, len(prompt_ids), results)
 
@@ -366,6 +376,19 @@ async def _compiled(service: Any, spec: GrammarSpec | None) -> CompiledGrammar |
 def _forced(c: Completion) -> dict[str, Any]:
     """`grammar_forced` of a constrained choice (per sampled token: the grammar allowed only it)."""
     return {"grammar_forced": c.forced} if c.forced is not None else {}
+
+
+def _routed(c: Completion) -> dict[str, Any]:
+    """`routed_experts` of a mixture-of-experts sample whose request asked for them."""
+    return {"routed_experts": encode_routed_experts(c.routed_experts)} if c.routed_experts is not None else {}
+
+
+ROUTED_EXPERTS_HEADER = "x-return-routed-experts"
+
+
+def _wants_routing(body: Any, request: Request) -> bool:
+    """Whether the request asks for `routed_experts` (body field, or the tempering client's header)."""
+    return body.return_routed_experts or request.headers.get(ROUTED_EXPERTS_HEADER, "").lower() in ("1", "true")
 
 
 def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar: CompiledGrammar | None = None) -> SamplingParams:

@@ -55,6 +55,8 @@ class _SamplingFields(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    return_routed_experts: bool = Field(
+        default=False, description="extension (vLLM, SGLang): a mixture of experts returns choice.routed_experts")
 
     @model_validator(mode="before")
     @classmethod

@@ -549,7 +549,8 @@ class ModelService:
             for i, trajectory in enumerate(group):
                 try:
                     per_trajectory.append(tokenize_trajectory(trajectory, self.renderer, max_seq_len=self.max_seq_len,
-                                                              exclude_forced_tokens=config.exclude_forced_tokens))
+                                                              exclude_forced_tokens=config.exclude_forced_tokens,
+                                                              routing_replay=config.moe_routing_replay))
                 except TrajectoryError as exc:
                     raise TrajectoryError(f"group {g}, trajectory {i}: {exc}") from None
             sequences_G.append(per_trajectory)

@@ -34,6 +34,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from .tokenize import TokenizedSequence
@@ -104,6 +105,9 @@ class Row:
         valid: [N] bool, False on padding.
         num_seqs: number of sequence indices (real sequences, plus one for padding when padded).
         num_valid: the real predictions (N without padding).
+        routed_experts: [T, L_moe, k] int16 experts each token was routed to when sampled (-1:
+            unknown, the model routes it itself), for a mixture of experts' routing replay; None
+            when no sequence of the row carries them.
     """
 
     input_ids: torch.Tensor
@@ -123,6 +127,7 @@ class Row:
     key_index: torch.Tensor | None = None
     cu_keys: torch.Tensor | None = None
     max_key_len: int = 0
+    routed_experts: torch.Tensor | None = None
 
     @property
     def keys(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
@@ -156,6 +161,7 @@ class MicroBatch:
         seq_index: int64, index of the token's sequence in `sequences` (-1 on a shared prompt).
         predictor: int64, the row position whose hidden state predicts the token (-1: none).
         cu_seq_lens: [S + 1] int32 cumulative segment lengths (0, len_0, len_0 + len_1, ...).
+        routed_experts: [T, L_moe, k] int16 (see `Row`), or None.
         max_seq_len: the longest segment.
         key_index, cu_keys, max_key_len: see `Row` (None, None, 0 without shared prompts).
         sequences: the packed TokenizedSequences, in row order.
@@ -187,6 +193,14 @@ class MicroBatch:
         predictor: list[int] = []
         segments: list[int] = []  # query segment lengths
         keys: list[tuple[int, int, int]] = []  # per segment: (its prompt's start, prompt length, its own start)
+        routed = next((s.routed_experts for s in self.sequences if s.routed_experts is not None), None)
+        routing: list[np.ndarray] = []  # pieces of routed_experts in row order (when some sequence has them)
+
+        def routing_of(s: TokenizedSequence, start: int, stop: int) -> np.ndarray:
+            if s.routed_experts is not None:
+                return s.routed_experts[start:stop]
+            return np.full((stop - start, *routed.shape[1:]), -1, dtype=np.int16)
+
         shared = False
         for prefix, members in groups:
             prompt_start = len(ids)
@@ -205,6 +219,8 @@ class MicroBatch:
                 predictor += [-1, *range(prompt_start, prompt_start + prefix - 1)]
                 segments.append(prefix)
                 keys.append((prompt_start, 0, prompt_start))
+                if routed is not None:  # the prompt's tokens as its first member computed them
+                    routing.append(routing_of(first, 0, prefix))
             for m in members:
                 s = self.sequences[m]
                 assert not any(s.loss_mask[:prefix]) and len(s) > prefix, "a shared prompt must hold no trained token"
@@ -221,6 +237,8 @@ class MicroBatch:
                 predictor += [prompt_start + prefix - 1 if prefix else -1, *range(start, start + n - 1)]
                 segments.append(n)
                 keys.append((prompt_start, prefix, start))
+                if routed is not None:
+                    routing.append(routing_of(s, prefix, len(s)))
         self.input_ids = _tensor(ids, "q")[None]
         self.position_ids = _tensor(positions, "q")[None]
         self.loss_mask = _tensor(mask, "b").bool()[None]
@@ -231,6 +249,7 @@ class MicroBatch:
         self.seq_index = _tensor(seq_index, "q")[None]
         self.predictor = _tensor(predictor, "q")[None]
         self.num_tokens = len(ids)
+        self.routed_experts = torch.from_numpy(np.concatenate(routing)) if routed is not None else None
         self.cu_seq_lens = torch.tensor([0] + segments, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         self.max_seq_len = max(segments)
         self.key_index = self.cu_keys = None
@@ -274,6 +293,7 @@ class MicroBatch:
             temperature=at_targets(self.temperature), weights=at_targets(self.token_weight),
             seq_index=at_targets(self.seq_index), valid=torch.ones(n, dtype=torch.bool), num_seqs=S, num_valid=n,
             key_index=self.key_index, cu_keys=self.cu_keys, max_key_len=self.max_key_len,
+            routed_experts=self.routed_experts,
         )
         if shape is None:
             return row
@@ -291,6 +311,9 @@ class MicroBatch:
         lengths = torch.tensor(segments, dtype=torch.int32).cumsum(0) if segments else torch.zeros(0, dtype=torch.int32)
         fill = shape.num_segments - num_real  # empty segments up to the static count
         row.input_ids = _pad(row.input_ids, shape.num_tokens, 0)
+        if row.routed_experts is not None:  # padding tokens route by themselves
+            tail = row.routed_experts.new_full((padding, *row.routed_experts.shape[1:]), -1)
+            row.routed_experts = torch.cat([row.routed_experts, tail])
         row.position_ids = torch.cat([row.position_ids, *positions])
         row.cu_seq_lens = torch.cat([row.cu_seq_lens, (lengths + T).to(torch.int32),
                                      torch.full((fill,), shape.num_tokens, dtype=torch.int32)])

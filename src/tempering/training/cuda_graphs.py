@@ -103,7 +103,7 @@ class RowGraphs:
         row = micro.row(shape)
         if not capture:
             return self._forward_backward(row.to(self.device), objective)
-        full_key = (shape, key)
+        full_key = (shape, key, row.routed_experts is not None)  # a graph reads routed experts or does not
         captured = self._graphs.get(full_key)
         if captured is None:
             return self._capture(full_key, row, objective)

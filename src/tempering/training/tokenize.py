@@ -23,6 +23,11 @@ token, whether the grammar allowed only that token. Those flags are kept per tok
 (`TokenizedSequence.forced`), and with `exclude_forced_tokens` such tokens leave the loss: the
 model made no choice there (under the constrained policy their probability is 1 whatever the
 weights), so they carry no signal about the decision the reward judged.
+
+A choice of a mixture of experts may carry `routed_experts` (modeling/routing_format.py): the
+experts each of its tokens but the last was routed to when it was sampled. They are kept per
+token (`TokenizedSequence.routed_experts`) so that the trainer routes the same way (routing
+replay); a later turn's choice covers the whole merged sequence, earlier turns included.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..chat import ChatRenderer
 from ..errors import TrajectoryError
+from ..modeling.routing_format import decode_routed_experts
 from ..types import Choice, History, Trajectory, choice_to_message
 
 __all__ = ["TokenizedSequence", "tokenize_trajectory"]
@@ -50,6 +58,8 @@ class TokenizedSequence:
         advantage: the trajectory's advantage, the same for all of its tokens.
         forced: [T] True where a sampled token was the only one its grammar allowed (structured
             outputs); None when no choice of the sequence was constrained.
+        routed_experts: [T, L_moe, k] int16, the experts each token was routed to when sampled
+            (-1 where unknown, e.g. the last token); None when no choice carried them.
     """
 
     token_ids: list[int]
@@ -60,6 +70,7 @@ class TokenizedSequence:
     group_index: int = 0
     trajectory_index: int = 0
     forced: list[bool] | None = None
+    routed_experts: np.ndarray | None = None
     num_completion_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -67,6 +78,7 @@ class TokenizedSequence:
             self.temperatures = [1.0] * len(self.token_ids)
         assert len(self.token_ids) == len(self.loss_mask) == len(self.sampled_logprobs) == len(self.temperatures)
         assert self.forced is None or len(self.forced) == len(self.token_ids)
+        assert self.routed_experts is None or len(self.routed_experts) == len(self.token_ids)
         self.num_completion_tokens = sum(self.loss_mask)
 
     def exclude_forced(self) -> None:
@@ -133,8 +145,32 @@ def grammar_forced(choice: Choice, num_tokens: int) -> list[bool] | None:
     return [bool(f) for f in forced]
 
 
-def _segments(history: History, renderer: ChatRenderer) -> list[tuple[list[int], list[int], list[float], float, list[bool] | None]]:
-    """(prompt ids, completion ids, completion logprobs, temperature, forced flags) of each trainable choice."""
+def routed_experts(choice: Choice, num_tokens: int) -> np.ndarray | None:
+    """The choice's routed experts as [num_tokens, L, k] int16 (its last row -1), or None.
+
+    Raises:
+        TrajectoryError: if they are malformed or not one row per token of prompt + completion but the last.
+    """
+    value = getattr(choice, "routed_experts", None)
+    if value is None:
+        return None
+    try:
+        ids = decode_routed_experts(value)
+    except ValueError as exc:
+        raise TrajectoryError(f"a Choice has {exc}") from exc
+    if len(ids) != num_tokens - 1:
+        raise TrajectoryError(f"a Choice of {num_tokens} prompt and completion tokens has routed experts for "
+                              f"{len(ids)}; expected {num_tokens - 1}")
+    return np.concatenate([ids, np.full((1, *ids.shape[1:]), -1, dtype=np.int16)])
+
+
+def _unknown_routing(like: np.ndarray, num_tokens: int) -> np.ndarray:
+    return np.full((num_tokens, *like.shape[1:]), -1, dtype=np.int16)
+
+
+def _segments(history: History, renderer: ChatRenderer) -> list[tuple[list[int], list[int], list[float], float,
+                                                                       list[bool] | None, Choice]]:
+    """(prompt ids, completion ids, completion logprobs, temperature, forced flags, the choice) of each trainable choice."""
     segments = []
     items = history.messages_and_choices
     for i, item in enumerate(items):
@@ -146,7 +182,8 @@ def _segments(history: History, renderer: ChatRenderer) -> list[tuple[list[int],
             earlier = [choice_to_message(m) if isinstance(m, Choice) else m for m in items[:i]]
             prompt = renderer.render_prompt(earlier, history.tools)
         temperature = float(getattr(item, "logprob_temperature", None) or 1.0)
-        segments.append(([int(t) for t in prompt], completion, logprobs, temperature, grammar_forced(item, len(completion))))
+        segments.append(([int(t) for t in prompt], completion, logprobs, temperature, grammar_forced(item, len(completion)),
+                         item))
     return segments
 
 
@@ -161,10 +198,11 @@ def has_assistant_turn(trajectory: Trajectory) -> bool:
 
 
 def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_seq_len: int,
-                        exclude_forced_tokens: bool = False) -> list[TokenizedSequence]:
+                        exclude_forced_tokens: bool = False, routing_replay: bool = True) -> list[TokenizedSequence]:
     """The training sequences of one trajectory (its main history and `additional_histories`).
 
-    With `exclude_forced_tokens`, tokens that a grammar forced get loss mask 0 (see the module doc).
+    With `exclude_forced_tokens`, tokens that a grammar forced get loss mask 0 (see the module doc);
+    with `routing_replay` (default), the choices' routed experts are kept for the trainer to replay.
 
     Returns:
         the sequences; none for a trajectory with no assistant turn at all (see the module doc).
@@ -177,9 +215,15 @@ def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_s
     sequences: list[TokenizedSequence] = []
     for history in trajectory.histories():
         current: TokenizedSequence | None = None
-        for prompt, completion, logprobs, temperature, forced in _segments(history, renderer):
+        for prompt, completion, logprobs, temperature, forced, choice in _segments(history, renderer):
+            routed = routed_experts(choice, len(prompt) + len(completion)) if routing_replay else None
             if current is not None and prompt[: len(current.token_ids)] == current.token_ids:
                 extra = prompt[len(current.token_ids):]
+                if routed is not None:  # this choice's routing covers the whole merged sequence
+                    current.routed_experts = routed
+                elif current.routed_experts is not None:
+                    current.routed_experts = np.concatenate(
+                        [current.routed_experts, _unknown_routing(current.routed_experts, len(extra) + len(completion))])
                 if forced is not None and current.forced is None:
                     current.forced = [False] * len(current.token_ids)
                 if current.forced is not None:
@@ -196,6 +240,7 @@ def tokenize_trajectory(trajectory: Trajectory, renderer: ChatRenderer, *, max_s
                 sampled_logprobs=[math.nan] * len(prompt) + logprobs,
                 temperatures=[1.0] * len(prompt) + [temperature] * len(completion),
                 forced=[False] * len(prompt) + forced if forced is not None else None,
+                routed_experts=routed,
             )
             sequences.append(current)
     if not sequences and has_assistant_turn(trajectory):

@@ -51,6 +51,7 @@ from .data_parallel import DataParallel
 from .decoder import PackedDecoder
 from .gemma3_decoder import Gemma3PackedDecoder
 from .logprobs import selective_logprobs
+from .moe import MoEPackedDecoder, expert_modules_of, expert_target_modules
 from .objective import STATS, histogram_quantile, rl_objective
 from .tokenize import TokenizedSequence
 
@@ -64,9 +65,13 @@ log = logging.getLogger("tempering")
 @contextlib.contextmanager
 def _quiet_peft() -> Iterator[None]:
     """Silence one FutureWarning: peft 0.21 reads `model.is_gradient_checkpointing`, which
-    transformers 5 deprecated in favour of `is_activation_checkpointing`."""
+    transformers 5 deprecated in favour of `is_activation_checkpointing`; and, for a mixture of
+    experts, the RuntimeWarning that the rank/alpha patterns PEFT itself adds for the fused
+    gate/up experts "did not match any targeted module" (they apply: they target a parameter)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r".*_pattern keys did not match any targeted module.*\.gate_up_proj",
+                                category=RuntimeWarning)
         yield
 
 
@@ -186,8 +191,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, fused=fused or None)
         self.num_updates = 0
         self.rng = random.Random(seed)
-        # our own forward for the Llama family and Gemma 3; None: run the transformers model (other architectures)
-        self.decoder = (PackedDecoder.maybe(peft_model, ADAPTER_NAME)
+        # our own forward for the Llama family, Gemma 3 and Qwen3-MoE; None: run the transformers model (other
+        # architectures)
+        self.decoder = (MoEPackedDecoder.maybe(peft_model, ADAPTER_NAME) or PackedDecoder.maybe(peft_model, ADAPTER_NAME)
                         or Gemma3PackedDecoder.maybe(peft_model, ADAPTER_NAME))
         log.info("training %s with %s", type(self.model).__name__,
                  f"tempering's packed forward ({type(self.decoder).__name__})" if self.decoder is not None
@@ -207,9 +213,13 @@ class Trainer:
             dp: DataParallel | None = None) -> Trainer:
         from peft import LoraConfig, get_peft_model
 
-        targets = [m for m in lora.target_modules if any(n.endswith(m) for n, _ in model.named_modules())]
+        experts = expert_target_modules(model, lora.target_modules)  # PEFT maps them onto stacked expert weights
+        targets = [m for m in lora.target_modules if m in experts or any(n.endswith(m) for n, _ in model.named_modules())]
         if not targets:
             raise ConfigError(f"none of the LoRA target_modules {lora.target_modules} exist in this model")
+        if experts and lora.dropout > 0:
+            raise ConfigError("LoRA dropout is not supported on mixture-of-experts weights (PEFT's target_parameters); "
+                              "set LoRAConfig(dropout=0)")
         config = LoraConfig(
             r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
             bias="none", task_type="CAUSAL_LM",
@@ -230,6 +240,7 @@ class Trainer:
             raise CheckpointError(f"could not load the LoRA adapter in {adapter_dir}: {exc}") from exc
         config = peft_model.peft_config[ADAPTER_NAME]
         targets = sorted(config.target_modules) if not isinstance(config.target_modules, str) else [config.target_modules]
+        targets += [m for m in expert_modules_of(config.target_parameters) if m not in targets]
         lora = LoRAConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout, target_modules=targets)
         return cls(peft_model, lora, gate=gate, dp=dp)
 
@@ -616,8 +627,10 @@ class Trainer:
     def _row_hidden(self, row: Row, lora: bool) -> torch.Tensor:
         """Final hidden states [T, H] of a row (`lora=False`: the base model's)."""
         if self.decoder is not None:
+            moe = isinstance(self.decoder, MoEPackedDecoder) and row.routed_experts is not None
+            replay = {"routed_experts": row.routed_experts} if moe else {}  # the experts the sampler routed to
             return self.decoder(row.input_ids, row.position_ids, row.cu_seq_lens, row.max_seq_len, keys=row.keys,
-                                lora=lora, checkpointing=self._checkpointing)
+                                lora=lora, checkpointing=self._checkpointing, **replay)
         with contextlib.nullcontext() if lora else self.peft_model.disable_adapter():
             return self.model.get_decoder()(
                 input_ids=row.input_ids[None],

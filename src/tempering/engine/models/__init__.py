@@ -9,17 +9,20 @@ from ...modeling.gemma import unsupported_reason as gemma3_unsupported_reason
 from ..layers.rotary import rope_is_static
 from .gemma3 import GEMMA3_ARCHITECTURES, Gemma3Model
 from .llama import SUPPORTED_ARCHITECTURES, LlamaFamilyModel
+from .qwen3_moe import Qwen3MoeModel
 
-__all__ = ["GEMMA3_ARCHITECTURES", "Gemma3Model", "LlamaFamilyModel", "SUPPORTED_ARCHITECTURES", "engine_model_for",
-           "fallback_reason"]
+__all__ = ["GEMMA3_ARCHITECTURES", "Gemma3Model", "LlamaFamilyModel", "Qwen3MoeModel", "SUPPORTED_ARCHITECTURES",
+           "engine_model_for", "fallback_reason"]
 
 log = logging.getLogger("tempering")
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 
 def _architecture(hf_model: Any) -> tuple[str | None, list[str]]:
     """(the covered architecture of `hf_model` or None, the names it goes by)."""
     archs = list(getattr(hf_model.config, "architectures", None) or [type(hf_model).__name__])
-    covered = SUPPORTED_ARCHITECTURES + GEMMA3_ARCHITECTURES
+    covered = SUPPORTED_ARCHITECTURES + GEMMA3_ARCHITECTURES + MOE_ARCHITECTURES
     arch = next((a for a in archs if a in covered), None)
     if arch is None and type(hf_model).__name__ in covered:
         arch = type(hf_model).__name__
@@ -37,6 +40,8 @@ def fallback_reason(hf_model: Any, max_positions: int) -> str | None:
         return f"{arch}: {reason}" if reason else None
     if not rope_is_static(config):
         return f"the tempering engine does not support rope scaling {getattr(config, 'rope_scaling', None)!r}"
+    if arch in MOE_ARCHITECTURES and getattr(config, "sliding_window", None) and config.sliding_window < max_positions:
+        return "sliding-window attention is not supported"
     mistral_window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     if mistral_window and arch == "MistralForCausalLM":
         if config.sliding_window < max_positions:
@@ -45,7 +50,7 @@ def fallback_reason(hf_model: Any, max_positions: int) -> str | None:
 
 
 def engine_model_for(hf_model: Any, max_positions: int, *,
-                     max_lora_rank: int = 16) -> LlamaFamilyModel | Gemma3Model | None:
+                     max_lora_rank: int = 16) -> LlamaFamilyModel | Gemma3Model | Qwen3MoeModel | None:
     """The engine's model bound to `hf_model`, or None (with a log line saying why) when it is not covered.
 
     `max_lora_rank`: spare weight rows per LoRA slice on CUDA (see LlamaFamilyModel).
@@ -54,6 +59,9 @@ def engine_model_for(hf_model: Any, max_positions: int, *,
     if reason is not None:
         log.warning("%s; falling back to the transformers engine", reason)
         return None
-    if _architecture(hf_model)[0] in GEMMA3_ARCHITECTURES:
+    arch = _architecture(hf_model)[0]
+    if arch in GEMMA3_ARCHITECTURES:
         return Gemma3Model(hf_model, max_positions, max_lora_rank=max_lora_rank)
+    if arch in MOE_ARCHITECTURES:
+        return Qwen3MoeModel(hf_model, max_positions, max_lora_rank=max_lora_rank)
     return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank)
