@@ -33,7 +33,8 @@ from ...modeling.experts import MoEDelta, collect_expert_lora, experts_of, is_mo
 from ...modeling.weights import base_layer, fuse_linears
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention
-from ..lora import EngineAdapter, LoRASegment, add_lora, lora_silu_and_mul
+from ...modeling.precision import linear_f32
+from ..lora import EngineAdapter, LoRASegment, linear_with_segments, lora_silu_and_mul
 from ..routing import RoutingTable
 
 __all__ = ["Qwen3MoeModel"]
@@ -235,9 +236,7 @@ class Qwen3MoeModel:
                 h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
             else:
                 h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [N, (Hq + 2Hkv) D]
-            if lora:
-                add_lora(qkv, h, lora, i, "qkv")
+            qkv = linear_with_segments(h, layer.qkv, layer.qkv_bias, lora, i, "qkv")  # [N, (Hq + 2Hkv) D]
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
@@ -246,9 +245,7 @@ class Qwen3MoeModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)  # [N, Hq D]
-            attn_out = F.linear(o, layer.o)
-            if lora:
-                add_lora(attn_out, o, lora, i, "o")
+            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o")
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
             if layer.moe is not None:
                 x, ids = sparse_moe(h, layer.router, layer.gate_up, layer.down, top_k=self.top_k,
@@ -257,13 +254,10 @@ class Qwen3MoeModel:
                 if self.routing is not None:
                     self.routing.write(layer.moe_index, ctx.slot_mapping, ids)
                 continue
-            gate_up = F.linear(h, layer.gate_up)  # [N, 2I]
-            act = lora_silu_and_mul(gate_up, h, lora, i, ops.silu_and_mul) if lora else ops.silu_and_mul(gate_up)
-            x = F.linear(act, layer.down)
-            if lora:
-                add_lora(x, act, lora, i, "down")
+            act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops.silu_and_mul)  # [N, I]
+            x = linear_with_segments(act, layer.down, None, lora, i, "down")
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, H] → [S, V] logits in the model dtype (the sampler reads them in float32)."""
-        return F.linear(hidden, self.lm_head)
+        """[S, H] → [S, V] float32 logits, unrounded (modeling/precision.py)."""
+        return linear_f32(hidden, self.lm_head)
