@@ -16,7 +16,7 @@ and the largest ratio of a step's gradient norm to its run's median.
 
     python benchmarks/learning.py                            # CPU, float32, seeds 0-4
     python benchmarks/learning.py --device cuda --seeds 0 1 2 3 4
-    python benchmarks/learning.py --device cuda --train-option exact_on_policy=true
+    python benchmarks/learning.py --device cuda --batch-invariant     # exact on-policy
 """
 
 from __future__ import annotations
@@ -43,13 +43,14 @@ def _value(text: str):
         return text
 
 
-async def one_seed(seed: int, root: Path, device: str | None, train_options: dict) -> dict:
+async def one_seed(seed: int, root: Path, device: str | None, train_options: dict, batch_invariant: bool) -> dict:
     from tempering.demo.run import run_demo_async
     from tempering.storage import read_history
 
     start = time.perf_counter()
     result = await run_demo_async(path=root, seed=seed, name=f"learning-{seed}", device=device,
-                                  train_options=train_options or None, echo=lambda line: None)
+                                  train_options=train_options or None, echo=lambda line: None,
+                                  engine_config={"batch_invariant": True} if batch_invariant else None)
     rows = [r for r in read_history(result.history_path) if "loss/grad_norm" in r or "offpolicy/mismatch_abs_logprob" in r]
     mismatch = [r["offpolicy/mismatch_abs_logprob"] for r in rows if r.get("offpolicy/mismatch_abs_logprob") is not None]
     p99 = [r["offpolicy/mismatch_abs_logprob_p99"] for r in rows
@@ -63,6 +64,7 @@ async def one_seed(seed: int, root: Path, device: str | None, train_options: dic
         "grad_norm_median": median, "grad_norm_max": max(norms, default=math.nan),
         "grad_norm_max_over_median": max(norms, default=math.nan) / median if norms else math.nan,
         "updates_skipped": sum(int(r.get("loss/num_updates_skipped") or 0) for r in rows),
+        "bitwise_equal_fraction": [r.get("offpolicy/bitwise_equal_fraction") for r in rows],
         "seconds": time.perf_counter() - start,
     }
 
@@ -72,14 +74,16 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--train-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a TrainConfig field for every step, e.g. exact_on_policy=true (repeatable)")
+                        help="a TrainConfig field for every step, e.g. loss_fn=cispo (repeatable)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="exact on-policy: the engine's batch-invariant mode (EngineConfig.batch_invariant)")
     args = parser.parse_args()
     options = dict((k, _value(v)) for k, v in (o.split("=", 1) for o in args.train_option))
     runs = []
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                runs.append(asyncio.run(one_seed(seed, Path(tmp), args.device, options)))
+                runs.append(asyncio.run(one_seed(seed, Path(tmp), args.device, options, args.batch_invariant)))
             except Exception as exc:  # a failed seed is a result too
                 runs.append({"seed": seed, "error": f"{type(exc).__name__}: {exc}"})
     done = [r for r in runs if "error" not in r]
@@ -88,12 +92,14 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "learning", "device": device,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "train_options": options, "seeds": args.seeds,
+        "train_options": options, "batch_invariant": args.batch_invariant, "seeds": args.seeds,
         "mean_gain": statistics.mean(gains) if gains else None, "min_gain": min(gains, default=None),
         "num_failed": len(runs) - len(done),
         "max_mismatch_mean": max((m for r in done for m in r["mismatch_mean"]), default=None),
         "max_mismatch_p99": max((m for r in done for m in r["mismatch_p99"]), default=None),
         "max_grad_norm_over_median": max((r["grad_norm_max_over_median"] for r in done), default=None),
+        "min_bitwise_equal_fraction": min((f for r in done for f in r["bitwise_equal_fraction"] if f is not None),
+                                          default=None),
         "runs": runs,
     }))
 

@@ -158,13 +158,14 @@ def make_prompts(tokenizer, renderer, count: int, num_tokens: int, seed: int = 0
 
 
 async def run(base_model: str, root: Path, device: str, shapes: dict, in_process: bool = True, gpus: int = 1,
-              dedicated: bool = False) -> dict:
+              dedicated: bool = False, batch_invariant: bool = False) -> dict:
     import tempering as art
 
     groups, group_size, iterations = shapes["groups"], shapes["group_size"], shapes["iterations"]
     new_tokens = shapes["new_tokens"]
     model = art.TrainableModel(name="rl-loop", project="bench", base_model=base_model)
-    backend = art.LocalBackend(path=root, device=device, in_process=in_process, gpus=gpus, dedicated=dedicated)
+    backend = art.LocalBackend(path=root, device=device, in_process=in_process, gpus=gpus, dedicated=dedicated,
+                               engine_config={"batch_invariant": True} if batch_invariant else None)
     await model.register(backend)
     if in_process:
         service = backend._registry.get(model.name)
@@ -270,6 +271,8 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=1, help="processes (GPUs; on CPU, gloo processes) to run on")
     parser.add_argument("--dedicated", action="store_true",
                         help="with --gpus N: GPU 0 trains and the others serve (LocalBackend(dedicated=True))")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="exact on-policy: the engine's batch-invariant mode (EngineConfig.batch_invariant)")
     args = parser.parse_args()
     if args.dedicated and args.gpus < 2:
         parser.error("--dedicated needs --gpus 2 or more")
@@ -288,7 +291,7 @@ def main() -> None:
         else:
             base_model = "SmolLM2-135M-Instruct"
         record = asyncio.run(run(base_model, Path(tmp) / "runs", args.device, shapes, in_process=not args.child_process,
-                                 gpus=args.gpus, dedicated=args.dedicated))
+                                 gpus=args.gpus, dedicated=args.dedicated, batch_invariant=args.batch_invariant))
     print(file=sys.stderr, flush=True)  # end the progress bars' line: with 2>&1 the JSON then starts a line of its own
     print(json.dumps(record), flush=True)
 

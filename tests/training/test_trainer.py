@@ -168,3 +168,39 @@ def test_every_update_bumps_the_adapters_version_counters_even_with_a_fused_opti
     before = [p._version for p in trainer.params]
     trainer.step(random_sequences(), TrainConfig(learning_rate=1e-3))
     assert all(p._version > v for p, v in zip(trainer.params, before))
+
+
+def test_with_a_scorer_the_objective_takes_its_values_and_the_trainers_gradient(default_model_dir):
+    """Exact on-policy (a batch-invariant engine as the scorer): the logprobs' values come from the
+    scorer, so a scorer that reproduces the sampled logprobs makes every ratio exactly 1; the
+    gradient is the trainer's own, so the update is the one without a scorer where the ratio is 1
+    to rounding."""
+    from tempering.training.batching import pack_sequences
+
+    seqs = random_sequences()
+    base = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    with torch.no_grad():  # the trainer's own logprobs as the sampled ones: ratio 1 to rounding without a scorer
+        for s in seqs:
+            k = s.loss_mask.index(True)
+            s.sampled_logprobs[k:] = base._logprobs(pack_sequences([s], max_tokens=4096)[0])[0].tolist()
+    sampled = {tuple(s.token_ids): s.sampled_logprobs[1:] for s in seqs}  # logprob of token t at index t - 1
+    asked = []
+
+    def scorer(token_ids, temperatures):
+        asked.append(token_ids)
+        return [sampled[tuple(ids)] for ids in token_ids]
+
+    config = TrainConfig(learning_rate=1e-3)
+    exact = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    init = lora_state(exact)
+    copies = [TokenizedSequence(s.token_ids, list(s.loss_mask), list(s.sampled_logprobs), advantage=s.advantage,
+                                group_index=s.group_index, trajectory_index=s.trajectory_index) for s in seqs]
+    metrics = exact.step(copies, config, scorer=scorer).values
+    assert asked == [[s.token_ids for s in seqs]]
+    assert metrics["offpolicy/bitwise_equal_fraction"] == 1.0 and metrics["offpolicy/ratio_max"] == 1.0
+    assert metrics["offpolicy/mismatch_abs_logprob"] == 0.0
+    plain = base.step(seqs, config).values
+    assert plain["offpolicy/bitwise_equal_fraction"] < 1.0
+    moved = torch.cat([(a - i).flatten() for a, i in zip(lora_state(exact), init)])
+    other = torch.cat([(b - i).flatten() for b, i in zip(lora_state(base), init)])
+    assert moved.norm() > 0 and (moved - other).norm() <= 1e-2 * moved.norm()

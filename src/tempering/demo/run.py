@@ -75,6 +75,7 @@ async def run_demo_async(
     base_model: str = DEFAULT_BASE_MODEL,
     task: str = "addition",
     device: str | None = None,
+    engine_config: dict[str, Any] | None = None,
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
     """Train on `steps` × `groups_per_step` addition problems (`group_size` rollouts each).
@@ -86,13 +87,14 @@ async def run_demo_async(
     `base_model`: the model to train (any `base_model` that `TrainableModel` takes, e.g. "gemma-3-270m").
     `task`: "addition", or "repeat-word" (task.py) for a pretrained model that cannot follow the addition prompt.
     `device`: "cpu" or "cuda" (default: CUDA when available).
+    `engine_config`: EngineConfig fields (e.g. {"batch_invariant": True}: exact on-policy).
     """
     start = time.perf_counter()
     task_name, task = task, TASKS[task]()
     val_scenarios = task.scenarios(num_val, seed=seed + 10_000)
     name = name or "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     model = TrainableModel(name=name, project="tempering-demo", base_model=base_model)
-    async with LocalBackend(path=path, device=device) as backend:
+    async with LocalBackend(path=path, device=device, engine_config=engine_config) as backend:
         echo(f"loading {base_model} (a built-in model is converted from GGUF on its first run) ...")
         await model.register(backend)
         echo(f"validation before training: {num_val} held-out problems x {val_samples} samples")

@@ -24,6 +24,12 @@ class EngineConfig:
         enable_prefix_caching: share the KV blocks of identical prompt prefixes.
         use_cuda_graphs: capture decode steps in CUDA graphs (GPU only).
         max_graph_batch_size: largest decode batch captured in a graph.
+        batch_invariant: compute every token the same way whatever shares its batch and whether it
+            is decoded, prefilled or scored afterwards (CUDA; the Llama family): one tiling for every
+            matrix product (layers/triton_matmul.py), attention of every query in one pass over its
+            keys in fixed tiles, the LoRA kernels' tiles fixed, no spare-rows path. The trainer then
+            takes its logprobs' values from the engine (`Engine.score`), equal bit for bit to the
+            sampled ones: exact on-policy RL ("batch-invariant inference"). Slower decoding.
     """
 
     max_num_seqs: int = 256
@@ -35,6 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     use_cuda_graphs: bool = True
     max_graph_batch_size: int = 256
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

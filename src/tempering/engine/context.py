@@ -42,6 +42,9 @@ class StepContext:
             (cached prefix and new tokens), chunk after chunk, for a packed varlen attention.
         cu_q, cu_k: [S + 1] int32 cumulative query and key lengths of the prefill chunks.
         max_q, max_k: their largest query and key lengths.
+        prefill_block_tables: [Np, max_blocks] int64, each prefill token's sequence's blocks, and
+        prefill_context_lens: [Np] int64, its keys (its position + 1): batch-invariant mode, where
+            every prefill query runs the decode kernel as if decoded (layers/attention.py).
     """
 
     slot_mapping: torch.Tensor
@@ -54,3 +57,5 @@ class StepContext:
     cu_k: torch.Tensor | None = None
     max_q: int = 0
     max_k: int = 0
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None

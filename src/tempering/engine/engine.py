@@ -46,6 +46,7 @@ from .request import Completion, GenerationRequest, Policy, TokenCallback, new_r
 from .routing import token_slots
 from .sampling_params import SamplingParams, row_seed
 from .scheduler import Scheduler
+from .scoring import score_sequences
 from .sequence import PENDING, Sequence
 from .stopping import completion_of, finish_reason_at
 
@@ -199,6 +200,27 @@ class Engine:
                 self.runner.forget_adapter(self._adapters.pop(stale))
             self._adapters[key] = weights
         return weights
+
+    def score(self, sequences: list[list[int]], temperatures: list[list[float]], policy: Policy) -> list[list[float]]:
+        """Teacher-forced logprobs of `sequences` under `policy`'s weights, by this engine's forward
+        (scoring.py), between two engine steps.
+
+        With `EngineConfig.batch_invariant` each value is bitwise the logprob the engine returned
+        when it sampled that token with the same weights.
+
+        Args:
+            sequences: token ids, each at least 2 long.
+            temperatures: per sequence and token, the temperature of its logprob (entry 0 unused).
+            policy: whose adapter to apply (its `adapter_name`; None: the base model).
+
+        Returns:
+            per sequence, the logprobs of its tokens 1..len-1, float32 values.
+        """
+        with self.lock:
+            name = policy.adapter_name
+            adapter = self._adapter_weights(name) if name else None
+            return score_sequences(self.model, sequences, temperatures, adapter, block_size=self.config.block_size,
+                                   max_tokens=max(self.config.max_num_batched_tokens, 8192), bind=self.model.bind_lora)
 
     def forget_adapter(self, name: str) -> None:
         """Drop every reference to an adapter that is being unloaded (call it under `lock`)."""

@@ -25,12 +25,14 @@ Three ways, fastest first:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..modeling.lora import AdapterWeights, collect_adapter
 from ..modeling.precision import linear_f32
+from .layers.ops import TORCH_OPS
 
 __all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_rms_norm_with_lora",
            "collect_adapter", "expand", "linear_with_lora", "linear_with_segments", "lora_silu_and_mul",
@@ -318,22 +320,24 @@ def _kernels_for(y: torch.Tensor) -> bool:
 
 
 def linear_with_segments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         segments: list[LoRASegment], layer: int, group: str) -> torch.Tensor:
+                         segments: list[LoRASegment], layer: int, group: str, ops: Any = TORCH_OPS) -> torch.Tensor:
     """x W^T + b with each segment's LoRA delta of `group` in `layer`, rounded once: [N, in] → [N, out] in x's dtype.
 
-    Rows of segments without this projection's LoRA get the plain GEMM, rounded.
+    Rows of segments without this projection's LoRA get the plain GEMM, rounded. `ops`
+    (layers.ops_for): its products, and with `batch_invariant` the LoRA kernels' fixed tiles.
     """
     active = [(seg, g) for seg in segments if seg.adapter is not None and (g := seg.adapter.layers[layer][group]) is not None]
     if not active:
-        return F.linear(x, weight, bias)
-    y = linear_f32(x, weight, bias)  # [N, out] float32
+        return ops.linear(x, weight, bias)
+    y = ops.linear_f32(x, weight, bias)  # [N, out] float32
     out = y.to(x.dtype)
     kernels = _kernels_for(y)
+    fixed = ops.batch_invariant
     for seg, g in active:
         rows = slice(seg.start, seg.end)
         if kernels and g.use_kernels:
-            triton_lora.lora_expand_(y[rows], triton_lora.lora_shrink(x[rows], g.A), g.B, g.columns, g.scales,
-                                     out=out[rows])
+            t = triton_lora.lora_shrink(x[rows], g.A, fixed_tiles=fixed)
+            triton_lora.lora_expand_(y[rows], t, g.B, g.columns, g.scales, out=out[rows], fixed_tiles=fixed)
             continue
         t = torch.cat([linear_f32(x[rows], A.to(x.dtype)) for A in g.A], dim=1)  # x A^T, [n, S·r] float32
         out[rows] = _expand_reference(y[rows], t, g.B, g.columns, g.scales, x.dtype)
@@ -341,19 +345,21 @@ def linear_with_segments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def lora_silu_and_mul(h: torch.Tensor, weight: torch.Tensor, segments: list[LoRASegment], layer: int,
-                      silu_and_mul) -> torch.Tensor:
+                      ops: Any = TORCH_OPS) -> torch.Tensor:
     """silu(gate) * up of h [N, in] through the fused gate/up `weight` [2I, in], with each segment's
     gate/up LoRA delta added before the one rounding.
 
     On CUDA, a batch with one adapter for every row runs the delta inside the SwiGLU kernel
     (the [N, 2I] projection output is not read and written an extra time); otherwise
-    `linear_with_segments` adds it and `silu_and_mul` runs as usual.
+    `linear_with_segments` adds it and `ops.silu_and_mul` runs as usual.
     """
     if len(segments) == 1 and _kernels_for(h):
         seg = segments[0]
         g = seg.adapter.layers[layer]["gate_up"] if seg.adapter is not None else None
         if seg.start == 0 and seg.end == h.shape[0] and g is not None and g.use_kernels:
             gate, up = _gate_and_up(g, weight.shape[0] // 2)
-            t = triton_lora.lora_shrink(h, g.A)
-            return triton_lora.silu_and_mul_lora(linear_f32(h, weight), t, gate[0], up[0], gate[1], up[1], dtype=h.dtype)
-    return silu_and_mul(linear_with_segments(h, weight, None, segments, layer, "gate_up"))
+            fixed = ops.batch_invariant
+            t = triton_lora.lora_shrink(h, g.A, fixed_tiles=fixed)
+            return triton_lora.silu_and_mul_lora(ops.linear_f32(h, weight), t, gate[0], up[0], gate[1], up[1],
+                                                 dtype=h.dtype, fixed_tiles=fixed)
+    return ops.silu_and_mul(linear_with_segments(h, weight, None, segments, layer, "gate_up", ops))

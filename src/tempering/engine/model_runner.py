@@ -160,6 +160,7 @@ class ModelRunner:
         allocate_routing = getattr(model, "allocate_routing", None)
         self.routing = allocate_routing(self.num_blocks * self.block_size) if allocate_routing is not None else None
         self.use_varlen = self.is_cuda and HAS_VARLEN
+        self.batch_invariant = config.batch_invariant and self.is_cuda  # prefill queries run the decode kernel
         self.max_blocks_per_seq = -(-max_seq_len // self.block_size)
         self.tables = np.zeros((64, self.max_blocks_per_seq), dtype=np.int32)  # row per live sequence
         self.free_rows = list(range(63, -1, -1))
@@ -249,6 +250,7 @@ class ModelRunner:
             slots, positions = [], []
         samplers: list[tuple[Sequence, int]] = []  # prefill sequences that sample: (sequence, flat row of its last token)
         spans, key_slots, cu_q, cu_k, tables = [], [], [0], [0], []
+        token_tables: list[tuple[list[int], int, int]] = []  # batch-invariant mode: (blocks, start, n) per chunk
         for seq, n in batch.prefill:
             assert not seq.num_pending, "a sequence is prefilled before its sampled token arrived"
             start = seq.num_computed_tokens
@@ -265,6 +267,8 @@ class ModelRunner:
                 key_slots.append(new_slots)
                 cu_q.append(cu_q[-1] + n)
                 cu_k.append(cu_k[-1] + start + n)
+            if self.batch_invariant:
+                token_tables.append((seq.block_table, start, n))
             if start + n == len(seq):
                 samplers.append((seq, len(input_ids) - 1))
         seqs = [*decode, *(s for s, _ in samplers)]  # the sampling rows: decode rows first, in order
@@ -283,6 +287,11 @@ class ModelRunner:
             f_lens = ints.add(lens)
         if self.use_varlen and spans:
             f_keys, f_cu = ints.add(np.concatenate(key_slots)), ints.add(cu_q + cu_k)
+        if token_tables:  # each prefill token's blocks and key count, as a decode row would have them
+            p_width = max(len(b) for b, _, _ in token_tables)
+            padded = [np.pad(np.asarray(b, dtype=np.int64), (0, p_width - len(b))) for b, _, _ in token_tables]
+            f_p_tables = ints.add(np.repeat(np.stack(padded), [n for _, _, n in token_tables], axis=0).ravel())
+            f_p_lens = ints.add(np.concatenate([np.arange(start + 1, start + n + 1) for _, start, n in token_tables]))
         i = ints.send(torch.long, self.device, self._staging[0])
         f = floats.send(torch.float32, self.device, self._staging[1])
 
@@ -292,6 +301,9 @@ class ModelRunner:
         if batch.decode:
             ctx.decode_block_tables = i(f_tables).view(len(batch.decode), width)
             ctx.decode_context_lens = i(f_lens)
+        if token_tables:
+            ctx.prefill_block_tables = i(f_p_tables).view(-1, p_width)
+            ctx.prefill_context_lens = i(f_p_lens)
         if self.use_varlen and spans:
             ctx.prefill_key_slots = i(f_keys)
             cu = i(f_cu).to(torch.int32)
@@ -390,7 +402,7 @@ class ModelRunner:
 
     def _sample(self, step: LaunchedStep, logits: torch.Tensor, options: SamplingTensors) -> None:
         """Sample `step` and start copying its tokens to the host."""
-        out = sample(logits, options, step.grammar_mask)
+        out = sample(logits, options, step.grammar_mask, exact_logprobs=self.batch_invariant)
         if step.grammar_mask is not None:
             step.grammar_mask.counts_to_host()
         num_rows = out.token_ids.shape[0]

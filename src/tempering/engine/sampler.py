@@ -26,7 +26,8 @@ import torch
 if TYPE_CHECKING:
     from .grammar import GrammarMask
 
-__all__ = ["SampleOutput", "SamplingTensors", "gumbel_noise", "gumbel_sample_reference", "hash_uniform", "sample"]
+__all__ = ["SampleOutput", "SamplingTensors", "gumbel_noise", "gumbel_sample_reference", "hash_uniform", "sample",
+           "token_logprobs"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -103,7 +104,8 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return (h.double() + 0.5) / 4294967296.0
 
 
-def sample(logits: torch.Tensor, options: SamplingTensors, grammar_mask: GrammarMask | None = None) -> SampleOutput:
+def sample(logits: torch.Tensor, options: SamplingTensors, grammar_mask: GrammarMask | None = None, *,
+           exact_logprobs: bool = False) -> SampleOutput:
     """Draw one token per row.
 
     Args:
@@ -111,6 +113,9 @@ def sample(logits: torch.Tensor, options: SamplingTensors, grammar_mask: Grammar
         options: per-row options (see SamplingTensors).
         grammar_mask: the allowed tokens of the rows that follow a grammar (structured outputs),
             or None; it restricts what is drawn, not the logprobs returned.
+        exact_logprobs: (CUDA) return every row's logprob as `token_logprobs` computes it (the fused
+            sampler's arithmetic, whatever drew the token), so that scoring the same logits gives
+            the same bits (the engine's batch-invariant mode).
 
     Returns:
         SampleOutput: ids [B], their logprobs [B] (natural log, float32) and, when a row asks
@@ -152,10 +157,29 @@ def sample(logits: torch.Tensor, options: SamplingTensors, grammar_mask: Grammar
         token_ids = best if token_ids is None else torch.where(options.temperature <= 0, best, token_ids)
 
     logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
+    if exact_logprobs and logits.is_cuda and gumbel_sample is not None:
+        logprobs = token_logprobs(logits, options.temperature, token_ids)
     top_ids = top_logprobs = None
     if options.num_top_logprobs:
         top_logprobs, top_ids = logprobs_all.topk(options.num_top_logprobs, dim=-1)
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits / T)[token] per row (T <= 0: at T = 1), by the fused sampler's own
+    reduction on CUDA (each row alone: batch-invariant), else by PyTorch.
+
+    Args:
+        logits: [B, V]; temperature: [B] float32; token_ids: [B] int64.
+
+    Returns:
+        [B] float32.
+    """
+    if logits.is_cuda and gumbel_sample is not None:
+        zeros = torch.zeros_like(token_ids)
+        return gumbel_sample(logits, temperature.float(), zeros, zeros, given=token_ids)[1]
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    return torch.log_softmax(logits.float() / t[:, None], dim=-1).gather(1, token_ids[:, None]).squeeze(1)
 
 
 _CHUNK = 1024

@@ -192,7 +192,10 @@ class ModelService:
         (a log line says which serves the model, and why)."""
         arch = type(self.model).__name__
         reason = fallback_reason(self.model, self.max_seq_len)
-        decoder = engine_model_for(self.model, self.max_seq_len) if reason is None else None
+        if reason is None or config.batch_invariant:  # a fallback cannot be batch-invariant: engine_model_for says so
+            decoder = engine_model_for(self.model, self.max_seq_len, batch_invariant=config.batch_invariant)
+        else:
+            decoder = None
         if decoder is None:
             log.warning("%s (%s, %s): served by the transformers fallback engine (HFEngine, static batches), "
                         "because %s", self.paths.name, self.base_model, arch, reason)
@@ -360,7 +363,7 @@ class ModelService:
                     if sequences:
                         metrics = trainer.step(
                             sequences, config, commit=commit, on_update=lambda info: emit({"type": "update", **info}),
-                            version=new_step,
+                            version=new_step, scorer=self._exact_scorer(),
                         ).values
                     else:
                         # the client reports it to the user (backends.base.report_nothing_learned); the
@@ -441,7 +444,7 @@ class ModelService:
             trainer = self._prepare_trainer(config)
             if sequences:
                 with self._training(trainer):
-                    trainer.step(sequences, config, version=new_step)
+                    trainer.step(sequences, config, version=new_step, scorer=self._exact_scorer())
             self._publish(new_step)
         release_free_memory()
 
@@ -597,6 +600,14 @@ class ModelService:
             if not (isinstance(self.engine, Engine) and trainer.decoder is not None):
                 stack.enter_context(self.gate)  # entered with the trainer's stream current
             yield
+
+    def _exact_scorer(self):
+        """With a batch-invariant engine, the trainer's source of exact logprob values: this engine's
+        teacher-forced logprobs under the live weights (Engine.score); else None."""
+        if not (isinstance(self.engine, Engine) and self.engine.config.batch_invariant):
+            return None
+        live = self.policy(None)
+        return lambda token_ids, temperatures: self.engine.score(token_ids, temperatures, live)
 
     def _publish(self, step: int) -> None:
         """Make `step` the latest: the trainer's last update already set the version; a step that

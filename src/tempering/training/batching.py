@@ -108,6 +108,8 @@ class Row:
         routed_experts: [T, L_moe, k] int16 experts each token was routed to when sampled (-1:
             unknown, the model routes it itself), for a mixture of experts' routing replay; None
             when no sequence of the row carries them.
+        exact_logprobs: [N] float32 the engine's recomputed logprob of each target (0 on padding),
+            when every sequence of the row has them (TokenizedSequence.exact_logprobs); else None.
     """
 
     input_ids: torch.Tensor
@@ -128,6 +130,7 @@ class Row:
     cu_keys: torch.Tensor | None = None
     max_key_len: int = 0
     routed_experts: torch.Tensor | None = None
+    exact_logprobs: torch.Tensor | None = None
 
     @property
     def keys(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
@@ -186,6 +189,8 @@ class MicroBatch:
         positions: list[int] = []
         mask: list[bool] = []
         sampled: list[float] = []
+        exact: list[float] = []  # with every sequence's exact_logprobs
+        has_exact = all(s.exact_logprobs is not None for s in self.sequences)
         temperature: list[float] = []
         advantages: list[float] = []
         token_weight: list[float] = []
@@ -212,6 +217,8 @@ class MicroBatch:
                 positions += range(prefix)
                 mask += [False] * prefix
                 sampled += [math.nan] * prefix
+                if has_exact:
+                    exact += [math.nan] * prefix
                 temperature += [1.0] * prefix
                 advantages += [0.0] * prefix
                 token_weight += [0.0] * prefix
@@ -229,6 +236,8 @@ class MicroBatch:
                 positions += range(prefix, len(s))
                 mask += ([False] if not prefix else []) + s.loss_mask[prefix + (not prefix):]
                 sampled += s.sampled_logprobs[prefix:]
+                if has_exact:
+                    exact += s.exact_logprobs[prefix:]
                 temperature += s.temperatures[prefix:]
                 advantages += [s.advantage] * n
                 token_weight += [w[m]] * n
@@ -243,6 +252,7 @@ class MicroBatch:
         self.position_ids = _tensor(positions, "q")[None]
         self.loss_mask = _tensor(mask, "b").bool()[None]
         self.sampled_logprobs = _tensor(sampled, "f")[None]
+        self.exact_logprobs = _tensor(exact, "f")[None] if has_exact else None
         self.advantages = _tensor(advantages, "f")[None]
         self.temperature = _tensor(temperature, "f")[None]
         self.token_weight = _tensor(token_weight, "f")[None]
@@ -290,6 +300,7 @@ class MicroBatch:
             input_ids=self.input_ids[0], position_ids=self.position_ids[0], cu_seq_lens=self.cu_seq_lens,
             max_seq_len=self.max_seq_len, pred_positions=at_targets(self.predictor), targets=at_targets(self.input_ids),
             sampled_logprobs=at_targets(self.sampled_logprobs), advantages=at_targets(self.advantages),
+            exact_logprobs=at_targets(self.exact_logprobs) if self.exact_logprobs is not None else None,
             temperature=at_targets(self.temperature), weights=at_targets(self.token_weight),
             seq_index=at_targets(self.seq_index), valid=torch.ones(n, dtype=torch.bool), num_seqs=S, num_valid=n,
             key_index=self.key_index, cu_keys=self.cu_keys, max_key_len=self.max_key_len,
@@ -326,6 +337,8 @@ class MicroBatch:
             row.max_key_len = shape.max_key_len
         N = shape.num_predictions
         row.num_seqs = shape.num_segments  # indices 0..S-1 are real sequences; the last one takes the padding
+        if row.exact_logprobs is not None:
+            row.exact_logprobs = _pad(row.exact_logprobs, shape.num_predictions, 0.0)
         for name, value in (("pred_positions", 0), ("targets", 0), ("sampled_logprobs", 0.0), ("advantages", 0.0),
                             ("temperature", 1.0), ("weights", 0.0), ("seq_index", shape.num_segments - 1),
                             ("valid", False)):

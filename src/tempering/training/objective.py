@@ -1,7 +1,8 @@
 """One packed row's RL objective: logprobs, surrogate loss, corrections and statistics, with no host sync.
 
 `rl_objective` turns a `Row` (batching.py) into the weighted loss whose gradient the trainer
-accumulates, and a vector of sums (`STATS`) that the trainer adds up over the step and reads
+accumulates (with `row.exact_logprobs`, the logprobs' values are the engine's and their gradient
+this forward's: a straight-through estimator, exact on-policy), and a vector of sums (`STATS`) that the trainer adds up over the step and reads
 once at its end. Nothing here reads a value back to the host (no `.item()`, no boolean
 indexing), so the same code runs eagerly and inside a captured CUDA graph (cuda_graphs.py).
 
@@ -28,7 +29,7 @@ MISMATCH_EDGES = tuple(10.0 ** (-5 + k / 4) for k in range(25))
 
 # the sums in the statistics vector, in order (ratio_max is a max, not a sum), then the histogram's counts
 STATS = ("loss", "trained", "entropy", "clipped", "ratio_sum", "ratio_max", "kl", "masked", "tis_capped",
-         "mismatch_abs", "mismatch_k3") + tuple(f"mismatch_hist_{k}" for k in range(len(MISMATCH_EDGES) + 1))
+         "mismatch_abs", "mismatch_k3", "bitwise_equal") + tuple(f"mismatch_hist_{k}" for k in range(len(MISMATCH_EDGES) + 1))
 
 
 DECOUPLED_WEIGHT_CAP = 2.0  # π_prox / π_sampled cap of TrainConfig.decoupled when truncated_importance_sampling is unset
@@ -55,6 +56,8 @@ def rl_objective(
     valid = row.valid
     validf = valid.float()
     logprobs, entropy = logprobs_of(row, config.logprob_chunk_size, lora=True)
+    if row.exact_logprobs is not None:  # exact on-policy: the engine's own values, this forward's gradient
+        logprobs = logprobs + (row.exact_logprobs - logprobs).detach()
     new = torch.where(valid, logprobs, 0.0)  # [N]; padding: a finite stand-in without gradient
     sampled = row.sampled_logprobs
     # decoupled (AReaL): the ratio and clip against the proximal policy (these weights, detached)
@@ -95,6 +98,7 @@ def rl_objective(
         tis_capped,
         (log_ratio.abs() * validf).sum(),
         ((torch.exp(-log_ratio) - 1 + log_ratio) * validf).sum(),  # k3 estimate of KL(engine || trainer)
+        ((new.detach() == sampled) & valid).sum(),  # tokens whose trainer logprob is the sampled one, bit for bit
     ]
     # MISMATCH_EDGES made on the device (a host-to-device copy is not allowed while a CUDA graph captures)
     edges = torch.pow(10.0, torch.arange(len(MISMATCH_EDGES), dtype=torch.float32, device=new.device) / 4 - 5)

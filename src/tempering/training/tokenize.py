@@ -60,6 +60,9 @@ class TokenizedSequence:
             outputs); None when no choice of the sequence was constrained.
         routed_experts: [T, L_moe, k] int16, the experts each token was routed to when sampled
             (-1 where unknown, e.g. the last token); None when no choice carried them.
+        exact_logprobs: [T] the engine's own recomputation of each trained token's logprob under
+            the current weights (nan elsewhere), set by the trainer before an update when the
+            engine is batch-invariant (`Trainer.step(scorer=...)`); None otherwise.
     """
 
     token_ids: list[int]
@@ -71,6 +74,7 @@ class TokenizedSequence:
     trajectory_index: int = 0
     forced: list[bool] | None = None
     routed_experts: np.ndarray | None = None
+    exact_logprobs: list[float] | None = None
     num_completion_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:

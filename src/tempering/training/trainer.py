@@ -130,7 +130,7 @@ class _Totals:
         sums = dict(zip(STATS, self.sums.tolist() if self.sums is not None else zeros))
         first = dict(zip(STATS, self.first_update.tolist() if self.first_update is not None else zeros))
         self._read = {**sums, "first_trained": first["trained"], "first_mismatch_abs": first["mismatch_abs"],
-                      "first_mismatch_k3": first["mismatch_k3"],
+                      "first_mismatch_k3": first["mismatch_k3"], "first_bitwise_equal": first["bitwise_equal"],
                       "first_mismatch_p99": histogram_quantile([first[k] for k in STATS if k.startswith("mismatch_hist_")],
                                                                0.99)}
         return self._read
@@ -291,6 +291,7 @@ class Trainer:
         commit: Callable[[], None] | None = None,
         on_update: Callable[[dict[str, float]], None] | None = None,
         version: int | None = None,
+        scorer: Callable[[list[list[int]], list[list[float]]], list[list[float]]] | None = None,
     ) -> StepMetrics:
         """One RL step on sequences whose `advantage` is set.
 
@@ -298,14 +299,18 @@ class Trainer:
         raises, the adapter, optimizer and RNG (and `gate.version`) are put back as they were and
         the error propagates. `on_update(info)` is called after each optimizer update with its
         index, count, loss and grad norm (progress reporting). `version`: set as `gate.version`
-        together with the step's last optimizer update.
+        together with the step's last optimizer update. `scorer(token_ids, temperatures)`: before
+        each update, the engine's teacher-forced logprobs of each sequence's tokens 1..T-1 under
+        the current weights (Engine.score); the objective then takes its logprobs' values from it
+        and their gradient from this trainer's forward (exact on-policy with a batch-invariant
+        engine).
 
         Raises:
             ConfigError: if `sequences` is empty.
         """
         if not sequences:
             raise ConfigError("nothing to train on: every sequence was filtered out")
-        return self._undoable(lambda: self._step(sequences, config, on_update, version), commit)
+        return self._undoable(lambda: self._step(sequences, config, on_update, version, scorer), commit)
 
     def _undoable(self, run: Callable[[], StepMetrics], commit: Callable[[], None] | None) -> StepMetrics:
         """`_undoable_on_this_thread` with the trainer's GPU as the calling thread's current CUDA device.
@@ -359,7 +364,7 @@ class Trainer:
             self._undo = None
 
     def _step(self, sequences: list[TokenizedSequence], config: TrainConfig, on_update=None,
-              version: int | None = None) -> StepMetrics:
+              version: int | None = None, scorer=None) -> StepMetrics:
         start = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = config.learning_rate
@@ -369,7 +374,7 @@ class Trainer:
         totals = _Totals()
         try:
             with self._forward_mode(config.gradient_checkpointing):
-                self._run_minibatches(sequences, config, totals, on_update, version)
+                self._run_minibatches(sequences, config, totals, on_update, version, scorer)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         totals.values()  # waits for the device: the step time below is the whole step's
@@ -424,20 +429,20 @@ class Trainer:
             disable()
 
     def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals,
-                         on_update=None, version: int | None = None) -> None:
+                         on_update=None, version: int | None = None, scorer=None) -> None:
         minibatches = self._minibatches(sequences, config)
         capture = self._can_capture(config)
         # everything the captured objective depends on besides the row's shape
         key = (config.loss_fn, config.clip_low, config.clip_high, config.truncated_importance_sampling, config.decoupled,
                config.importance_ratio_mask, config.kl_penalty_coef, config.kl_estimator, config.logprob_chunk_size,
-               self._checkpointing)
+               self._checkpointing, scorer is not None)
         objective = lambda row: rl_objective(self._row_logprobs, row, config)
         failure: Exception | None = None  # of this rank, carried to the next collective (data_parallel.py)
         for index, minibatch in enumerate(minibatches):
             weights = token_weights(minibatch, config.aggregation, config.dr_grpo_normalizer)
             totals.tokens += sum(len(s) for s in minibatch)
             stats = self._accumulate(minibatch, weights, config.micro_batch_tokens, objective, key, capture=capture,
-                                     failure=failure, num_stats=len(STATS), max_index=_MAX)
+                                     failure=failure, num_stats=len(STATS), max_index=_MAX, scorer=scorer)
             if stats is not None:
                 totals.add(stats)
             try:
@@ -463,7 +468,8 @@ class Trainer:
 
     def _accumulate(self, sequences: list[TokenizedSequence], weights: list[float], max_tokens: int,
                     objective: Callable[[Row], tuple[torch.Tensor, torch.Tensor]], key: Any, *, capture: bool,
-                    failure: Exception | None, num_stats: int, max_index: int | None) -> torch.Tensor | None:
+                    failure: Exception | None, num_stats: int, max_index: int | None,
+                    scorer=None) -> torch.Tensor | None:
         """One update's gradient of `sequences` into the accumulators, installed as the parameters'
         `.grad`; returns the update's statistics ([num_stats] sums; None: no row trained anything).
 
@@ -480,6 +486,8 @@ class Trainer:
             sequences, weights = [sequences[i] for i in mine], [weights[i] for i in mine]
         try:
             if failure is None:
+                if scorer is not None:
+                    _attach_exact_logprobs(sequences, scorer)
                 for micro in pack_sequences(sequences, max_tokens=max_tokens, weights=weights,
                                             share_prefixes=self.share_prompts):
                     if not micro.loss_mask[0, 1:].any():
@@ -666,6 +674,7 @@ class Trainer:
             metrics["offpolicy/mismatch_abs_logprob"] = t["first_mismatch_abs"] / t["first_trained"]
             metrics["offpolicy/mismatch_kl"] = t["first_mismatch_k3"] / t["first_trained"]
             metrics["offpolicy/mismatch_abs_logprob_p99"] = t["first_mismatch_p99"]  # a histogram bin's upper edge
+            metrics["offpolicy/bitwise_equal_fraction"] = t["first_bitwise_equal"] / t["first_trained"]
         if config.kl_penalty_coef > 0:
             metrics["loss/kl"] = t["kl"] / n
         if config.truncated_importance_sampling is not None:
@@ -717,6 +726,14 @@ class Trainer:
             self.optimizer.state[self.params[i]] = dict(extra)
         for (i, k), tensor in zip(undo.keys, undo.tensors[n:]):
             self.optimizer.state[self.params[i]][k] = tensor
+
+
+def _attach_exact_logprobs(sequences: list[TokenizedSequence], scorer) -> None:
+    """Set each sequence's `exact_logprobs` from `scorer` (the engine's recomputation under the
+    current weights): the trained tokens' values, nan elsewhere."""
+    scores = scorer([s.token_ids for s in sequences], [s.temperatures for s in sequences])
+    for seq, values in zip(sequences, scores):
+        seq.exact_logprobs = [math.nan] + [v if trained else math.nan for v, trained in zip(values, seq.loss_mask[1:])]
 
 
 @dataclass(slots=True)

@@ -44,7 +44,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, *, batch_invariant: bool = False) -> torch.Tensor:
     """Softmax attention of the batch's queries over the cache.
 
     Args:
@@ -53,23 +53,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ctx: where each row's keys are.
         scale: softmax scale (1/sqrt(D) for the Llama family).
         window: sliding attention window in tokens (see the module docstring); None: every key.
+        batch_invariant: (CUDA) every query, decode or prefill, in one pass of the decode kernel over
+            its keys in 64-key tiles from the first: its result depends on nothing but its own keys
+            (needs ctx.prefill_block_tables / prefill_context_lens for prefill rows).
 
     Returns:
         [N, num_heads, D].
     """
     gpu = q.is_cuda and paged_decode_attention is not None
     B = ctx.num_decode
+    splits = 1 if batch_invariant else None  # one pass over the keys: a split count follows the batch size
     if gpu and not ctx.prefill:  # the CUDA-graph path: no host work, no extra copy
         return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale,
-                                      window=window)
+                                      window=window, num_splits=splits)
     out = torch.empty_like(q)
     if B and gpu:
         out[:B] = paged_decode_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
-                                         scale, window=window)
+                                         scale, window=window, num_splits=splits)
     elif B:
         out[:B] = _decode_sdpa(q[:B], k_cache, v_cache, ctx, scale, window)
     if ctx.prefill:
-        if gpu and ctx.prefill_key_slots is not None:
+        if gpu and batch_invariant:  # each prefill query exactly as it would be decoded (or scored)
+            out[B:] = paged_decode_attention(q[B:], k_cache, v_cache, ctx.prefill_block_tables,
+                                             ctx.prefill_context_lens, scale, window=window, num_splits=1)
+        elif gpu and ctx.prefill_key_slots is not None:
             num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
             keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx.prefill_key_slots)
             values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx.prefill_key_slots)

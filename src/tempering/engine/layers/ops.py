@@ -1,11 +1,15 @@
-"""The elementwise ops of the decoder, per device: fused Triton kernels on CUDA, PyTorch elsewhere."""
+"""The elementwise ops and matrix products of the decoder, per device: fused Triton kernels on CUDA,
+PyTorch elsewhere; with `batch_invariant`, products whose rows do not depend on the batch."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
+from ...modeling.precision import linear_f32
 from . import activation, norm, rotary
 from .attention import store_kv
 
@@ -25,21 +29,36 @@ TORCH_OPS = SimpleNamespace(
     rotary_=rotary.rotary_,
     rotary_and_store_=rotary_and_store_,
     silu_and_mul=activation.silu_and_mul,
+    linear=F.linear,  # [N, in] x [out, in] -> [N, out] in the model dtype
+    linear_f32=linear_f32,  # the same, float32 and unrounded
+    batch_invariant=False,
 )
 
 
-def ops_for(device: torch.device) -> SimpleNamespace:
-    """rms_norm, add_rms_norm, rotary_, rotary_and_store_ and silu_and_mul for tensors on `device`."""
+def ops_for(device: torch.device, *, batch_invariant: bool = False) -> SimpleNamespace:
+    """rms_norm, add_rms_norm, rotary_, rotary_and_store_, silu_and_mul, linear and linear_f32 for
+    tensors on `device`. `batch_invariant` (CUDA): the products through triton_matmul, whose rows
+    come out the same whatever else is in the batch (the elementwise kernels already are), and
+    `batch_invariant` set on the namespace for the LoRA kernels' fixed tiles. On CPU the flag has
+    no effect (the PyTorch ops there are not promised to be batch-invariant).
+    """
     if device.type == "cuda":
         try:
-            from . import triton_ops
+            from . import triton_matmul, triton_ops
         except ImportError:  # no Triton: the PyTorch versions work on CUDA too
             return TORCH_OPS
-        return SimpleNamespace(
+        ops = SimpleNamespace(
             rms_norm=triton_ops.rms_norm,
             add_rms_norm=triton_ops.add_rms_norm,
             rotary_=triton_ops.rotary_,
             rotary_and_store_=triton_ops.rotary_and_store_,
             silu_and_mul=triton_ops.silu_and_mul,
+            linear=F.linear,
+            linear_f32=linear_f32,
+            batch_invariant=batch_invariant,
         )
+        if batch_invariant:
+            ops.linear = triton_matmul.matmul
+            ops.linear_f32 = functools.partial(triton_matmul.matmul, out_dtype=torch.float32)
+        return ops
     return TORCH_OPS

@@ -87,7 +87,7 @@ def _num_splits(t: torch.Tensor) -> int:
     return t.shape[0] if t.dim() == 3 else 1
 
 
-def lora_shrink(x: torch.Tensor, A: list[torch.Tensor]) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, A: list[torch.Tensor], *, fixed_tiles: bool = False) -> torch.Tensor:
     """t = x @ [A_0; ...; A_{S-1}]^T, as partial sums over splits of the input dim (summed by the expand).
 
     Splitting K keeps enough programs busy for a decode batch (a few rows, K up to the MLP
@@ -96,6 +96,7 @@ def lora_shrink(x: torch.Tensor, A: list[torch.Tensor]) -> torch.Tensor:
     Args:
         x: [N, K] activations (rows may be strided; the last dim contiguous).
         A: 1-3 LoRA A matrices [r, K], contiguous, of one rank (any float dtype; rounded to x's).
+        fixed_tiles: one row tiling for every N (batch-invariant mode: a row's sums never depend on N).
 
     Returns:
         t: [splits, N, S·r] float32; t.sum(0) is the product.
@@ -108,7 +109,7 @@ def lora_shrink(x: torch.Tensor, A: list[torch.Tensor]) -> torch.Tensor:
     splits = triton.cdiv(K, k_per_split)
     t = torch.empty(splits, N, S * rank, dtype=torch.float32, device=x.device)
     a = A + [A[0]] * (MAX_SLICES - S)
-    BLOCK_N = 16 if N <= 64 else 32
+    BLOCK_N = 32 if fixed_tiles or N > 64 else 16
     _shrink_kernel[(triton.cdiv(N, BLOCK_N), splits)](
         x, a[0], a[1], a[2], t, N, K, x.stride(0), t.stride(0), t.stride(1), k_per_split,
         RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)),
@@ -178,7 +179,7 @@ def _expand_kernel(
 
 
 def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
-                 scales: list[float], out: torch.Tensor | None = None) -> torch.Tensor:
+                 scales: list[float], out: torch.Tensor | None = None, *, fixed_tiles: bool = False) -> torch.Tensor:
     """out[:, columns[s]] = round(y + round(scales[s] · t[:, s·r:(s+1)·r]) @ B[s]^T) for each slice s.
 
     Args:
@@ -186,6 +187,7 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
             be strided).
         out: [N, M] in the model dtype, where the sum is rounded to (y itself, in place, when
             None); columns no slice covers are copied from y, rounded.
+        fixed_tiles: one tiling for every N (batch-invariant mode).
         t: x A^T: [splits, N, S·r] float32 partial sums from `lora_shrink`, or [N, S·r] in any
             float dtype (the spare rows of the base GEMM; rows may be strided).
         B: 1-3 LoRA B matrices [cols_s, r], contiguous.
@@ -201,7 +203,7 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
     bounds = [(c.start, c.stop) for c in columns] + [(0, 0)] * (MAX_SLICES - S)
     b = B + [B[0]] * (MAX_SLICES - S)
     sc = list(scales) + [0.0] * (MAX_SLICES - S)
-    BLOCK_N, BLOCK_M, num_warps = _expand_tiles(N)
+    BLOCK_N, BLOCK_M, num_warps = _expand_tiles(N if not fixed_tiles else 256)
     _expand_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
         y, out, t, b[0], b[1], b[2], N, M, y.stride(0), out.stride(0), *_t_strides(t),
         bounds[0][0], bounds[0][1], bounds[1][0], bounds[1][1], bounds[2][0], bounds[2][1],
@@ -254,7 +256,8 @@ def _silu_mul_lora_kernel(
 
 
 def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tensor | None, B_up: torch.Tensor | None,
-                      scale_gate: float, scale_up: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+                      scale_gate: float, scale_up: float, dtype: torch.dtype | None = None, *,
+                      fixed_tiles: bool = False) -> torch.Tensor:
     """silu(gate + Δgate) * (up + Δup) for gate_up [N, 2I] → [N, I], Δ from t (as in `lora_expand_`; gate's slice first).
 
     gate_up: float32 (the GEMM's unrounded output) or the model dtype; gate + Δgate and
@@ -266,7 +269,7 @@ def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tens
     some = B_gate if B_gate is not None else B_up
     rank = some.shape[1]
     y = torch.empty(N, I, dtype=dtype or gate_up.dtype, device=gate_up.device)
-    BLOCK_N, BLOCK_I, num_warps = _silu_tiles(N)
+    BLOCK_N, BLOCK_I, num_warps = _silu_tiles(N if not fixed_tiles else 256)  # fixed: batch-invariant mode
     _silu_mul_lora_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(I, BLOCK_I))](
         gate_up, y, t, B_gate if B_gate is not None else some, B_up if B_up is not None else some,
         N, I, gate_up.stride(0), y.stride(0), *_t_strides(t),

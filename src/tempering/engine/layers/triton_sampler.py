@@ -80,7 +80,8 @@ def _chunk_kernel(Logits, Temperature, Seeds, Counters, PartMax, PartSum, PartSc
 
 @triton.jit
 def _merge_kernel(Logits, Temperature, PartMax, PartSum, PartScore, PartIdx, TokenIds, Logprobs,
-                  PartAllowed, NumAllowed, stride_l, num_chunks, C_PAD: tl.constexpr, HAS_MASK: tl.constexpr):
+                  PartAllowed, NumAllowed, Given, stride_l, num_chunks, C_PAD: tl.constexpr, HAS_MASK: tl.constexpr,
+                  HAS_GIVEN: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, C_PAD)
     valid = c < num_chunks
@@ -91,8 +92,11 @@ def _merge_kernel(Logits, Temperature, PartMax, PartSum, PartScore, PartIdx, Tok
     idx = tl.load(PartIdx + base, mask=valid, other=2147483647)
     big = tl.max(m, 0)
     lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
-    best = tl.max(score, 0)
-    token = tl.min(tl.where(score == best, idx, 2147483647), 0)
+    if HAS_GIVEN:  # the logprob of a token chosen elsewhere, by the same arithmetic as a drawn one's
+        token = tl.load(Given + row).to(tl.int32)
+    else:
+        best = tl.max(score, 0)
+        token = tl.min(tl.where(score == best, idx, 2147483647), 0)
     temperature = tl.load(Temperature + row)
     inv_t = tl.where(temperature <= 0.0, 1.0, 1.0 / tl.where(temperature <= 0.0, 1.0, temperature))
     x_tok = tl.load(Logits + row * stride_l + token).to(tl.float32) * inv_t
@@ -103,8 +107,8 @@ def _merge_kernel(Logits, Temperature, PartMax, PartSum, PartScore, PartIdx, Tok
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-                  mask_bits: torch.Tensor | None = None, mask_index: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  mask_bits: torch.Tensor | None = None, mask_index: torch.Tensor | None = None, *,
+                  given: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One token per row by Gumbel-max, and its logprob.
 
     Args:
@@ -113,6 +117,9 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         seeds, counters: [B] int64, the row's random stream and the index of the token drawn.
         mask_bits: [C, ceil(V/32)] int32 allowed-token bitmasks (bit v % 32 of word v // 32), or None.
         mask_index: [B] int32, each row's bitmask row (-1: the row is free).
+        given: [B] int64 tokens whose logprobs to return instead of drawing (token_ids is then
+            `given`): the same reduction as a drawn token's, so a row's logprob is bitwise the one
+            its sampling returned (Engine.score).
 
     Returns:
         (token_ids [B] int64, logprobs [B] float32 under the unmasked distribution, and with a
@@ -134,6 +141,7 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
                                    mask_index, mask_bits, part_allowed, mask_bits.stride(0),
                                    V, logits.stride(0), num_chunks, CHUNK_SIZE=CHUNK, HAS_MASK=has_mask, num_warps=8)
     _merge_kernel[(B,)](logits, temperature, parts[0], parts[1], parts[2], part_idx, token_ids, logprobs,
-                        part_allowed, num_allowed, logits.stride(0), num_chunks,
-                        C_PAD=max(16, triton.next_power_of_2(num_chunks)), HAS_MASK=has_mask)
-    return token_ids, logprobs, num_allowed if has_mask else None
+                        part_allowed, num_allowed, given if given is not None else token_ids, logits.stride(0),
+                        num_chunks, C_PAD=max(16, triton.next_power_of_2(num_chunks)), HAS_MASK=has_mask,
+                        HAS_GIVEN=given is not None)
+    return (token_ids if given is None else given), logprobs, num_allowed if has_mask else None

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from ...modeling.gemma import unsupported_reason as gemma3_unsupported_reason
+from ...errors import ConfigError
 from ..layers.rotary import rope_is_static
 from .gemma3 import GEMMA3_ARCHITECTURES, Gemma3Model
 from .llama import SUPPORTED_ARCHITECTURES, LlamaFamilyModel
@@ -49,19 +50,26 @@ def fallback_reason(hf_model: Any, max_positions: int) -> str | None:
     return None
 
 
-def engine_model_for(hf_model: Any, max_positions: int, *,
-                     max_lora_rank: int = 16) -> LlamaFamilyModel | Gemma3Model | Qwen3MoeModel | None:
+def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 16,
+                     batch_invariant: bool = False) -> LlamaFamilyModel | Gemma3Model | Qwen3MoeModel | None:
     """The engine's model bound to `hf_model`, or None (with a log line saying why) when it is not covered.
 
     `max_lora_rank`: spare weight rows per LoRA slice on CUDA (see LlamaFamilyModel).
+    `batch_invariant`: see EngineConfig.batch_invariant.
+
+    Raises:
+        ConfigError: `batch_invariant` for a model outside the Llama family.
     """
     reason = fallback_reason(hf_model, max_positions)
+    arch = _architecture(hf_model)[0]
+    if batch_invariant and (reason is not None or arch not in SUPPORTED_ARCHITECTURES):
+        raise ConfigError(f"batch_invariant (exact on-policy) covers the Llama family {SUPPORTED_ARCHITECTURES}; "
+                          f"{arch or type(hf_model).__name__} is not: leave EngineConfig.batch_invariant off for it")
     if reason is not None:
         log.warning("%s; falling back to the transformers engine", reason)
         return None
-    arch = _architecture(hf_model)[0]
     if arch in GEMMA3_ARCHITECTURES:
         return Gemma3Model(hf_model, max_positions, max_lora_rank=max_lora_rank)
     if arch in MOE_ARCHITECTURES:
         return Qwen3MoeModel(hf_model, max_positions, max_lora_rank=max_lora_rank)
-    return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank)
+    return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank, batch_invariant=batch_invariant)

@@ -148,7 +148,7 @@ class Gemma3Model:
         rotary = {t: table(positions) for t, table in self.rotary.items()}  # cos, sin [N, D] per layer type
         for i, layer in enumerate(self.layers):
             h = gemma_rms_norm(x, layer.input_norm, eps)
-            qkv = linear_with_segments(h, layer.qkv, None, lora, i, "qkv")  # [N, (Hq + 2Hkv) D]
+            qkv = linear_with_segments(h, layer.qkv, None, lora, i, "qkv", ops)  # [N, (Hq + 2Hkv) D]
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
@@ -158,12 +158,12 @@ class Gemma3Model:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale, layer.window).reshape(N, self.q_size)
-            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o")
+            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops)
             x = x + gemma_rms_norm(attn_out, layer.post_attention_norm, eps)
             h = gemma_rms_norm(x, layer.pre_feedforward_norm, eps)
-            gate_up = linear_with_segments(h, layer.gate_up, None, lora, i, "gate_up")  # [N, 2I]
+            gate_up = linear_with_segments(h, layer.gate_up, None, lora, i, "gate_up", ops)  # [N, 2I]
             act = gelu_and_mul(gate_up)  # [N, I]
-            down = linear_with_segments(act, layer.down, None, lora, i, "down")
+            down = linear_with_segments(act, layer.down, None, lora, i, "down", ops)
             x = x + gemma_rms_norm(down, layer.post_feedforward_norm, eps)
         return gemma_rms_norm(x, self.norm, eps)
 

@@ -21,7 +21,6 @@ from ...modeling import SUPPORTED_ARCHITECTURES
 from ...modeling.weights import base_layer, extend_linear, full_rows, fuse_linears
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention
-from ...modeling.precision import linear_f32
 from ..lora import (
     EngineAdapter,
     LoRASegment,
@@ -62,10 +61,13 @@ class LlamaFamilyModel:
             adapters of a larger rank take the slower two-kernel path.
         spare_rows: allocate them (default: on CUDA with Triton, where they pay off; elsewhere
             the same math runs through PyTorch, which tests use).
+        batch_invariant: every token computed the same whatever its batch (EngineConfig.batch_invariant):
+            batch-invariant products and attention, no spare rows (their path and the shrink/expand
+            path of a mixed batch round alike but sum differently).
     """
 
     def __init__(self, hf_model: Any, max_positions: int, *, max_lora_rank: int = 16,
-                 spare_rows: bool | None = None) -> None:
+                 spare_rows: bool | None = None, batch_invariant: bool = False) -> None:
         config = hf_model.config
         inner = hf_model.model
         self.hf_layers = list(inner.layers)
@@ -83,11 +85,12 @@ class LlamaFamilyModel:
         self.norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight  # [V, H], the embedding itself when tied
         self.rotary = RotaryTable(inner.rotary_emb, max_positions, self.dtype, self.device)
-        self.ops = ops_for(self.device)
+        self.batch_invariant = batch_invariant
+        self.ops = ops_for(self.device, batch_invariant=batch_invariant)
         self.layers: list[_Layer] = []
         self.fused_slices: dict[str, dict[str, slice]] = {}
         if spare_rows is None:
-            spare_rows = self.device.type == "cuda" and triton_lora is not None
+            spare_rows = self.device.type == "cuda" and triton_lora is not None and not batch_invariant
         spare = max_lora_rank if spare_rows else 0
 
         def extra(parts: list) -> int:  # spare rows after the output rows of these fused projections
@@ -179,7 +182,7 @@ class LlamaFamilyModel:
                 h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
             else:  # the previous layer's MLP output joins the residual stream here
                 h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
-            qkv = linear_with_segments(h, layer.qkv, layer.qkv_bias, lora, i, "qkv")  # [N, (Hq + 2Hkv) D]
+            qkv = linear_with_segments(h, layer.qkv, layer.qkv_bias, lora, i, "qkv", ops)  # [N, (Hq + 2Hkv) D]
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
@@ -188,11 +191,12 @@ class LlamaFamilyModel:
                 k = ops.rms_norm(k, layer.k_norm, self.eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)  # [N, Hq D]
-            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o")
+            o = paged_attention(q, k_cache, v_cache, ctx, self.scale,
+                                batch_invariant=self.batch_invariant).reshape(N, self.q_size)  # [N, Hq D]
+            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops)
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
-            act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops.silu_and_mul)  # [N, I]
-            x = linear_with_segments(act, layer.down, None, lora, i, "down")
+            act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops)  # [N, I]
+            x = linear_with_segments(act, layer.down, None, lora, i, "down", ops)
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def _forward_spare_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
@@ -234,4 +238,4 @@ class LlamaFamilyModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, H] → [S, V] float32 logits, unrounded (modeling/precision.py): the trainer's, bit for bit
         in the products and accumulation."""
-        return linear_f32(hidden, self.lm_head)
+        return self.ops.linear_f32(hidden, self.lm_head)

@@ -236,7 +236,7 @@ class Qwen3MoeModel:
                 h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
             else:
                 h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
-            qkv = linear_with_segments(h, layer.qkv, layer.qkv_bias, lora, i, "qkv")  # [N, (Hq + 2Hkv) D]
+            qkv = linear_with_segments(h, layer.qkv, layer.qkv_bias, lora, i, "qkv", ops)  # [N, (Hq + 2Hkv) D]
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
@@ -245,7 +245,7 @@ class Qwen3MoeModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)  # [N, Hq D]
-            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o")
+            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops)
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
             if layer.moe is not None:
                 x, ids = sparse_moe(h, layer.router, layer.gate_up, layer.down, top_k=self.top_k,
@@ -254,8 +254,8 @@ class Qwen3MoeModel:
                 if self.routing is not None:
                     self.routing.write(layer.moe_index, ctx.slot_mapping, ids)
                 continue
-            act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops.silu_and_mul)  # [N, I]
-            x = linear_with_segments(act, layer.down, None, lora, i, "down")
+            act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops)  # [N, I]
+            x = linear_with_segments(act, layer.down, None, lora, i, "down", ops)
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""A batch-invariant matrix product (Triton): a row's result does not depend on the other rows.
+
+cuBLAS picks its kernel (tile shape, split-K, stream-K) from the problem's shape, so the same row
+of x times the same W can come out with different float32 sums, and different bf16 roundings,
+when it is multiplied alone, in a decode batch of 37 or in a prefill of 4,096 rows. Here every
+product runs one kernel with one tiling for every M: each output tile is a [BLOCK_M, BLOCK_N]
+program that walks K from 0 in BLOCK_K steps with the same tensor-core instruction sequence, so
+an element's sum is the same sequence of operations whatever M is and wherever its row falls.
+The engine's batch-invariant mode (EngineConfig.batch_invariant) runs all of its products here;
+"Defeating Nondeterminism in LLM Inference" (He et al., Thinking Machines, 2025) describes the
+approach.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["matmul"]
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(X, W, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    row_mask = rows < M
+    col_mask = cols < N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + ks
+        k_mask = k < K
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        w = tl.load(W + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias), float32 accumulation, rounded once to `out_dtype`; batch-invariant.
+
+    Args:
+        x: [M, K] (rows may be strided; the last dim contiguous), bfloat16/float16.
+        weight: [N, K] in x's dtype (rows may be strided; the last dim contiguous).
+        bias: [N] or None.
+        out_dtype: the output's dtype (default x's): float32 keeps the sums unrounded.
+
+    Returns:
+        [M, N]: for a given row of x, bitwise the same whatever M and the other rows are.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("matmul needs the last dim of x and weight contiguous")
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0:
+        return y
+    _matmul_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
+        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=4,
+    )
+    return y

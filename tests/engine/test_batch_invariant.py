@@ -1,0 +1,73 @@
+"""Batch-invariant mode: a token's logprob does not depend on its batch, and scoring a sampled
+sequence afterwards (Engine.score, one prefill) returns the sampled logprobs bit for bit (CUDA);
+the CPU twin agrees to float32 rounding."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_models import DEVICES, AdapterPolicy, NullTokenizer, tiny, with_lora
+
+from tempering.engine import Engine, EngineConfig, SamplingParams, engine_model_for
+from tempering.errors import ConfigError
+
+
+def _engine(device, dtype, *, batch_invariant=True, arch="qwen2"):
+    model = tiny(arch, device, dtype)
+    holder = {}
+    engine = Engine(engine_model_for(model, 512, batch_invariant=batch_invariant), NullTokenizer(), stop_token_ids=[0],
+                    lock=threading.RLock(), max_seq_len=512, peft_model=lambda: holder.get("peft"),
+                    config=EngineConfig(num_kv_blocks=128, block_size=16, max_num_batched_tokens=64,
+                                        batch_invariant=batch_invariant))
+    holder["peft"] = with_lora(model, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    return engine
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES[:2], ids=[d for d, _ in DEVICES[:2]])
+def test_scoring_sampled_sequences_returns_their_sampled_logprobs(device, dtype):
+    engine = _engine(device, dtype)
+    try:
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (5, 40, 77)]  # 77 > 64: chunked
+        policy = AdapterPolicy("default")
+        futures = [engine.submit(p, SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=True), n=3,
+                                 policy=policy) for i, p in enumerate(prompts)]
+        samples = [(p, c) for p, f in zip(prompts, futures) for c in f.result(timeout=300)]
+        scored = engine.score([p + c.token_ids for p, c in samples],
+                              [[1.0] * (len(p) + len(c.token_ids)) for p, c in samples], policy)
+        for (p, c), values in zip(samples, scored):
+            got = torch.tensor(values[len(p) - 1:])
+            want = torch.tensor(c.logprobs)
+            if device.startswith("cuda"):
+                assert torch.equal(got, want), (got - want).abs().max()
+            else:
+                assert (got - want).abs().max() < 1e-4
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_sequences_tokens_and_logprobs_do_not_depend_on_its_batch():
+    engine = _engine("cuda", torch.bfloat16)
+    try:
+        prompt = torch.randint(1, 128, (33,), generator=torch.Generator().manual_seed(1)).tolist()
+        others = [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 90, 51)]
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+        policy = AdapterPolicy("default")
+        alone = engine.submit(prompt, params, policy=policy).result(timeout=300)[0]
+        crowd = [engine.submit(o, SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True), n=8,
+                               policy=policy) for o in others]
+        together = engine.submit(prompt, params, policy=policy)
+        for f in crowd:
+            f.result(timeout=300)
+        together = together.result(timeout=300)[0]
+        assert together.token_ids == alone.token_ids and together.logprobs == alone.logprobs
+    finally:
+        engine.close()
+
+
+def test_batch_invariant_mode_is_refused_for_a_model_outside_the_llama_family():
+    with pytest.raises(ConfigError, match="Llama family"):
+        engine_model_for(tiny("gemma3", "cpu", torch.float32), 512, batch_invariant=True)
