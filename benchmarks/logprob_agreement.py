@@ -6,6 +6,8 @@ logprob of every sampled token. Printed per temperature, over all sampled tokens
 
 - `mean_abs`, `p99_abs`, `max_abs`: |engine logprob − trainer logprob| in nats;
 - `bitwise_equal`: the fraction of tokens whose two float32 logprobs are the same bits;
+- with `--batch-invariant`, the engine's teacher-forced rescoring against its sampled logprobs
+  (`engine_score_vs_sampled`: the values exact on-policy training takes; bitwise_equal 1.0 expected);
 - with `--reference`, the same against a float32 copy of the model run by transformers + PEFT
   (the truth both sides approximate), for the engine (`engine_vs_fp32`) and the trainer
   (`trainer_vs_fp32`).
@@ -19,6 +21,7 @@ importance ratio.
     python benchmarks/logprob_agreement.py                               # CPU, float32
     python benchmarks/logprob_agreement.py --device cuda --reference     # GPU, bfloat16
     python benchmarks/logprob_agreement.py --device cuda --adapter DIR --grad
+    python benchmarks/logprob_agreement.py --device cuda --adapter DIR --batch-invariant
 """
 
 from __future__ import annotations
@@ -136,6 +139,9 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also compare with float32 transformers")
     parser.add_argument("--grad", action="store_true", help="also one training step's gradient norm")
     parser.add_argument("--per-sequence", action="store_true", help="with --grad: each sample's gradient norm alone")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the engine's batch-invariant mode: also compare its teacher-forced rescoring "
+                             "(Engine.score, the trainer's values in exact on-policy mode) with the sampled logprobs")
     args = parser.parse_args()
 
     from tempering.demo.task import AdditionTask
@@ -148,8 +154,10 @@ def main() -> None:
     task = AdditionTask()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        from tempering.engine import EngineConfig
+
         service = ModelService(ModelPaths(Path(tmp), "agreement", "probe"), DEFAULT_BASE_MODEL, device=args.device,
-                               dtype=dtype)
+                               dtype=dtype, engine_config=EngineConfig(batch_invariant=args.batch_invariant))
         trainer = service._ensure_trainer(TrainConfig())
         if args.adapter is not None:
             load_adapter(trainer, args.adapter)
@@ -167,6 +175,11 @@ def main() -> None:
             flat_e = [x for xs in engine for x in xs]
             flat_t = [x for xs in ours for x in xs]
             entry = {"num_tokens": len(flat_e), "reward": sum(rewards) / len(rewards), **_summary(flat_e, flat_t)}
+            if args.batch_invariant:
+                scored = service._exact_scorer()([p + c.token_ids for p, c in samples],
+                                                 [s.temperatures for s in sequences])
+                flat_s = [x for (p, _), xs in zip(samples, scored) for x in xs[len(p) - 1:]]
+                entry["engine_score_vs_sampled"] = _summary(flat_e, flat_s)
             worst = max(range(len(flat_e)), key=lambda i: abs(flat_e[i] - flat_t[i]))
             entry["worst"] = {"engine": flat_e[worst], "trainer": flat_t[worst]}
             if args.reference:

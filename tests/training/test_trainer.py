@@ -201,6 +201,15 @@ def test_with_a_scorer_the_objective_takes_its_values_and_the_trainers_gradient(
     assert metrics["offpolicy/mismatch_abs_logprob"] == 0.0
     plain = base.step(seqs, config).values
     assert plain["offpolicy/bitwise_equal_fraction"] < 1.0
+    assert metrics["offpolicy/rescored_fraction"] == 1.0
+    # sampled with the weights the step starts from: the sampled values are exact, nothing is rescored
+    on_policy = [TokenizedSequence(s.token_ids, list(s.loss_mask), list(s.sampled_logprobs), advantage=s.advantage,
+                                   group_index=s.group_index, trajectory_index=s.trajectory_index) for s in seqs]
+    for s in on_policy:
+        s.on_policy = True
+    again = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3).step(on_policy, config, scorer=scorer).values
+    assert len(asked) == 1 and again["offpolicy/rescored_fraction"] == 0.0
+    assert again["offpolicy/bitwise_equal_fraction"] == 1.0
     moved = torch.cat([(a - i).flatten() for a, i in zip(lora_state(exact), init)])
     other = torch.cat([(b - i).flatten() for b, i in zip(lora_state(base), init)])
     assert moved.norm() > 0 and (moved - other).norm() <= 1e-2 * moved.norm()

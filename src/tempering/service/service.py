@@ -572,8 +572,11 @@ class ModelService:
             trained = [(i, a, seqs) for i, (a, seqs) in enumerate(zip(advantages, per_trajectory)) if a != 0.0 and seqs]
             num_trainable += bool(trained)
             for i, advantage, seqs in trained:
+                versions = groups[g].trajectories[i].policy_versions()
+                on_policy = bool(versions) and all(v == self.gate.version for v in versions)
                 for seq in seqs:
                     seq.advantage, seq.group_index, seq.trajectory_index = advantage, g, i
+                    seq.on_policy = on_policy
                     sequences.append(seq)
         return sequences, num_trainable, len(groups), num_without_tokens
 

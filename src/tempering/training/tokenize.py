@@ -63,6 +63,9 @@ class TokenizedSequence:
         exact_logprobs: [T] the engine's own recomputation of each trained token's logprob under
             the current weights (nan elsewhere), set by the trainer before an update when the
             engine is batch-invariant (`Trainer.step(scorer=...)`); None otherwise.
+        on_policy: every sampled token of it was sampled with the weights the training step starts
+            from (the tokens' policy versions are the step's): with a batch-invariant engine its
+            sampled logprobs are then those weights' exact values, and need no rescoring.
     """
 
     token_ids: list[int]
@@ -75,6 +78,7 @@ class TokenizedSequence:
     forced: list[bool] | None = None
     routed_experts: np.ndarray | None = None
     exact_logprobs: list[float] | None = None
+    on_policy: bool = False
     num_completion_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:

@@ -205,6 +205,8 @@ class Trainer:
         self.rows = RowGraphs(self.params, self.params[0].device)
         self._snapshot_buffers: list[torch.Tensor] | None = None  # reused by every step's snapshot
         self._undo: _Undo | None = None  # what a failing step restores (see _undoable)
+        self._updates_this_step = 0  # optimizer updates taken by the running step
+        self._num_rescored: int | None = None  # the running step's trained tokens rescored (None: no scorer)
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -371,6 +373,7 @@ class Trainer:
             group["weight_decay"] = config.weight_decay
         if not self.model.training:  # .train() walks every module: milliseconds per step
             self.model.train()
+        self._updates_this_step, self._num_rescored = 0, 0 if scorer is not None else None
         totals = _Totals()
         try:
             with self._forward_mode(config.gradient_checkpointing):
@@ -487,7 +490,8 @@ class Trainer:
         try:
             if failure is None:
                 if scorer is not None:
-                    _attach_exact_logprobs(sequences, scorer)
+                    self._num_rescored += _attach_exact_logprobs(sequences, scorer,
+                                                                 weights_changed=self._updates_this_step > 0)
                 for micro in pack_sequences(sequences, max_tokens=max_tokens, weights=weights,
                                             share_prefixes=self.share_prompts):
                     if not micro.loss_mask[0, 1:].any():
@@ -601,6 +605,7 @@ class Trainer:
             return float(grad_norm)
         with self.gate:
             self.optimizer.step()
+            self._updates_this_step += 1
             # readers of the adapter key their copies on tensor version counters (the engine's spare
             # rows and B^T shadows), which a fused optimizer's in-place writes do not bump
             for p in self.params:
@@ -675,6 +680,8 @@ class Trainer:
             metrics["offpolicy/mismatch_kl"] = t["first_mismatch_k3"] / t["first_trained"]
             metrics["offpolicy/mismatch_abs_logprob_p99"] = t["first_mismatch_p99"]  # a histogram bin's upper edge
             metrics["offpolicy/bitwise_equal_fraction"] = t["first_bitwise_equal"] / t["first_trained"]
+        if self._num_rescored is not None:  # exact on-policy: the share of trained tokens the engine recomputed
+            metrics["offpolicy/rescored_fraction"] = self._num_rescored / n
         if config.kl_penalty_coef > 0:
             metrics["loss/kl"] = t["kl"] / n
         if config.truncated_importance_sampling is not None:
@@ -728,12 +735,25 @@ class Trainer:
             self.optimizer.state[self.params[i]][k] = tensor
 
 
-def _attach_exact_logprobs(sequences: list[TokenizedSequence], scorer) -> None:
-    """Set each sequence's `exact_logprobs` from `scorer` (the engine's recomputation under the
-    current weights): the trained tokens' values, nan elsewhere."""
-    scores = scorer([s.token_ids for s in sequences], [s.temperatures for s in sequences])
-    for seq, values in zip(sequences, scores):
+def _attach_exact_logprobs(sequences: list[TokenizedSequence], scorer, *, weights_changed: bool) -> int:
+    """Set each sequence's `exact_logprobs`: its trained tokens' logprobs under the current weights
+    by the batch-invariant engine, nan elsewhere; returns how many trained tokens were rescored.
+
+    A sequence sampled with these very weights (`on_policy`, while no update of this step has
+    changed them) keeps its sampled logprobs: the engine would recompute the same bits (its batch
+    invariance; tests/engine/test_batch_invariant.py and benchmarks/logprob_agreement.py check it).
+    The others are rescored by `scorer` (the engine's teacher-forced forward, Engine.score).
+    """
+    rescore = [s for s in sequences if weights_changed or not s.on_policy]
+    for seq in sequences:
+        if not (weights_changed or not seq.on_policy):
+            seq.exact_logprobs = list(seq.sampled_logprobs)
+    if not rescore:
+        return 0
+    scores = scorer([s.token_ids for s in rescore], [s.temperatures for s in rescore])
+    for seq, values in zip(rescore, scores):
         seq.exact_logprobs = [math.nan] + [v if trained else math.nan for v, trained in zip(values, seq.loss_mask[1:])]
+    return sum(s.num_completion_tokens for s in rescore)
 
 
 @dataclass(slots=True)
