@@ -744,10 +744,12 @@ def _attach_exact_logprobs(sequences: list[TokenizedSequence], scorer, *, weight
     invariance; tests/engine/test_batch_invariant.py and benchmarks/logprob_agreement.py check it).
     The others are rescored by `scorer` (the engine's teacher-forced forward, Engine.score).
     """
-    rescore = [s for s in sequences if weights_changed or not s.on_policy]
+    rescore = []
     for seq in sequences:
-        if not (weights_changed or not seq.on_policy):
+        if seq.on_policy and not weights_changed:
             seq.exact_logprobs = list(seq.sampled_logprobs)
+        else:
+            rescore.append(seq)
     if not rescore:
         return 0
     scores = scorer([s.token_ids for s in rescore], [s.temperatures for s in rescore])
