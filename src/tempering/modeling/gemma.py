@@ -18,7 +18,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["embed_scale", "gelu_and_mul", "gemma_rms_norm", "norm_gain", "unsupported_reason"]
+__all__ = ["GEMMA3_ARCHITECTURES", "embed_scale", "gelu_and_mul", "gemma_rms_norm", "norm_gain", "unsupported_reason"]
+
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM",)  # what the engine's and the trainer's Gemma 3 code cover
 
 
 def norm_gain(norm: Any) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..modeling.gemma import embed_scale, gelu_and_mul, gemma_rms_norm, norm_gain, unsupported_reason
+from ..modeling.gemma import GEMMA3_ARCHITECTURES, embed_scale, gelu_and_mul, gemma_rms_norm, norm_gain, unsupported_reason
 from ..modeling.lora import collect_adapter
 from ..modeling.weights import base_layer, fuse_linears
 from .attention import varlen_causal_attention
@@ -36,7 +36,6 @@ __all__ = ["Gemma3PackedDecoder"]
 
 log = logging.getLogger("tempering")
 
-GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM",)
 
 
 @dataclass(slots=True)

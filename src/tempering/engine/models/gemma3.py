@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...modeling.gemma import embed_scale, gelu_and_mul, gemma_rms_norm, norm_gain
+from ...modeling.gemma import GEMMA3_ARCHITECTURES, embed_scale, gelu_and_mul, gemma_rms_norm, norm_gain
 from ...modeling.weights import base_layer, fuse_linears
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention
@@ -37,7 +37,6 @@ from ..lora import LoRASegment, linear_with_segments
 
 __all__ = ["GEMMA3_ARCHITECTURES", "Gemma3Model"]
 
-GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM",)
 
 
 @dataclass(slots=True)
