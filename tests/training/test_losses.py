@@ -103,7 +103,7 @@ def _objective(new_values, sampled, advantages, **config):
 
     new = torch.tensor(new_values, requires_grad=True)
     n = len(new_values)
-    row = SimpleNamespace(valid=torch.ones(n, dtype=torch.bool), sampled_logprobs=torch.tensor(sampled),
+    row = SimpleNamespace(valid=torch.ones(n, dtype=torch.bool), exact_logprobs=None, sampled_logprobs=torch.tensor(sampled),
                           advantages=torch.tensor(advantages), seq_index=torch.zeros(n, dtype=torch.long), num_seqs=1,
                           weights=torch.full((n,), 1.0 / n))
     loss, _ = rl_objective(lambda row, chunk, lora=True: (new, torch.zeros(n)), row, TrainConfig(**config))
