@@ -79,3 +79,44 @@ def test_in_bfloat16_the_engine_keeps_the_small_adapter_the_trainer_scores(defau
     mismatch = (engine_lp - trainer_lp).abs().mean().item()
     assert engine_error < 1.15 * trainer_error, (engine_error, trainer_error)
     assert mismatch < 0.035, (mismatch, engine_error, trainer_error)
+
+
+def test_exact_on_policy_mode_trains_on_policy_tokens_at_their_sampled_values_through_art_code(tmp_path):
+    """ART-style code with the engine's batch-invariant mode: on-policy rollouts keep their sampled
+    logprobs as the objective's values (every ratio exactly 1, nothing rescored), a second update
+    in the same step rescores through the engine, and the step trains."""
+    import asyncio
+
+    import tempering as art
+
+    async def rollout(model, a, b):
+        traj = art.Trajectory(messages_and_choices=[{"role": "user", "content": f"What is {a}+{b}?"}])
+        completion = await model.openai_client().chat.completions.create(
+            model=model.name, messages=traj.messages(), max_tokens=8, temperature=1.0)
+        traj.messages_and_choices.append(completion.choices[0])
+        text = completion.choices[0].message.content or ""
+        traj.reward = float(str(a + b) in text) + len(text) / 100  # the text's length: a spread in every group
+        return traj
+
+    async def main():
+        backend = art.LocalBackend(path=tmp_path, engine_config={"batch_invariant": True})
+        model = art.TrainableModel(name="exact", project="tests", base_model="SmolLM2-135M-Instruct")
+        await model.register(backend)
+        try:
+            groups = await art.gather_trajectory_groups(
+                (art.TrajectoryGroup(rollout(model, a, b) for _ in range(4)) for a, b in ((2, 3), (7, 8))),
+                pbar_desc=None)
+            one = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
+            groups = await art.gather_trajectory_groups(
+                (art.TrajectoryGroup(rollout(model, a, b) for _ in range(4)) for a, b in ((2, 3), (7, 8))),
+                pbar_desc=None)
+            two = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3, batch_size=4))
+        finally:
+            await backend.close()
+        return one.metrics, two.metrics
+
+    one, two = asyncio.run(main())
+    assert one["offpolicy/rescored_fraction"] == 0.0 and one["offpolicy/bitwise_equal_fraction"] == 1.0
+    assert one["offpolicy/ratio_max"] == 1.0 and one["loss/grad_norm"] > 0
+    # two updates of four trajectories: the second update's tokens are rescored under the new weights
+    assert two["data/step_num_optimizer_updates"] == 2 and 0.0 < two["offpolicy/rescored_fraction"] < 1.0
