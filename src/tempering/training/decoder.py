@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..modeling import SUPPORTED_ARCHITECTURES
+from ..modeling import SUPPORTED_ARCHITECTURES, covered_architecture
 from ..modeling.lora import collect_adapter
 from ..modeling.precision import linear_f32
 from ..modeling.weights import base_layer, fuse_linears
@@ -250,8 +250,7 @@ class PackedDecoder:
         """A decoder for `peft_model`, or None if its architecture or adapter is not covered."""
         hf = peft_model.get_base_model()
         config = hf.config
-        if not any(a in SUPPORTED_ARCHITECTURES for a in (getattr(config, "architectures", None) or [])) \
-                and type(hf).__name__ not in SUPPORTED_ARCHITECTURES:
+        if covered_architecture(hf, SUPPORTED_ARCHITECTURES) is None:
             return None
         if getattr(config, "hidden_act", "silu") != "silu" or getattr(peft_model.peft_config[adapter], "use_dora", False):
             return None

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..modeling import covered_architecture
 from ..modeling.gemma import GEMMA3_ARCHITECTURES, embed_scale, gelu_and_mul, gemma_rms_norm, norm_gain, unsupported_reason
 from ..modeling.lora import collect_adapter
 from ..modeling.weights import base_layer, fuse_linears
@@ -121,8 +122,7 @@ class Gemma3PackedDecoder(PackedDecoder):
         """A decoder for `peft_model`, or None if it is not a Gemma 3 model this code covers (logged)."""
         hf = peft_model.get_base_model()
         config = hf.config
-        if not any(a in GEMMA3_ARCHITECTURES for a in (getattr(config, "architectures", None) or [])) \
-                and type(hf).__name__ not in GEMMA3_ARCHITECTURES:
+        if covered_architecture(hf, GEMMA3_ARCHITECTURES) is None:
             return None
         reason = unsupported_reason(config)
         if reason is None and getattr(peft_model.peft_config[adapter], "use_dora", False):

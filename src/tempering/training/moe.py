@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..modeling import MOE_ARCHITECTURES, covered_architecture
 from ..modeling.experts import ExpertLoRA, MoEDelta, collect_expert_lora, experts_of, is_moe_layer, sparse_moe
 from ..modeling.lora import collect_adapter
 from ..modeling.weights import base_layer, fuse_linears
@@ -45,7 +46,6 @@ __all__ = ["MoEPackedDecoder", "expert_modules_of", "expert_target_modules"]
 
 log = logging.getLogger("tempering")
 
-ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -61,10 +61,6 @@ def expert_modules_of(target_parameters: Any) -> list[str]:
     """The target modules a PEFT adapter's `target_parameters` on stacked experts stand for."""
     names = {str(p).rsplit(".", 1)[-1] for p in (target_parameters or ())}
     return ["gate_proj", "up_proj"] * ("gate_up_proj" in names) + ["down_proj"] * ("down_proj" in names)
-
-
-def _is_covered(config: Any) -> bool:
-    return any(a in ARCHITECTURES for a in (getattr(config, "architectures", None) or []))
 
 
 @dataclass(slots=True)
@@ -167,7 +163,7 @@ class MoEPackedDecoder(PackedDecoder):
     def maybe(cls, peft_model: Any, adapter: str) -> MoEPackedDecoder | None:
         """A decoder for `peft_model`, or None if its architecture or adapter is not covered."""
         hf = peft_model.get_base_model()
-        if not _is_covered(hf.config) and type(hf).__name__ not in ARCHITECTURES:
+        if covered_architecture(hf, MOE_ARCHITECTURES) is None:
             return None
         if getattr(hf.config, "hidden_act", "silu") != "silu":
             return None

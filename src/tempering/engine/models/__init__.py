@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ...modeling.gemma import unsupported_reason as gemma3_unsupported_reason
 from ...errors import ConfigError
+from ...modeling import MOE_ARCHITECTURES, covered_architecture
+from ...modeling.gemma import unsupported_reason as gemma3_unsupported_reason
 from ..layers.rotary import rope_is_static
 from .gemma3 import GEMMA3_ARCHITECTURES, Gemma3Model
 from .llama import SUPPORTED_ARCHITECTURES, LlamaFamilyModel
@@ -17,17 +18,12 @@ __all__ = ["GEMMA3_ARCHITECTURES", "Gemma3Model", "LlamaFamilyModel", "Qwen3MoeM
 
 log = logging.getLogger("tempering")
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 
 def _architecture(hf_model: Any) -> tuple[str | None, list[str]]:
     """(the covered architecture of `hf_model` or None, the names it goes by)."""
     archs = list(getattr(hf_model.config, "architectures", None) or [type(hf_model).__name__])
-    covered = SUPPORTED_ARCHITECTURES + GEMMA3_ARCHITECTURES + MOE_ARCHITECTURES
-    arch = next((a for a in archs if a in covered), None)
-    if arch is None and type(hf_model).__name__ in covered:
-        arch = type(hf_model).__name__
-    return arch, archs
+    return covered_architecture(hf_model, SUPPORTED_ARCHITECTURES + GEMMA3_ARCHITECTURES + MOE_ARCHITECTURES), archs
 
 
 def fallback_reason(hf_model: Any, max_positions: int) -> str | None:
