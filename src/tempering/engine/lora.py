@@ -18,8 +18,14 @@ Three ways, fastest first:
   (rotary + KV store, add + RMSNorm), which read B^T from shadows in the model dtype ([r, out]
   per module, refreshed with the copy of A): faster at every batch size measured (256 to 8192
   rows on an H100, benchmarks/RESULTS.md).
-- Two Triton kernels per projection, a shrink and an expand over all its slices (mixed batches).
-- PyTorch matmuls in the adapter's dtype (CPU).
+- Two Triton kernels per projection, a shrink and an expand over all its slices (mixed batches,
+  and the batch-invariant mode, with fixed tiles).
+- PyTorch matmuls (CPU), the kernels' twins.
+
+Every way rounds as the trainer does (modeling/precision.py): the projection's GEMM output stays
+float32 until the delta, round(s · x A^T) B^T, joins it, then one rounding to the model dtype.
+The copies of A and B^T follow the trainer's tensors through their version counters, which the
+trainer moves after every update (a fused optimizer writes in place without moving them).
 """
 
 from __future__ import annotations
