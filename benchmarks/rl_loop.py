@@ -83,22 +83,31 @@ class PeriodicSampler:
 
 
 class BusySampler(PeriodicSampler):
-    """The fraction of wall-clock the GPU ran a kernel: NVML's utilization (the percent of its last
-    sample period with a kernel running), read every `period_s` and averaged (null off CUDA or
-    without pynvml)."""
+    """The fraction of wall-clock each GPU of the machine ran a kernel: NVML's utilization (the
+    percent of its last sample period with a kernel running), read every `period_s` and averaged
+    (null off CUDA or without pynvml)."""
 
     def __init__(self, device: torch.device, period_s: float = 0.05) -> None:
         super().__init__(period_s)
         self.device = device
 
-    def read(self) -> float:
+    def read(self) -> tuple[float, ...]:
         if self.device.type != "cuda":
             raise RuntimeError("not a CUDA device")
-        return torch.cuda.utilization(self.device)
+        return tuple(torch.cuda.utilization(i) for i in range(torch.cuda.device_count()))
+
+    @property
+    def fractions(self) -> list[float] | None:
+        """Per GPU, in index order."""
+        if not self.samples:
+            return None
+        return [round(sum(v[i] for _, v in self.samples) / len(self.samples) / 100, 3)
+                for i in range(len(self.samples[0][1]))]
 
     @property
     def fraction(self) -> float | None:
-        return round(sum(v for _, v in self.samples) / len(self.samples) / 100, 3) if self.samples else None
+        """GPU 0's."""
+        return self.fractions[0] if self.samples else None
 
 
 class DecodeProgress(PeriodicSampler):
@@ -210,7 +219,7 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
     gpu = torch.device(device, 0) if device == "cuda" else torch.device(device)
     with BusySampler(gpu) as busy:
         sequential = [await sequential_iteration() for _ in range(iterations)]
-    sequential_busy = busy.fraction
+    sequential_busy, sequential_busy_all = busy.fraction, busy.fractions
 
     first_step = await model.get_step()
     pipeline = art.PipelineTrainer(model, backend, rollout, prompts, group_size=group_size, groups_per_step=groups,
@@ -244,10 +253,13 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
                                     if engine is not None else None,  # measured in the engine's process only
         "sequential_trained_tokens_per_s": round(seq_tps, 1),
         "sequential_gpu_busy_fraction": sequential_busy,  # GPU 0's
+        "sequential_gpu_busy_fraction_per_gpu": sequential_busy_all,
         "pipelined_s_per_iteration": round(pipe_s, 3),
         "pipelined_first_iteration_s": round(piped.step_wall_s[0], 3),
         "pipelined_trained_tokens_per_s": round(pipe_tps, 1),
         "pipelined_gpu_busy_fraction": busy.fraction,
+        "pipelined_gpu_busy_fraction_per_gpu": busy.fractions,
+        "pipelined_step_wall_s": [round(x, 3) for x in piped.step_wall_s],
         "pipelined_policy_age_mean": round(statistics.mean(ages[1:]), 3),
         "pipelined_stale_groups_dropped": piped.num_stale_groups_dropped,
         "ratio_s_per_iteration": round(pipe_s / seq_s, 3),

@@ -347,9 +347,20 @@ class Replica:
         self.engine = engine
         self.policies = policies
         self.mode = "lora"
+        self._window = [None, None, 0]  # first request in, last completion out (time.monotonic), steps before
 
     def submit(self, *, prompt_ids, params, n, step=None, on_token=None):
-        return self.engine.submit(prompt_ids, params, n=n, policy=self.policies[self.mode], on_token=on_token)
+        if self._window[0] is None:
+            self._window[0] = time.monotonic()
+        future = self.engine.submit(prompt_ids, params, n=n, policy=self.policies[self.mode], on_token=on_token)
+        future.add_done_callback(lambda _: self._window.__setitem__(1, time.monotonic()))
+        return future
+
+    def window(self) -> tuple[float | None, float | None, int]:
+        """Since `prepare`: when this replica's first request arrived and its last one completed
+        (time.monotonic, one clock for every process of the machine), and its engine steps."""
+        first, last, steps = self._window
+        return first, last, self.engine.stats.num_steps - steps
 
     def prepare(self, *, mode: str, prompts: list[list[int]], n: int) -> None:
         """Switch policy, capture every decode graph, warm up on the workload's prompts, empty the prefix cache."""
@@ -360,6 +371,7 @@ class Replica:
         for f in [self.engine.submit(p, warm, n=n, policy=policy) for p in prompts]:
             f.result()
         self.engine.blocks.forget_cached()
+        self._window = [None, None, self.engine.stats.num_steps]
 
     def probe(self, *, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
         c = self.engine.submit(prompt_ids, SamplingParams(max_tokens=16, temperature=0.0),
@@ -418,8 +430,9 @@ def data_parallel(args) -> None:
     modes = args.modes.split(",")
     vocab = model.config.vocab_size
 
-    def run(router: Router, prepares: list, prompts: list[list[int]], work: dict, mode: str) -> dict:
-        """Tokens/s of the workload through `router` after every replica prepared for it."""
+    def run(router: Router, prepares: list, prompts: list[list[int]], work: dict, mode: str, windows: list = ()) -> dict:
+        """Tokens/s of the workload through `router` after every replica prepared for it; with
+        `windows` (one function per replica), when each replica worked, relative to the start."""
         remote = [prepare(mode=mode, prompts=prompts, n=work["n"]) for prepare in prepares[1:]]  # futures
         prepares[0](mode=mode, prompts=prompts, n=work["n"])
         for f in remote:
@@ -427,13 +440,20 @@ def data_parallel(args) -> None:
         before = list(router.num_requests)
         params = SamplingParams(max_tokens=work["max_new"], temperature=1.0, ignore_eos=True)
         sync(device)
-        start = time.perf_counter()
+        start, start_mono = time.perf_counter(), time.monotonic()
         futures = [router.submit(p, params, n=work["n"]) for p in prompts]
+        submitted = time.monotonic() - start_mono
         results = [f.result() for f in futures]
         elapsed = time.perf_counter() - start
         assert all(len(c.token_ids) == work["max_new"] for r in results for c in r)
-        return {"tok_per_s": round(len(prompts) * work["n"] * work["max_new"] / elapsed, 1),
-                "requests_per_replica": [a - b for a, b in zip(router.num_requests, before)]}
+        out = {"tok_per_s": round(len(prompts) * work["n"] * work["max_new"] / elapsed, 1),
+               "requests_per_replica": [a - b for a, b in zip(router.num_requests, before)]}
+        if windows:  # [first request in, last completion out] per replica, seconds after the start
+            spans = [w() for w in windows]
+            out["timeline_s"] = {"wall": round(elapsed, 3), "all_submitted": round(submitted, 3),
+                                 "replicas": [[round(f - start_mono, 3), round(l - start_mono, 3), steps]
+                                              for f, l, steps in spans if f is not None and l is not None]}
+        return out
 
     def local(prompt_ids, params, *, n, step, on_token):
         return replica.submit(prompt_ids=prompt_ids, params=params, n=n, on_token=on_token)
@@ -449,6 +469,10 @@ def data_parallel(args) -> None:
             prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k)
             entry = record["workloads"].setdefault(name, {"shape": work})
             entry[f"{mode}_1gpu_tok_per_s"] = run(single, [replica.prepare], prompts, work, mode)["tok_per_s"]
+            # one GPU's share of the fixed batch, alone: what each of N replicas has to do
+            share = prompts[: max(1, len(prompts) // args.gpus)]
+            alone = run(single, [replica.prepare], share, work, mode, [replica.window])
+            entry[f"{mode}_1gpu_share_of_{args.gpus}_s"] = alone["timeline_s"]["wall"]
 
     driver = Driver.start(args.gpus, device_type=device_type, command=[sys.executable, *sys.argv], timeout_s=1800)
     try:
@@ -461,7 +485,8 @@ def data_parallel(args) -> None:
                 work = workloads[name]
                 prompts = make_prompts(work["num_prompts"], tokenizer, vocab, seed=10 * k)
                 entry = record["workloads"][name]
-                strong = run(multi, prepares, prompts, work, mode)
+                windows = [replica.window, *[lambda link=link: link.call("window").result() for link in driver.links]]
+                strong = run(multi, prepares, prompts, work, mode, windows)
                 more = make_prompts(work["num_prompts"] * args.gpus, tokenizer, vocab, seed=10 * k + 5)
                 weak = run(multi, prepares, more, work, mode)
                 single_tps = entry[f"{mode}_1gpu_tok_per_s"]
@@ -471,6 +496,7 @@ def data_parallel(args) -> None:
                     f"{mode}_{args.gpus}gpu_{args.gpus}x_prompts_tok_per_s": weak["tok_per_s"],
                     f"{mode}_ratio_{args.gpus}x_prompts": round(weak["tok_per_s"] / single_tps, 3),
                     f"{mode}_requests_per_replica": strong["requests_per_replica"],
+                    f"{mode}_{args.gpus}gpu_timeline_s": strong["timeline_s"],
                 })
         probe_prompt = make_prompts(1, tokenizer, vocab, seed=99)[0]
         probes = [replica.probe(prompt_ids=probe_prompt)] + [link.call("probe", prompt_ids=probe_prompt).result()

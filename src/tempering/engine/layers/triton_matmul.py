@@ -3,9 +3,11 @@
 cuBLAS picks its kernel (tile shape, split-K, stream-K) from the problem's shape, so the same row
 of x times the same W can come out with different float32 sums, and different bf16 roundings,
 when it is multiplied alone, in a decode batch of 37 or in a prefill of 4,096 rows. Here every
-product runs one kernel with one tiling for every M: each output tile is a [BLOCK_M, BLOCK_N]
-program that walks K from 0 in BLOCK_K steps with the same tensor-core instruction sequence, so
-an element's sum is the same sequence of operations whatever M is and wherever its row falls.
+product runs one kernel: each output tile is a [BLOCK_M, BLOCK_N] program that walks K from 0 in
+BLOCK_K steps with the same tensor-core instruction sequence, so an element's sum is the same
+sequence of operations whatever M is and wherever its row falls. The tile's M and N sizes are
+picked by the product's size (SELECT, for speed); they change which outputs a program computes,
+not how an output is summed.
 The engine's batch-invariant mode (EngineConfig.batch_invariant) runs all of its products here;
 "Defeating Nondeterminism in LLM Inference" (He et al., Thinking Machines, 2025) describes the
 approach.
@@ -19,7 +21,32 @@ import triton.language as tl
 
 __all__ = ["matmul"]
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
+BLOCK_K = 64
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates. They differ only in which outputs a
+# program computes and how its loads are pipelined: every one walks K in BLOCK_K steps with
+# Hopper's warpgroup MMA (BLOCK_M a multiple of 64, warps a multiple of 4), so an element's sum
+# is the same sequence of operations in each (checked bitwise on the GPU by
+# benchmarks/batch_invariant_matmul.py before a config is used).
+CONFIGS = {
+    "64x128": (64, 128, 4, 4),
+    "64x64": (64, 64, 4, 4),
+    "128x128": (128, 128, 8, 3),
+    "128x256": (128, 256, 8, 3),
+    "64x256": (64, 256, 4, 3),
+}
+DEFAULT_CONFIG = "64x128"
+# The config of a product by its size: rows < LARGE_M (decode) or not, N < LARGE_N or not. Picked
+# from benchmarks/batch_invariant_matmul.py on an H100 (2026-11-26), where every config was
+# bitwise equal to the default at every M: 128x128 is 1.2-1.6x faster than 64x128 at prefill and
+# training sizes and on decode's wide products (gate/up, the LM head).
+LARGE_M, LARGE_N = 512, 4096
+SELECT = {("small", "small"): "64x128", ("small", "large"): "128x128",
+          ("large", "small"): "128x128", ("large", "large"): "128x128"}
+
+
+def config_for(M: int, N: int) -> str:
+    """The config a product of M rows and N columns runs with (SELECT)."""
+    return SELECT["large" if M >= LARGE_M else "small", "large" if N >= LARGE_N else "small"]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -48,7 +75,7 @@ def _matmul_kernel(X, W, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: str | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias), float32 accumulation, rounded once to `out_dtype`; batch-invariant.
 
     Args:
@@ -56,6 +83,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight: [N, K] in x's dtype (rows may be strided; the last dim contiguous).
         bias: [N] or None.
         out_dtype: the output's dtype (default x's): float32 keeps the sums unrounded.
+        config: a key of CONFIGS (default `config_for(M, N)`); for measurements.
 
     Returns:
         [M, N]: for a given row of x, bitwise the same whatever M and the other rows are.
@@ -67,8 +95,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
-    _matmul_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
+    bm, bn, warps, stages = CONFIGS[config or config_for(M, N)]
+    _matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=4,
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=BLOCK_K, num_warps=warps, num_stages=stages,
     )
     return y
