@@ -134,8 +134,8 @@ def serve(
     except BaseException as exc:
         if driver is not None:
             driver.close()
-        if isinstance(exc, ConfigError):  # a device this machine does not have, --dedicated on one GPU
-            hint = "--dedicated" if "dedicated" in str(exc) else "--device"
+        if isinstance(exc, ConfigError):  # a device this machine lacks, --dedicated on one GPU, an unshared --root
+            hint = "--dedicated" if "dedicated" in str(exc) else "--root" if "storage root" in str(exc) else "--device"
             raise typer.BadParameter(str(exc), param_hint=hint) from None
         raise
     application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)

@@ -42,14 +42,20 @@ def free_port() -> int:
 
 
 def start_nodes(root: Path, http_port: int, logs: Path) -> list[subprocess.Popen]:
-    """Two torchrun agents of one c10d rendezvous, each starting one `tempering serve` process."""
-    rdzv = f"127.0.0.1:{free_port()}"
+    """Two torchrun agents of one c10d rendezvous, each starting one `tempering serve` process.
+
+    Each "machine" has an address of its own (127.0.0.2, 127.0.0.3: torchrun numbers the nodes in
+    the order of their addresses), and the first hosts the rendezvous, so that node 1 holds
+    neither rank 0 nor the store, as on two machines where the first serves.
+    """
+    rdzv = f"127.0.0.2:{free_port()}"
     agents = []
     for i in range(2):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "nodes-test", "--monitor-interval",
-                   "0.2", "-m", "tempering.cli", "serve", "--device", "cpu", "--port", str(http_port),
-                   "--root", str(root), "--engine-config", json.dumps(ENGINE)]
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "nodes-test",
+                   "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", f"127.0.0.{2 + i}",
+                   "--monitor-interval", "0.2", "-m", "tempering.cli", "serve", "--device", "cpu",
+                   "--port", str(http_port), "--root", str(root), "--engine-config", json.dumps(ENGINE)]
         env = {**os.environ, "TEMPERING_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
         with open(logs / f"agent{i}.log", "w") as log:
             agents.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -141,26 +147,23 @@ def two_nodes(tiny_model_dir, tmp_path_factory):
     async def run() -> dict:
         await wait_until_serving(base_url, agents, tmp)
         workers.extend(workers_of(agent) for agent in agents)
-        envs = [worker_env(pid) for pids in workers for pid in pids]
-        driver_node = next(i for i, env in enumerate(envs) if env["RANK"] == "0")
-        other = 1 - driver_node
         backend = art.RemoteBackend(base_url.removesuffix("/v1"), KEY, max_retries=0)
         seen = await job(backend, str(tiny_model_dir))
-        seen["worker_env"], seen["worker_pid"] = envs[other], workers[other][0]
-        signal_node(agents[other], workers[other], signal.SIGSTOP)  # the machine freezes: rank 0 waits in a collective
+        seen["worker_env"], seen["worker_pid"] = worker_env(workers[1][0]), workers[1][0]
+        signal_node(agents[1], workers[1], signal.SIGSTOP)  # the machine freezes: rank 0 waits in a collective
         step = asyncio.ensure_future(seen["model"].train(seen["groups"], config=art.TrainConfig(learning_rate=1e-3)))
         await asyncio.sleep(1.5)
         seen["blocked"] = not step.done()
-        signal_node(agents[other], workers[other], signal.SIGKILL)  # and dies
+        signal_node(agents[1], workers[1], signal.SIGKILL)  # and dies
         killed = time.monotonic()
         try:
             await asyncio.wait_for(step, 60)
         except Exception as exc:  # noqa: BLE001 - recorded for the test to check
             seen["step_error"] = exc
-        await asyncio.to_thread(agents[driver_node].wait, 60)
+        await asyncio.to_thread(agents[0].wait, 60)
         seen["stopped_after_s"] = time.monotonic() - killed
-        seen["driver_exit"] = agents[driver_node].returncode
-        seen["driver_log"] = (tmp / f"agent{driver_node}.log").read_text()
+        seen["driver_exit"] = agents[0].returncode
+        seen["driver_log"] = (tmp / "agent0.log").read_text()
         await backend.close()
         return seen
 
@@ -174,7 +177,8 @@ def two_nodes(tiny_model_dir, tmp_path_factory):
 
 
 def test_a_two_node_server_serves_and_trains_as_one_process_does(two_nodes, tiny_model_dir, tmp_path):
-    assert two_nodes["worker_env"]["RANK"] == "1" and two_nodes["worker_env"]["GROUP_RANK"] == "1"
+    env = two_nodes["worker_env"]  # node 1's process: rank 1, reaching rank 0 (its store, its channel) at node 0's address
+    assert (env["RANK"], env["GROUP_RANK"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("1", "1", "0", "127.0.0.2")
     assert "on 2 CPU processes of 2 nodes" in two_nodes["driver_log"]
 
     async def one_process():
@@ -194,7 +198,7 @@ def test_a_two_node_server_serves_and_trains_as_one_process_does(two_nodes, tiny
 def test_a_node_killed_during_a_step_stops_the_run_with_an_error_naming_it(two_nodes):
     assert two_nodes["blocked"]  # the step waited for the frozen node
     pid = two_nodes["worker_pid"]
-    assert f"worker rank 1 (pid {pid} on node 1, host " in str(two_nodes["step_error"])  # the client's call failed
+    assert f"worker rank 1 (pid {pid} on node 1, host " in str(two_nodes["step_error"]), repr(two_nodes["step_error"])
     log = two_nodes["driver_log"]
     assert f"tempering serve stopped: worker rank 1 (pid {pid} on node 1, host " in log, log[-3000:]
     assert "see torchrun's output on node 1 (host " in log and "start torchrun again on every node" in log

@@ -68,6 +68,13 @@ class WorkerHub:
                                                max_seq_len=max_seq_len, dp=self.dp, dedicated=dedicated)
         return self.services[name].step
 
+    def sees_file(self, *, path: str, text: str) -> bool:
+        """Whether `path` exists here with `text` in it (rank 0's check of a shared storage root)."""
+        try:
+            return Path(path).read_text() == text
+        except OSError:
+            return False
+
     def unregister(self, *, name: str) -> None:
         service = self.services.pop(name, None)
         if service is not None:
