@@ -1,5 +1,6 @@
-"""A run over two machines, as two torchrun "nodes" on this host (one CPU process each, gloo, c10d
-rendezvous): `tempering serve` across them answers and trains as one process does, and a node
+"""A run over two machines, as two torchrun "nodes" on this host (c10d rendezvous): on CPUs, one
+gloo process each; on a machine with four GPUs (skipped elsewhere), two NCCL processes each.
+`tempering serve` across them answers and trains (on CPUs: as one process does), and a node
 killed in the middle of a training step stops the run with a DistributedError that names it.
 Also, on forked workers: the error of a node that loses several ranks names all of them, and the
 control channel's sockets carry TCP keepalives.
@@ -31,8 +32,11 @@ from tempering.parallel import Driver, RankInfo, WorkerLink, serve
 from tempering.parallel.channel import KEEPALIVE_IDLE_S, keep_alive
 
 ENGINE = {"cpu_kv_cache_bytes": 16 << 20, "max_num_seqs": 32}
+GPU_ENGINE = {"num_kv_blocks": 2048, "max_num_seqs": 32}
 PROMPTS = ["Say a number.", "Name a color.", "Pick a letter.", "Tell me a story."]
 KEY = "nodes-test-key"
+PER_NODE = {"cpu": 1, "cuda": 2}  # processes per node
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs"))]
 
 
 def free_port() -> int:
@@ -41,22 +45,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(root: Path, http_port: int, logs: Path) -> list[subprocess.Popen]:
-    """Two torchrun agents of one c10d rendezvous, each starting one `tempering serve` process.
+def start_nodes(root: Path, http_port: int, logs: Path, device: str) -> list[subprocess.Popen]:
+    """Two torchrun agents of one c10d rendezvous, each starting `tempering serve` processes: one
+    on the CPU, or two on GPUs 0-1 and 2-3.
 
     Each "machine" has an address of its own (127.0.0.2, 127.0.0.3: torchrun numbers the nodes in
     the order of their addresses), and the first hosts the rendezvous, so that node 1 holds
     neither rank 0 nor the store, as on two machines where the first serves.
     """
     rdzv = f"127.0.0.2:{free_port()}"
+    per_node = PER_NODE[device]
     agents = []
     for i in range(2):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "nodes-test",
                    "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", f"127.0.0.{2 + i}",
-                   "--monitor-interval", "0.2", "-m", "tempering.cli", "serve", "--device", "cpu",
-                   "--port", str(http_port), "--root", str(root), "--engine-config", json.dumps(ENGINE)]
+                   "--monitor-interval", "0.2", "-m", "tempering.cli", "serve", "--device", device,
+                   "--port", str(http_port), "--root", str(root),
+                   "--engine-config", json.dumps(ENGINE if device == "cpu" else GPU_ENGINE)]
         env = {**os.environ, "TEMPERING_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+        if device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(per_node * i + k) for k in range(per_node))
         with open(logs / f"agent{i}.log", "w") as log:
             agents.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
     return agents
@@ -135,13 +144,13 @@ async def job(backend, base_model: str, groups: list[art.TrajectoryGroup] | None
     return seen
 
 
-@pytest.fixture(scope="module")
-def two_nodes(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=DEVICES)
+def two_nodes(request, tiny_model_dir, tmp_path_factory):
     """The job on two nodes, then node 1 frozen during a training step and killed; what happened."""
     tmp = tmp_path_factory.mktemp("nodes")
     http_port = free_port()
     base_url = f"http://127.0.0.1:{http_port}/v1"
-    agents = start_nodes(tmp / "root", http_port, tmp)
+    agents = start_nodes(tmp / "root", http_port, tmp, request.param)
     workers: list[list[int]] = []
 
     async def run() -> dict:
@@ -149,7 +158,8 @@ def two_nodes(tiny_model_dir, tmp_path_factory):
         workers.extend(workers_of(agent) for agent in agents)
         backend = art.RemoteBackend(base_url.removesuffix("/v1"), KEY, max_retries=0)
         seen = await job(backend, str(tiny_model_dir))
-        seen["worker_env"], seen["worker_pid"] = worker_env(workers[1][0]), workers[1][0]
+        seen["device"], seen["node_1"] = request.param, {int(worker_env(pid)["RANK"]): pid for pid in workers[1]}
+        seen["worker_env"] = worker_env(workers[1][0])
         signal_node(agents[1], workers[1], signal.SIGSTOP)  # the machine freezes: rank 0 waits in a collective
         step = asyncio.ensure_future(seen["model"].train(seen["groups"], config=art.TrainConfig(learning_rate=1e-3)))
         await asyncio.sleep(1.5)
@@ -177,30 +187,42 @@ def two_nodes(tiny_model_dir, tmp_path_factory):
 
 
 def test_a_two_node_server_serves_and_trains_as_one_process_does(two_nodes, tiny_model_dir, tmp_path):
-    env = two_nodes["worker_env"]  # node 1's process: rank 1, reaching rank 0 (its store, its channel) at node 0's address
-    assert (env["RANK"], env["GROUP_RANK"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("1", "1", "0", "127.0.0.2")
-    assert "on 2 CPU processes of 2 nodes" in two_nodes["driver_log"]
+    per_node, device = PER_NODE[two_nodes["device"]], two_nodes["device"]
+    env = two_nodes["worker_env"]  # a process of node 1, reaching rank 0 (its store, its channel) at node 0's address
+    assert (env["GROUP_RANK"], env["MASTER_ADDR"], env["LOCAL_WORLD_SIZE"]) == ("1", "127.0.0.2", str(per_node))
+    assert sorted(two_nodes["node_1"]) == list(range(per_node, 2 * per_node))
+    processes = f"{2 * per_node} GPUs" if device == "cuda" else "2 CPU processes"
+    assert f"on {processes} of 2 nodes" in two_nodes["driver_log"]
+    assert two_nodes["step"] == 1
+    change = max(abs(a - b) for (_, x), (_, y) in zip(two_nodes["before"], two_nodes["after"]) for a, b in zip(x, y))
+    assert change > 1e-2  # the step moved the policy
+    if device == "cuda":  # bf16 greedy decoding of a random model depends on what shares the batch: no reference
+        return
 
     async def one_process():
         async with art.LocalBackend(path=tmp_path, device="cpu", engine_config=ENGINE) as backend:
             return await job(backend, str(tiny_model_dir), groups=two_nodes["groups"])
 
     alone = asyncio.run(one_process())
-    assert two_nodes["step"] == alone["step"] == 1
+    assert alone["step"] == 1
     for stage, tol in (("before", 1e-5), ("after", 1e-3)):  # after: a data-parallel step, up to Adam's rounding
         for (ids, logprobs), (ids_1, logprobs_1) in zip(two_nodes[stage], alone[stage], strict=True):
             assert ids == ids_1
             assert max(abs(a - b) for a, b in zip(logprobs, logprobs_1)) < tol, stage
-    change = max(abs(a - b) for (_, x), (_, y) in zip(alone["before"], alone["after"]) for a, b in zip(x, y))
-    assert change > 1e-2  # the step moved the policy by far more than the tolerance
 
 
 def test_a_node_killed_during_a_step_stops_the_run_with_an_error_naming_it(two_nodes):
     assert two_nodes["blocked"]  # the step waited for the frozen node
-    pid = two_nodes["worker_pid"]
-    assert f"worker rank 1 (pid {pid} on node 1, host " in str(two_nodes["step_error"]), repr(two_nodes["step_error"])
+    ranks = two_nodes["node_1"]  # rank -> pid
+    named = [f"worker rank {rank} (pid {pid} on node 1, host " for rank, pid in ranks.items()]
+    assert any(text in str(two_nodes["step_error"]) for text in named), repr(two_nodes["step_error"])
     log = two_nodes["driver_log"]
-    assert f"tempering serve stopped: worker rank 1 (pid {pid} on node 1, host " in log, log[-3000:]
+    if len(ranks) == 1:
+        assert f"tempering serve stopped: {named[0]}" in log, log[-3000:]
+    else:  # the node and all of its ranks in one error
+        listed = ", ".join(f"{rank} (pid {pid})" for rank, pid in sorted(ranks.items()))
+        assert f"tempering serve stopped: node 1 (host {socket.gethostname()}) left this multi-GPU run" in log, log[-3000:]
+        assert f"its worker ranks {listed} to the driver broke" in log
     assert "see torchrun's output on node 1 (host " in log and "start torchrun again on every node" in log
     assert two_nodes["driver_exit"] != 0 and two_nodes["stopped_after_s"] < 30
 
