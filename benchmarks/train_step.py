@@ -163,7 +163,8 @@ def data_parallel(args) -> None:
         info, conn = join(device_type=device_type, timeout_s=1800, start_timeout_s=1800)
         device = info.device
     else:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device_type == "cuda" else torch.device("cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # the processes of this machine share its cores

@@ -36,7 +36,8 @@ GPU_ENGINE = {"num_kv_blocks": 2048, "max_num_seqs": 32}
 PROMPTS = ["Say a number.", "Name a color.", "Pick a letter.", "Tell me a story."]
 KEY = "nodes-test-key"
 PER_NODE = {"cpu": 1, "cuda": 2}  # processes per node
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 4,
+                                                                reason="needs four GPUs"))]
 
 
 def free_port() -> int:
@@ -98,7 +99,8 @@ async def wait_until_serving(base_url: str, agents: list[subprocess.Popen], logs
             for i, agent in enumerate(agents):
                 assert agent.poll() is None, (logs / f"agent{i}.log").read_text()[-3000:]
             try:
-                if (await client.get(f"{base_url}/models", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200:
+                response = await client.get(f"{base_url}/models", headers={"Authorization": f"Bearer {KEY}"})
+                if response.status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -221,7 +223,8 @@ def test_a_node_killed_during_a_step_stops_the_run_with_an_error_naming_it(two_n
         assert f"tempering serve stopped: {named[0]}" in log, log[-3000:]
     else:  # the node and all of its ranks in one error
         listed = ", ".join(f"{rank} (pid {pid})" for rank, pid in sorted(ranks.items()))
-        assert f"tempering serve stopped: node 1 (host {socket.gethostname()}) left this multi-GPU run" in log, log[-3000:]
+        node = f"node 1 (host {socket.gethostname()})"
+        assert f"tempering serve stopped: {node} left this multi-GPU run" in log, log[-3000:]
         assert f"its worker ranks {listed} to the driver broke" in log
     assert "see torchrun's output on node 1 (host " in log and "start torchrun again on every node" in log
     assert two_nodes["driver_exit"] != 0 and two_nodes["stopped_after_s"] < 30

@@ -252,7 +252,8 @@ class Driver:
             procs = []
             for rank in range(1, num_procs):
                 env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(num_procs), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(num_procs), "GROUP_RANK": "0", "MASTER_ADDR": host, "MASTER_PORT": str(store.port)}
+                       "LOCAL_WORLD_SIZE": str(num_procs), "GROUP_RANK": "0", "MASTER_ADDR": host,
+                       "MASTER_PORT": str(store.port)}
                 procs.append(subprocess.Popen(list(command), env=env))
             return procs
 
