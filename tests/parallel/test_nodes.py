@@ -2,8 +2,8 @@
 gloo process each; on a machine with four GPUs (skipped elsewhere), two NCCL processes each.
 `tempering serve` across them answers and trains (on CPUs: as one process does), and a node
 killed in the middle of a training step stops the run with a DistributedError that names it.
-Also, on forked workers: the error of a node that loses several ranks names all of them, and the
-control channel's sockets carry TCP keepalives.
+Also, on forked workers: the error of a node that loses several ranks names all of them; the
+control channel's sockets carry TCP keepalives; LocalBackend(gpus=N) refuses to run inside torchrun.
 """
 
 from __future__ import annotations
@@ -280,3 +280,10 @@ def test_the_control_channel_detects_a_silent_machine_with_tcp_keepalives():
                 if hasattr(socket, "TCP_KEEPIDLE"):
                     assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
         accepted[0].close()
+
+
+def test_local_backend_on_several_gpus_is_refused_in_a_process_of_torchrun(tmp_path, monkeypatch):
+    """It would start a second run of its own beside torchrun's on every rank."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(art.errors.ConfigError, match="start `tempering serve` under torchrun on every node"):
+        art.LocalBackend(path=tmp_path, device="cpu", gpus=2)
