@@ -32,6 +32,12 @@ weights replicated on every GPU: 61 GiB in bf16). No peft baseline with `--gpus`
     python benchmarks/train_step.py --device cuda --gpus 2
     python benchmarks/train_step.py --device cuda --gpus 2 --model 32b --num-seqs 4 --seq-len 8192 --steps 2
     python benchmarks/train_step.py --device cpu --gpus 2        # the same path on 2 CPU processes (gloo)
+
+Under torchrun (every rank started by it, also over several machines) `--gpus` is the world
+size; the one-GPU figure is timed on rank 0 while the others wait, so `--skip-single` saves time:
+
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank R --master-addr NODE0 --master-port 29500 \
+        benchmarks/train_step.py --device cuda --gpus 16 --num-seqs 128 --seq-len 1152 --skip-single
 """
 
 from __future__ import annotations
@@ -148,16 +154,21 @@ def data_parallel(args) -> None:
     from tempering.training.data_parallel import DataParallel
 
     is_worker = int(os.environ.get("RANK", "0")) > 0
+    under_torchrun = not is_worker and "WORLD_SIZE" in os.environ  # else this process starts the others
+    if under_torchrun and int(os.environ["WORLD_SIZE"]) != args.gpus:
+        raise SystemExit(f"--gpus {args.gpus} but torchrun started {os.environ['WORLD_SIZE']} processes: pass --gpus "
+                         f"{os.environ['WORLD_SIZE']}")
     device_type = torch.device(args.device).type
     if is_worker:
-        info, conn = join(device_type=device_type, timeout_s=1800)
+        info, conn = join(device_type=device_type, timeout_s=1800, start_timeout_s=1800)
         device = info.device
     else:
-        device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gpus))
+    else:  # the processes of this machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", args.gpus))))
     model = build_model(args, device)
     sequences, prompt = make_sequences(args, model.config.vocab_size)
     config = TrainConfig(learning_rate=1e-5, micro_batch_tokens=args.micro_batch_tokens or TrainConfig().micro_batch_tokens,
@@ -174,7 +185,10 @@ def data_parallel(args) -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        driver = Driver.start(args.gpus, device_type=device_type, command=[sys.executable, *sys.argv], timeout_s=1800)
+        if under_torchrun:
+            driver = Driver.from_env(device_type=device_type, timeout_s=1800, start_timeout_s=1800)
+        else:
+            driver = Driver.start(args.gpus, device_type=device_type, command=[sys.executable, *sys.argv], timeout_s=1800)
         trainer = Trainer(peft_model, lora, dp=DataParallel())  # the same LoRA tensors, now data-parallel
     else:
         trainer = Trainer.new(model, lora, dp=DataParallel())

@@ -90,10 +90,11 @@ def serve(
 ) -> None:
     """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port.
 
-    With --gpus N (or under `torchrun --nproc-per-node N -m tempering.cli serve ...`) every GPU
-    holds the model, an engine replica and a data-parallel trainer; this process is rank 0 and
-    serves HTTP. With --dedicated, GPU 0 trains and the others serve, receiving the adapter after
-    every step. If a worker process dies, the server stops with its error (exit code 1).
+    With --gpus N (or under `torchrun --nproc-per-node N -m tempering.cli serve ...`, also over
+    several machines with `--nnodes`) every GPU holds the model, an engine replica and a
+    data-parallel trainer; rank 0 serves HTTP. With --dedicated, GPU 0 trains and the others
+    serve, receiving the adapter after every step. If a worker process or a node dies, the server
+    stops with an error naming its rank and node (exit code 1).
     """
     import ipaddress
     import os
@@ -133,8 +134,8 @@ def serve(
     except BaseException as exc:
         if driver is not None:
             driver.close()
-        if isinstance(exc, ConfigError):  # a device this machine does not have, --dedicated on one GPU
-            hint = "--dedicated" if "dedicated" in str(exc) else "--device"
+        if isinstance(exc, ConfigError):  # a device this machine lacks, --dedicated on one GPU, an unshared --root
+            hint = "--dedicated" if "dedicated" in str(exc) else "--root" if "storage root" in str(exc) else "--device"
             raise typer.BadParameter(str(exc), param_hint=hint) from None
         raise
     application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)
@@ -146,7 +147,10 @@ def serve(
             server.should_exit = True
 
         driver.on_failure(stop)
-    on = f" on {driver.info.world_size} {'GPUs' if device_type == 'cuda' else 'CPU processes'}" if driver else ""
+    on = ""
+    if driver is not None:
+        on = f" on {driver.info.world_size} {'GPUs' if device_type == 'cuda' else 'CPU processes'}"
+        on += f" of {len(driver.nodes)} nodes" if len(driver.nodes) > 1 else ""
     typer.echo(f"tempering serving {root}{on} on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1)")
     try:
         server.run()

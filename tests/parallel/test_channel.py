@@ -104,3 +104,14 @@ def test_shutdown_ends_the_worker_loop_cleanly(channel):
     link.close(timeout_s=5)
     worker.join(5)
     assert worker.exitcode == 0 and not failures
+
+
+def test_a_shutdown_with_a_reason_ends_the_worker_at_once_even_during_a_call(channel):
+    """After another rank died, a call may be blocked in a collective with it: the worker exits
+    without waiting for the call, with code 1."""
+    link, worker, failures = channel
+    link.call("record", value=6, delay_s=30.0)  # stands for a call blocked in a collective
+    start = time.monotonic()
+    link.close(timeout_s=10, reason="node 1 (host gpu-b) left this multi-GPU run")
+    worker.join(10)
+    assert worker.exitcode == 1 and time.monotonic() - start < 5 and not failures

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,7 @@ def check_local_options(*, gpus: int, gpu_cost_per_hour_usd: float | None, enabl
     """Check the LocalBackend arguments that do not depend on where the server runs.
 
     Raises:
-        ConfigError: if `gpus` < 1.
+        ConfigError: if `gpus` < 1, or `gpus` > 1 in a process that torchrun started with others.
         UnknownOptionError: an ART option ART's LocalBackend does not have either (the ones
             tempering ignores give a warning).
     """
@@ -66,6 +67,13 @@ def check_local_options(*, gpus: int, gpu_cost_per_hour_usd: float | None, enabl
     check_backend_options(art_options)
     if gpus < 1:
         raise ConfigError(f"gpus must be at least 1, got {gpus}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if gpus > 1 and world_size > 1:
+        raise ConfigError(
+            f"LocalBackend(gpus={gpus}) starts its own processes on this machine, but this process is one of "
+            f"{world_size} that torchrun started. Run the training script without torchrun; for several machines, "
+            "start `tempering serve` under torchrun on every node and drive it with RemoteBackend (see the "
+            "Several GPUs guide)")
 
 
 class LocalBackend:

@@ -7,7 +7,8 @@ authenticated `multiprocessing.connection` socket carrying pickled tuples:
 
     driver → worker   ("call", id, method, kwargs)    run in arrival order on the worker's call thread
                       ("submit", id, kwargs, stream)  a generation, answered when it completes
-                      ("shutdown",)
+                      ("shutdown",)                   exit cleanly
+                      ("shutdown", reason)            the run failed elsewhere: exit at once
     worker → driver   ("done", id, result) | ("error", id, exception)
                       ("token", id, sample_index, token_id, logprob, top)   streamed tokens
 
@@ -15,7 +16,8 @@ Calls run one at a time, in order, on every worker, so that collective operation
 (a training step) happen in the same order on every rank. Generations run beside them.
 
 A channel that breaks (its worker died) fails every pending and later request of it with
-DistributedError at once; the driver never waits on a dead worker.
+DistributedError at once; the driver never waits on a dead worker. TCP keepalives (`keep_alive`)
+break a channel whose peer machine went silent (powered off, unplugged) within about a minute.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import pickle
 import queue
 import signal
+import socket
 import subprocess
 import threading
 from collections.abc import Callable
@@ -34,11 +37,31 @@ from typing import Any
 
 from ..errors import DistributedError
 
-__all__ = ["WorkerLink", "serve"]
+__all__ = ["WorkerLink", "keep_alive", "serve"]
 
 log = logging.getLogger("tempering")
 
 TokenCallback = Callable[[int, int, float, list], None]
+
+# a silent peer breaks the channel after KEEPALIVE_IDLE_S + KEEPALIVE_COUNT x KEEPALIVE_INTERVAL_S
+# (25 s), or when data it was sent stays unacknowledged for USER_TIMEOUT_MS (60 s)
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS = 10, 5, 3, 60_000
+
+RUN_LOST = "Every rank holds part of each training step and one engine replica, so the run cannot go on;"
+
+
+def keep_alive(conn: Connection) -> None:
+    """Turn on TCP keepalives (and, on Linux, a timeout for unacknowledged data) on a channel's
+    socket: without them, a read from a machine that lost power or network waits forever."""
+    sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)  # a duplicate of the descriptor
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                              ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+            if hasattr(socket, option):  # Linux names; macOS has only some
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    finally:
+        sock.close()
 
 
 class WorkerLink:
@@ -48,14 +71,21 @@ class WorkerLink:
         rank: the worker's rank.
         conn: the connection to it.
         process: the worker process, when the driver started it (for its exit code in errors).
+        pid: the worker's process id, as it reported when it joined (on its own machine).
+        node: the worker's node (torchrun's GROUP_RANK) when the run spans several machines,
+            else None; with `host`, its hostname, it is named in errors.
         on_failure: called once, from the reader thread, with the DistributedError when the
             channel breaks (not after `close`).
     """
 
     def __init__(self, rank: int, conn: Connection, *, process: subprocess.Popen | None = None,
+                 pid: int | None = None, node: int | None = None, host: str = "",
                  on_failure: Callable[[DistributedError], None] | None = None) -> None:
         self.rank = rank
         self.process = process
+        self.pid = pid if pid is not None else (process.pid if process is not None else None)
+        self.node = node
+        self.host = host
         self._conn = conn
         self._on_failure = on_failure
         self._ids = itertools.count()
@@ -96,9 +126,15 @@ class WorkerLink:
                 future.set_exception(DistributedError(f"could not reach worker rank {self.rank}: {exc}"))
         return future
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Ask the worker to exit and wait up to `timeout_s` for it; then kill it (if started here)."""
-        self.request_shutdown()
+    @property
+    def where(self) -> str:
+        """"node 1 (host gpu-b)" in a run over several machines, else ""."""
+        return f"node {self.node} (host {self.host})" if self.node is not None else ""
+
+    def close(self, timeout_s: float = 30.0, reason: str | None = None) -> None:
+        """Ask the worker to exit and wait up to `timeout_s` for it; then kill it (if started here).
+        With a `reason` (the run failed), the worker exits at once, logging it, with code 1."""
+        self.request_shutdown(reason)
         if self.process is not None:
             try:
                 self.process.wait(timeout_s)
@@ -109,12 +145,14 @@ class WorkerLink:
         self._reader.join(timeout_s)
         self._conn.close()
 
-    def request_shutdown(self) -> None:
-        """Ask the worker to exit, without waiting (`close` waits)."""
+    def request_shutdown(self, reason: str | None = None) -> None:
+        """Ask the worker to exit, without waiting (`close` waits); see `close` for `reason`."""
         with self._lock:
+            if self._closing:
+                return
             self._closing = True
             try:
-                self._conn.send(("shutdown",))
+                self._conn.send(("shutdown",) if reason is None else ("shutdown", reason))
             except (OSError, ValueError):
                 pass
 
@@ -157,10 +195,17 @@ class WorkerLink:
             how = f"it exited with code {code}"
             if code < 0:
                 how += f" ({signal.Signals(-code).name})"
-        pid = f" (pid {self.process.pid})" if self.process is not None else ""
-        return (f"worker rank {self.rank}{pid} of this multi-GPU run died: {how}. Every rank holds part of each "
-                "training step and one engine replica, so the run cannot go on; see the worker's output above, "
-                "then start the server (or the LocalBackend) again: it resumes from the last checkpoint")
+        elif self.node is not None:
+            how += " (the process, its machine, or the network to it went down)"
+        place = f"pid {self.pid}" if self.pid is not None else ""
+        if self.node is not None:
+            place += f" on node {self.node}, host {self.host}"
+        if self.node is None:
+            what_next = "see the worker's output above, then start the server (or the LocalBackend) again"
+        else:
+            what_next = f"see torchrun's output on {self.where}, then start torchrun again on every node"
+        return (f"worker rank {self.rank}{f' ({place.strip()})' if place else ''} of this multi-GPU run died: {how}. "
+                f"{RUN_LOST} {what_next}: it resumes from the last checkpoint")
 
     def _fail(self, error: DistributedError) -> None:
         with self._lock:
@@ -178,7 +223,8 @@ class WorkerLink:
 def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
     """Serve the driver on a worker: run its calls on `handler` and its generations through
     `handler.submit(**kwargs, on_token=...)` (which returns a concurrent Future), until it sends
-    "shutdown" (returns True) or goes away (returns False).
+    "shutdown" (returns True), stops the run because it failed elsewhere, or goes away (both
+    logged; returns False: exit at once, as a call may be blocked in a collective with a dead rank).
 
     Exceptions are sent back to the driver, which raises them there; one that cannot be pickled
     is sent as a DistributedError with its text.
@@ -222,9 +268,13 @@ def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
         try:
             message = conn.recv()
         except (EOFError, OSError):
+            log.error("the driver (rank 0) went away")
             return False
         kind = message[0]
         if kind == "shutdown":
+            if len(message) > 1:
+                log.error("the driver stops the run: %s", message[1])
+                return False
             calls.put(None)
             return True
         if kind == "call":

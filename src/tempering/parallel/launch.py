@@ -5,13 +5,15 @@ The driver (rank 0) is the process the user started (`tempering serve --gpus N`,
 `LocalBackend(gpus=N)`, a benchmark). `Driver.start` launches ranks 1..N-1 as child processes
 with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT), so a worker starts the same way under `torchrun`, where `Driver.from_env` takes
-rank 0's place.
+rank 0's place, on one machine or several (`--nnodes`; GROUP_RANK is a worker's node).
 
 Rendezvous goes through a `torch.distributed.TCPStore` (hosted by the driver, or by torchrun's
 agent): the driver publishes the address and key of its control listener there; each worker
-connects its channel (channel.py), and only then does every rank join the process group (NCCL
-on GPUs, gloo on CPUs) through the same store, so a worker that fails while starting is reported
-at once instead of after a collective timeout. The driver's environment is never modified.
+connects its channel (channel.py) and says who it is (rank, pid, node, hostname), and only then
+does every rank join the process group (NCCL on GPUs, gloo on CPUs) through the same store, so a
+worker that fails while starting is reported at once instead of after a collective timeout. In a
+run over several machines the listener takes every interface and is published as MASTER_ADDR, the
+name the other nodes already reach the store by. The driver's environment is never modified.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import os
 import queue
 import secrets
+import socket
 import subprocess
 import threading
 import time
@@ -32,27 +35,60 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
-from .channel import WorkerLink
+from .channel import RUN_LOST, WorkerLink, keep_alive
 
 __all__ = ["Driver", "RankInfo", "join"]
 
 log = logging.getLogger("tempering")
 
-_KEY = "tempering/control"
+# how long the driver waits, after one rank of another node is lost, for that node's other
+# ranks, so that its error names all of them
+NODE_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
 class RankInfo:
-    """Where this process sits: its rank, the number of ranks, and the device it computes on."""
+    """Where this process sits: its rank, the number of ranks, the device it computes on, and its
+    machine: `node` is torchrun's GROUP_RANK (0 when the driver started the workers), `host` the
+    hostname, `local_world_size` the ranks on this machine."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    local_world_size: int
+    node: int
+    host: str
+
+    @classmethod
+    def from_env(cls, device_type: str) -> RankInfo:
+        """This process's place from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+        LOCAL_WORLD_SIZE, GROUP_RANK); it takes `cuda:LOCAL_RANK` for "cuda"."""
+        env = os.environ
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        return cls(rank, world_size, local_rank, _device(device_type, local_rank),
+                   int(env.get("LOCAL_WORLD_SIZE", world_size)), int(env.get("GROUP_RANK", 0)), socket.gethostname())
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the run has ranks on other machines."""
+        return self.local_world_size < self.world_size
+
+
+def _keys() -> tuple[str, str]:
+    """The store keys of the control listener's address and of the process group, per torchrun
+    restart (`--max-restarts`), so that a restarted run never reads the previous one's."""
+    prefix = f"tempering/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"{prefix}/control", f"{prefix}/pg"
 
 
 def _device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise DistributedError(f"local rank {local_rank} computes on cuda:{local_rank}, but this machine shows "
+                                   f"{torch.cuda.device_count()} GPUs (CUDA_VISIBLE_DEVICES): start at most that many "
+                                   "processes on it (torchrun --nproc-per-node)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if device_type != "cpu":
@@ -65,7 +101,7 @@ def _init_group(store: dist.Store, info: RankInfo, timeout_s: float) -> None:
         raise DistributedError("torch.distributed is already initialized in this process; a multi-GPU tempering run "
                                "starts its own process group: run it in a process of its own")
     is_cuda = info.device.type == "cuda"
-    dist.init_process_group("nccl" if is_cuda else "gloo", store=dist.PrefixStore("tempering/pg", store),
+    dist.init_process_group("nccl" if is_cuda else "gloo", store=dist.PrefixStore(_keys()[1], store),
                             rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=info.device if is_cuda else None)
 
@@ -89,12 +125,18 @@ class Driver:
         self._error: DistributedError | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._failing = False
         for link in links:
-            link._on_failure = self._failed
+            link._on_failure = lambda error, link=link: self._failed(link, error)
 
     @property
     def device(self) -> torch.device:
         return self.info.device
+
+    @property
+    def nodes(self) -> list[int]:
+        """The node ranks (torchrun's GROUP_RANK) of the run's machines: [0] on one machine."""
+        return sorted({self.info.node, *(link.node for link in self.links if link.node is not None)})
 
     @property
     def error(self) -> DistributedError | None:
@@ -114,13 +156,11 @@ class Driver:
         if error is not None:
             callback(error)
 
-    def _failed(self, error: DistributedError) -> None:
+    def _failed(self, link: WorkerLink, error: DistributedError) -> None:
         with self._lock:
-            if self._error is not None or self._closed:
+            if self._failing or self._closed:
                 return
-            self._error = error
-            callbacks = list(self._callbacks)
-        log.error("%s", error)
+            self._failing = True
         if self.device.type == "cuda" and dist.is_initialized():
             # NCCL waits for a dead peer until the collective timeout: abort the group, so that a
             # training step blocked in an all-reduce fails now
@@ -128,20 +168,45 @@ class Driver:
                 dist.group.WORLD.abort()
             except Exception as exc:
                 log.warning("could not abort the NCCL process group: %r", exc)
+        error = self._node_error(link) or error
+        with self._lock:
+            self._error = error
+            callbacks = list(self._callbacks)
+        log.error("%s", error)
         for callback in callbacks:
             try:
                 callback(error)
             except Exception:
                 log.exception("a worker-failure callback failed")
 
+    def _node_error(self, link: WorkerLink) -> DistributedError | None:
+        """When `link`'s worker ran on another machine that had other workers: wait briefly for
+        theirs to break too, and if they did, one error naming the node and all its lost ranks."""
+        if link.node is None or link.node == self.info.node:
+            return None
+        peers = [other for other in self.links if other.node == link.node]
+        deadline = time.monotonic() + NODE_GRACE_S
+        while any(other.error is None for other in peers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lost = [other for other in peers if other.error is not None]
+        if len(lost) < 2:
+            return None
+        ranks = ", ".join(f"{other.rank} (pid {other.pid})" for other in lost)
+        return DistributedError(
+            f"{link.where} left this multi-GPU run: the connections of its worker ranks {ranks} to the driver broke "
+            f"(the machine, its torchrun, or the network to it went down). {RUN_LOST} see torchrun's output on "
+            f"{link.where}, then start torchrun again on every node: it resumes from the last checkpoint")
+
     def close(self, timeout_s: float = 30.0) -> None:
-        """Shut the workers down (killing those that do not exit in `timeout_s`) and leave the group."""
+        """Shut the workers down (killing those that do not exit in `timeout_s`) and leave the group.
+        After a worker failure, the others are told why and exit at once (with code 1)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        reason = str(self._error) if self._error is not None else None
         for link in self.links:
-            link.request_shutdown()
+            link.request_shutdown(reason)
         # leave the group before waiting for the workers, which leave it on their way out: with
         # NCCL a rank's destroy_process_group may wait for the others' (a two-H200 run had its
         # worker killed after this wait, when rank 0 left only after the workers had exited)
@@ -151,7 +216,7 @@ class Driver:
             except Exception as exc:
                 log.warning("leaving the process group failed: %r", exc)
         for link in self.links:
-            link.close(timeout_s)
+            link.close(timeout_s, reason)
         self._listener.close()
 
     # ---- construction -------------------------------------------------------------------
@@ -181,42 +246,53 @@ class Driver:
                                    "(CUDA_VISIBLE_DEVICES); ask for fewer")
         store = dist.TCPStore(host, 0, world_size=num_procs, is_master=True,
                               timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
-        info = RankInfo(0, num_procs, 0, _device(device_type, 0))
+        info = RankInfo(0, num_procs, 0, _device(device_type, 0), num_procs, 0, socket.gethostname())
 
         def spawn() -> list[subprocess.Popen]:
             procs = []
             for rank in range(1, num_procs):
                 env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(num_procs), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(num_procs), "MASTER_ADDR": host, "MASTER_PORT": str(store.port)}
+                       "LOCAL_WORLD_SIZE": str(num_procs), "GROUP_RANK": "0", "MASTER_ADDR": host,
+                       "MASTER_PORT": str(store.port)}
                 procs.append(subprocess.Popen(list(command), env=env))
             return procs
 
-        return cls._rendezvous(info, store, host, spawn, timeout_s, start_timeout_s)
+        return cls._rendezvous(info, store, host, host, spawn, timeout_s, start_timeout_s)
 
     @classmethod
     def from_env(cls, *, device_type: str, timeout_s: float = 600.0, start_timeout_s: float = 600.0) -> Driver:
-        """Rank 0 of a run that torchrun started (its variables set; the workers started by it)."""
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-        if rank != 0:
-            raise DistributedError(f"the driver must be rank 0, this process is rank {rank}")
-        info = RankInfo(0, int(os.environ["WORLD_SIZE"]), local_rank, _device(device_type, local_rank))
-        host = os.environ["MASTER_ADDR"]
-        store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), world_size=info.world_size,
+        """Rank 0 of a run that torchrun started (its variables set; the workers started by it),
+        on one machine or several (`torchrun --nnodes`).
+
+        Raises:
+            DistributedError: if this process is not rank 0, or a worker does not connect in
+                `start_timeout_s` (a node that never started, a firewall between the nodes).
+        """
+        info = RankInfo.from_env(device_type)
+        if info.rank != 0:
+            raise DistributedError(f"the driver must be rank 0, this process is rank {info.rank}")
+        master = os.environ["MASTER_ADDR"]
+        store = dist.TCPStore(master, int(os.environ["MASTER_PORT"]), world_size=info.world_size,
                               is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                               timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
-        return cls._rendezvous(info, store, host, list, timeout_s, start_timeout_s)
+        # other machines reach the listener by the name they reach the store by; on one machine,
+        # it takes only the loopback interface
+        bind, publish = ("0.0.0.0", master) if info.spans_nodes else ("127.0.0.1", "127.0.0.1")
+        return cls._rendezvous(info, store, bind, publish, list, timeout_s, start_timeout_s)
 
     @classmethod
-    def _rendezvous(cls, info: RankInfo, store: dist.Store, host: str, spawn: Callable[[], list[subprocess.Popen]],
-                    timeout_s: float, start_timeout_s: float) -> Driver:
+    def _rendezvous(cls, info: RankInfo, store: dist.Store, bind: str, publish: str,
+                    spawn: Callable[[], list[subprocess.Popen]], timeout_s: float, start_timeout_s: float) -> Driver:
         key = secrets.token_bytes(32)
-        listener = Listener((host, 0), authkey=key)
-        store.set(_KEY, f"{listener.address[0]}:{listener.address[1]}:{key.hex()}")
+        listener = Listener((bind, 0), authkey=key)
+        store.set(_keys()[0], f"{publish}:{listener.address[1]}:{key.hex()}")
         procs = spawn()
         by_rank = dict(enumerate(procs, start=1))
         try:
-            conns = _accept(listener, info.world_size - 1, by_rank, start_timeout_s)
-            links = [WorkerLink(rank, conns[rank], process=by_rank.get(rank)) for rank in range(1, info.world_size)]
+            hellos = _accept(listener, info.world_size - 1, by_rank, start_timeout_s)
+            links = [WorkerLink(rank, conn, process=by_rank.get(rank), pid=pid,
+                                node=node if info.spans_nodes else None, host=host)
+                     for rank, (conn, pid, node, host) in sorted(hellos.items())]
             _init_group(store, info, timeout_s)
         except BaseException:
             listener.close()
@@ -227,8 +303,10 @@ class Driver:
         return cls(info, links, listener, store)
 
 
-def _accept(listener: Listener, count: int, procs: dict[int, subprocess.Popen], timeout_s: float) -> dict[int, Connection]:
-    """The workers' connections by rank, watching their processes while waiting."""
+def _accept(listener: Listener, count: int, procs: dict[int, subprocess.Popen],
+            timeout_s: float) -> dict[int, tuple[Connection, int, int, str]]:
+    """The workers' (connection, pid, node, host) by rank, watching their processes (those
+    started here) while waiting."""
     arrivals: queue.Queue = queue.Queue()
 
     def accept() -> None:
@@ -243,7 +321,7 @@ def _accept(listener: Listener, count: int, procs: dict[int, subprocess.Popen], 
             arrivals.put(conn)
 
     threading.Thread(target=accept, name="tempering-accept", daemon=True).start()
-    conns: dict[int, Connection] = {}
+    conns: dict[int, tuple[Connection, int, int, str]] = {}
     deadline = time.monotonic() + timeout_s
     while len(conns) < count:
         try:
@@ -255,36 +333,46 @@ def _accept(listener: Listener, count: int, procs: dict[int, subprocess.Popen], 
                                            "see its output above") from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, count + 1)) - set(conns))
-                raise DistributedError(f"workers {missing} did not connect within {timeout_s:.0f} s") from None
+                raise DistributedError(
+                    f"workers {missing} did not connect within {timeout_s:.0f} s; in a run over several machines, "
+                    "check that every node's torchrun started and that the nodes can open TCP connections to each "
+                    "other on any port (the control channel and NCCL take free ones)") from None
             continue
-        kind, rank, *_ = conn.recv()
-        if kind != "hello" or rank in conns:
+        hello = conn.recv()  # ("hello", rank, pid, node, host)
+        if len(hello) != 5 or hello[0] != "hello" or hello[1] in conns:
             conn.close()
             continue
-        conns[rank] = conn
+        keep_alive(conn)
+        conns[hello[1]] = (conn, *hello[2:])
     return conns
 
 
 def join(*, device_type: str, timeout_s: float = 600.0, start_timeout_s: float = 600.0) -> tuple[RankInfo, Connection]:
     """Join the run as a worker (rank > 0), from torchrun's variables: connect to the driver's
-    channel, then the process group.
+    channel (on this machine or another), say who this is (rank, pid, node, hostname), then join
+    the process group.
 
     Args:
-        device_type: "cuda" or "cpu", as the driver's.
+        device_type: "cuda" (this rank computes on cuda:LOCAL_RANK) or "cpu", as the driver's.
         timeout_s: how long a collective may wait for another rank (as the driver's).
         start_timeout_s: how long to wait for the driver's rendezvous.
 
     Returns:
         (this rank's RankInfo, the connection to serve with `channel.serve`).
+
+    Raises:
+        DistributedError: if LOCAL_RANK has no GPU here, or the driver's channel cannot be reached.
     """
-    env = os.environ
-    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-    local_rank = int(env.get("LOCAL_RANK", rank))
-    info = RankInfo(rank, world_size, local_rank, _device(device_type, local_rank))
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=start_timeout_s))
-    host, port, key = store.get(_KEY).decode().rsplit(":", 2)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(key))
-    conn.send(("hello", rank, os.getpid()))
+    info = RankInfo.from_env(device_type)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=info.world_size,
+                          is_master=False, timeout=datetime.timedelta(seconds=start_timeout_s))
+    host, port, key = store.get(_keys()[0]).decode().rsplit(":", 2)
+    try:
+        conn = Client((host, int(port)), authkey=bytes.fromhex(key))
+    except OSError as exc:
+        raise DistributedError(f"rank {info.rank} on {info.host} could not reach the driver's control channel at "
+                               f"{host}:{port} ({exc}): the nodes must reach each other on any TCP port") from exc
+    keep_alive(conn)
+    conn.send(("hello", info.rank, os.getpid(), info.node, info.host))
     _init_group(store, info, timeout_s)
     return info, conn

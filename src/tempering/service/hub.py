@@ -5,7 +5,9 @@ trajectories, lists, deletes and forks checkpoints. All paths come from validate
 `root`, so nothing a caller sends can reach outside it.
 
 In a multi-GPU run the hub lives on rank 0 (the driver) and registers each trainable model on
-every worker rank too (service/worker.py), which load their own copy beside this one.
+every worker rank too (service/worker.py), which load their own copy beside this one. Every rank
+reads the checkpoints under `root` (the latest step at registration, a saved step on request), so
+over several machines `root` must be one shared directory; the hub checks that it is.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import concurrent.futures
 import gc
 import json
 import os
+import secrets
 import shutil
 import threading
 from pathlib import Path
@@ -56,7 +59,8 @@ class ModelHub:
             the other ranks serve (ModelService); False: every rank does both.
 
     Raises:
-        ConfigError: for a device this machine does not have, or `dedicated` on one GPU.
+        ConfigError: for a device this machine does not have, `dedicated` on one GPU, or, in a
+            run over several machines, a `root` that the other nodes do not see.
     """
 
     def __init__(self, root: Path, *, device: str | None = None, engine_config: EngineConfig | None = None,
@@ -76,6 +80,27 @@ class ModelHub:
         self.train_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tempering-train")
         self._projects: dict[str, str] = {}  # model name -> project (names are global: requests use them)
         self._lock = threading.Lock()
+        if driver is not None and len(driver.nodes) > 1:
+            self._check_shared_root()
+
+    def _check_shared_root(self) -> None:
+        """Raises ConfigError unless every node of the run sees the files rank 0 writes under root."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(8)
+        probe = (self.root / f".shared-check-{token}").resolve()
+        probe.write_text(token)
+        try:
+            remote = [link for link in self.driver.links if link.node != self.driver.info.node]
+            seen = [link.call("sees_file", path=str(probe), text=token) for link in remote]
+            blind = sorted({link.where for link, sees in zip(remote, seen) if not sees.result(60)})
+        finally:
+            probe.unlink()
+        if blind:
+            raise ConfigError(
+                f"the storage root {probe.parent} is not shared with {', '.join(blind)}: every rank reads the "
+                "checkpoints under it (the latest step when a model is registered, a saved step on request). Put it "
+                "on a filesystem that every node mounts at the same path (NFS, Lustre, a cloud file share) and pass "
+                "that path as --root on every node")
 
     def paths(self, project: str, name: str) -> ModelPaths:
         return ModelPaths(self.root, project, name)

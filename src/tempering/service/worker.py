@@ -68,6 +68,13 @@ class WorkerHub:
                                                max_seq_len=max_seq_len, dp=self.dp, dedicated=dedicated)
         return self.services[name].step
 
+    def sees_file(self, *, path: str, text: str) -> bool:
+        """Whether `path` exists here with `text` in it (rank 0's check of a shared storage root)."""
+        try:
+            return Path(path).read_text() == text
+        except OSError:
+            return False
+
     def unregister(self, *, name: str) -> None:
         service = self.services.pop(name, None)
         if service is not None:
@@ -128,12 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="how long a collective waits for another rank")
     args = parser.parse_args(argv)
     info, conn = join(device_type=args.device_type, timeout_s=args.timeout_s)
-    logging.basicConfig(level=logging.INFO, format=f"[rank {info.rank}] %(levelname)s %(name)s: %(message)s")
-    if info.device.type == "cpu":  # the ranks share the machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+    where = f" node {info.node}" if info.spans_nodes else ""
+    logging.basicConfig(level=logging.INFO, format=f"[rank {info.rank}{where}] %(levelname)s %(name)s: %(message)s")
+    if info.device.type == "cpu":  # the ranks of this machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     hub = WorkerHub(info)
-    if not serve(conn, hub, rank=info.rank):
-        log.error("the driver (rank 0) went away; exiting")
-        os._exit(1)  # a call may be blocked in a collective with it: do not wait for it
+    if not serve(conn, hub, rank=info.rank):  # serve logged why
+        os._exit(1)  # a call may be blocked in a collective with a dead rank: do not wait for it
     hub.close()
     dist.destroy_process_group()
