@@ -9,6 +9,8 @@ authenticated `multiprocessing.connection` socket carrying pickled tuples:
                       ("submit", id, kwargs, stream)  a generation, answered when it completes
                       ("shutdown",)                   exit cleanly
                       ("shutdown", reason)            the run failed elsewhere: exit at once
+                      ("batch", [message, ...])       several of the above in order: what was
+                                                      queued while the driver's sender thread waited
     worker → driver   ("done", id, result) | ("error", id, exception)
                       ("token", id, sample_index, token_id, logprob, top)   streamed tokens
 
@@ -90,11 +92,15 @@ class WorkerLink:
         self._on_failure = on_failure
         self._ids = itertools.count()
         self._pending: dict[int, tuple[concurrent.futures.Future, TokenCallback | None]] = {}
-        self._lock = threading.Lock()  # guards _pending, _error and sending
+        self._lock = threading.Lock()  # guards _pending, _error, _outbox and _closing
+        self._queued = threading.Condition(self._lock)
+        self._outbox: list[tuple] = []  # messages for the sender thread, in order
         self._error: DistributedError | None = None
         self._closing = False
         self._reader = threading.Thread(target=self._read, name=f"tempering-link-{rank}", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_queued, name=f"tempering-link-{rank}-send", daemon=True)
+        self._sender.start()
 
     @property
     def error(self) -> DistributedError | None:
@@ -112,19 +118,51 @@ class WorkerLink:
         return self._send(lambda i: ("submit", i, kwargs, on_token is not None), on_token)
 
     def _send(self, message: Callable[[int], tuple], on_token: TokenCallback | None) -> concurrent.futures.Future:
+        """Queue the message for the sender thread: the caller (often the server's event loop)
+        neither pickles nor writes to the socket, and requests queued while the sender waited
+        for the GIL leave in one write."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._error is not None:
                 future.set_exception(self._error)
                 return future
+            if self._closing:
+                future.set_exception(DistributedError(f"worker rank {self.rank} is shutting down"))
+                return future
             request_id = next(self._ids)
             self._pending[request_id] = (future, on_token)
-            try:
-                self._conn.send(message(request_id))
-            except (OSError, ValueError) as exc:  # broken pipe; the reader reports the worker's fate
-                self._pending.pop(request_id, None)
-                future.set_exception(DistributedError(f"could not reach worker rank {self.rank}: {exc}"))
+            self._outbox.append(message(request_id))
+            self._queued.notify()
         return future
+
+    def _send_queued(self) -> None:
+        """The sender thread: everything queued so far in one message ("batch", [...]), until a
+        shutdown message has been sent or the channel broke."""
+        while True:
+            with self._lock:
+                while not self._outbox:
+                    self._queued.wait()
+                messages, self._outbox = self._outbox, []
+            try:
+                self._conn.send(messages[0] if len(messages) == 1 else ("batch", messages))
+            except (OSError, ValueError) as exc:  # broken pipe: the reader reports the worker's fate
+                self._fail_sent(messages, exc)
+            except Exception:  # one of them cannot be pickled: send them one by one, fail only it
+                for message in messages:
+                    try:
+                        self._conn.send(message)
+                    except Exception as exc:
+                        self._fail_sent([message], exc)
+            if messages[-1][0] == "shutdown":
+                return
+
+    def _fail_sent(self, messages: list[tuple], exc: Exception) -> None:
+        error = DistributedError(f"could not send to worker rank {self.rank}: {type(exc).__name__}: {exc}")
+        with self._lock:
+            entries = [self._pending.pop(m[1], None) for m in messages if m[0] in ("call", "submit")]
+        for entry in entries:
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(error)
 
     @property
     def where(self) -> str:
@@ -143,6 +181,7 @@ class WorkerLink:
                 self.process.kill()
                 self.process.wait()
         self._reader.join(timeout_s)
+        self._sender.join(timeout_s)
         self._conn.close()
 
     def request_shutdown(self, reason: str | None = None) -> None:
@@ -151,10 +190,8 @@ class WorkerLink:
             if self._closing:
                 return
             self._closing = True
-            try:
-                self._conn.send(("shutdown",) if reason is None else ("shutdown", reason))
-            except (OSError, ValueError):
-                pass
+            self._outbox.append(("shutdown",) if reason is None else ("shutdown", reason))  # after what is queued
+            self._queued.notify()
 
     def _read(self) -> None:
         while True:
@@ -264,12 +301,8 @@ def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
 
     # a daemon: a call blocked in a collective with a dead rank must not keep the process alive
     threading.Thread(target=run_calls, name="tempering-calls", daemon=True).start()
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            log.error("the driver (rank 0) went away")
-            return False
+    def handle(message: tuple) -> bool | None:
+        """One message; True/False when it ends the serving (see above), else None."""
         kind = message[0]
         if kind == "shutdown":
             if len(message) > 1:
@@ -286,8 +319,19 @@ def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
                 future = handler.submit(**kwargs, on_token=on_token)
             except Exception as exc:
                 send(("error", request_id, _noted(exc, rank)))
-                continue
+                return None
             future.add_done_callback(lambda f, i=request_id: reply(i, f))
+        return None
+
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            log.error("the driver (rank 0) went away")
+            return False
+        for one in message[1] if message[0] == "batch" else [message]:
+            if (done := handle(one)) is not None:
+                return done
 
 
 def _noted(exc: BaseException, rank: int) -> BaseException:
