@@ -17,6 +17,12 @@ Launching a step holds `lock`, which the trainer takes while it changes weights;
 either the old weights or the new ones, and the device runs the work in launch order. A sequence
 that spans a training step samples its later tokens from the new policy; each token's logprob
 and policy version are recorded under the policy that sampled them.
+
+Tensor parallelism (`model.tp`, parallel/tensor.py): the engine of the group's leader (TP rank 0)
+is the one above, and its runner broadcasts every forward's inputs before running it
+(tensor_parallel.py). On the other ranks the engine is a follower: its worker only runs the
+forwards it receives, on its own shards and KV cache, until the leader's engine closes; it takes
+no requests.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EngineError, RequestAborted
+from ..errors import ConfigError, EngineError, RequestAborted
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .grammar import GrammarMask, MaskWorker, ReadyMasks
@@ -49,6 +55,7 @@ from .scheduler import Scheduler
 from .scoring import score_sequences
 from .sequence import PENDING, Sequence
 from .stopping import completion_of, finish_reason_at
+from .tensor_parallel import STOP, StepLink
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -104,7 +111,14 @@ class Engine:
         self.config = config or EngineConfig()
         self._peft_model = peft_model
         self._adapters: dict[tuple[str, int], EngineAdapter] = {}
-        self.runner = ModelRunner(model, self.config, self._adapter_weights, max_seq_len)
+        tp = getattr(model, "tp", None)
+        if self.config.tensor_parallel_size != (tp.size if tp is not None else 1):
+            raise ConfigError(f"EngineConfig.tensor_parallel_size is {self.config.tensor_parallel_size} but the model is "
+                              f"sharded for {tp.size if tp is not None else 1} ranks (parallel.tensor.shard_llama_ and "
+                              "LlamaFamilyModel(tp=...)): make them equal")
+        self.link = StepLink(tp, model.device) if tp is not None else None
+        self.is_follower = tp is not None and not tp.is_leader
+        self.runner = ModelRunner(model, self.config, self._adapter_weights, max_seq_len, link=self.link)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.max_seq_len = min(max_seq_len, self.blocks.capacity_tokens)
@@ -120,7 +134,8 @@ class Engine:
         self._masks: MaskWorker | None = None
         self.mask_thread = True
         self.stats = EngineStats()
-        self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
+        self._thread = threading.Thread(target=self._follow if self.is_follower else self._loop,
+                                        name="tempering-engine", daemon=True)
         self._thread.start()
         close_at_exit(self)
 
@@ -136,8 +151,11 @@ class Engine:
 
         Raises:
             ConfigError: if the prompt is empty or does not fit in the context or the KV cache.
-            EngineError: if the engine is closed.
+            EngineError: if the engine is closed, or is a tensor-parallel follower.
         """
+        if self.is_follower:
+            raise EngineError("this engine is a tensor-parallel follower (TP rank > 0): submit requests to the "
+                              "group's leader (TP rank 0), which runs them on every rank")
         request = new_request(prompt_ids, params, n, policy, on_token, max_seq_len=self.max_seq_len,
                               limits=f"context {self.max_seq_len}, KV cache {self.blocks.capacity_tokens} tokens")
         with self._cond:
@@ -166,13 +184,18 @@ class Engine:
                 self._cond.notify()
 
     def close(self) -> None:
-        """Stop the worker; unfinished requests fail with EngineError. A second call does nothing."""
+        """Stop the worker; unfinished requests fail with EngineError. A second call does nothing.
+
+        A tensor-parallel leader also stops its followers; a follower waits (up to 60 s) for that.
+        """
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
+        if self.link is not None and not self.is_follower and not self._thread.is_alive():
+            self.link.send_stop()
         if self._masks is not None:
             self._masks.close()
         error = EngineError("the engine was closed before this request finished")
@@ -216,6 +239,9 @@ class Engine:
         Returns:
             per sequence, the logprobs of its tokens 1..len-1, float32 values.
         """
+        if self.link is not None:
+            raise EngineError("Engine.score runs one process's forward; it is not available under tensor parallelism "
+                              "(tensor_parallel_size > 1)")
         with self.lock:
             name = policy.adapter_name
             adapter = self._adapter_weights(name) if name else None
@@ -256,6 +282,17 @@ class Engine:
             except BaseException as exc:  # never let the worker die: fail what was running
                 log.exception("engine step failed")
                 self._fail_all(EngineError(f"generation failed: {exc!r}"))
+
+    def _follow(self) -> None:
+        """A tensor-parallel follower's worker: run the leader's forwards until it stops."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            message = self.link.recv()
+            if message.kind == STOP:
+                return
+            with self.lock:  # as the leader's launch: the trainer does not write the adapter meanwhile
+                self.runner.follow(message)
 
     @property
     def _launched(self) -> bool:

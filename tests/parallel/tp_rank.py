@@ -1,0 +1,73 @@
+"""One rank of the tensor-parallel tests (run by test_tensor_parallel.py with torchrun's env vars).
+
+    python tp_rank.py SCENARIO OUT_DIR
+
+"engine": the tiny model sharded over the ranks; both ranks run one forward of a prefill batch
+outside the engine (rank 0 keeps the logits), then rank 0's engine generates greedily with the
+base model and with a LoRA adapter while rank 1's engine follows.
+Each rank saves what it saw to OUT_DIR/rank{RANK}.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_model import engine_for, full_adapter, generate, tiny_llama, wrap_with_adapter
+
+from tempering.parallel.tensor import TensorParallel, shard_llama_
+
+
+def direct_logits(model, peft, tp) -> dict:
+    """One prefill forward of two prompts, with and without the adapter, outside any engine."""
+    from tempering.engine.context import PrefillSpan, StepContext
+    from tempering.engine.lora import EngineAdapter, LoRASegment, collect_adapter
+    from tempering.engine.models import LlamaFamilyModel
+
+    m = LlamaFamilyModel(model, 256, tp=tp)
+    adapter = EngineAdapter(collect_adapter(m.hf_layers, "default", m.fused_slices), {"o": m.hidden_size, "down": m.hidden_size})
+    out = {}
+    for key, lora in (("base", []), ("lora", [LoRASegment(0, 10, adapter)])):
+        kv = torch.zeros(m.num_layers, 2, 4, 16, m.num_kv_heads, m.head_dim)
+        ids = torch.tensor([5, 17, 42, 9, 100, 3, 7, 7, 120, 33])
+        positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3])
+        slots = torch.tensor([16, 17, 18, 19, 20, 21, 32, 33, 34, 35])
+        ctx = StepContext(slot_mapping=slots, num_decode=0,
+                          prefill=[PrefillSpan(0, 6, 6, torch.tensor([1])), PrefillSpan(6, 4, 4, torch.tensor([2]))])
+        out[key] = m.logits(m.forward(ids, positions, ctx, kv, lora))
+    return out
+
+
+def engine(tp: TensorParallel, result: dict) -> None:
+    model = tiny_llama()
+    shard_llama_(model, tp)
+    result["q_rows"] = model.model.layers[0].self_attn.q_proj.weight.shape[0]
+    peft = wrap_with_adapter(model, full_adapter(), tp)
+    result["logits"] = direct_logits(model, peft, tp)
+    e = engine_for(model, peft, tp)
+    try:
+        if tp.is_leader:
+            result["generated"] = generate(e)
+    finally:
+        e.close()
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tp = TensorParallel()
+    result: dict = {}
+    {"engine": engine}[scenario](tp, result)
+    torch.save(result, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
