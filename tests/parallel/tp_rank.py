@@ -5,6 +5,10 @@
 "engine": the tiny model sharded over the ranks; both ranks run one forward of a prefill batch
 outside the engine (rank 0 keeps the logits), then rank 0's engine generates greedily with the
 base model and with a LoRA adapter while rank 1's engine follows.
+"train": the tiny model sharded, its trainer loaded from the full adapter in OUT_DIR/start (each
+rank keeps its slices) and an engine (leader and follower) on the same shards; step 1, a
+checkpoint (OUT_DIR/ckpt1, written by rank 0), the engine's greedy tokens with the trained adapter,
+step 2 and OUT_DIR/ckpt2; then a fresh trainer resumed from ckpt1 takes step 2 again (OUT_DIR/resumed2).
 Each rank saves what it saw to OUT_DIR/rank{RANK}.pt.
 """
 
@@ -57,6 +61,42 @@ def engine(tp: TensorParallel, result: dict) -> None:
         e.close()
 
 
+def save(trainer, tp: TensorParallel, directory: Path, step: int) -> None:
+    from tempering.storage import write_atomically
+
+    if tp.is_leader:
+        write_atomically(directory, lambda tmp: trainer.save(tmp, step=step))
+    else:
+        trainer.save(None, step=step)
+
+
+def train(tp: TensorParallel, result: dict, out: Path) -> None:
+    from tp_model import config, sequences
+
+    from tempering.training import Trainer
+
+    model = tiny_llama()
+    shard_llama_(model, tp)
+    trainer = Trainer.from_adapter(model, out / "start", tp=tp)
+    e = engine_for(model, trainer.peft_model, tp)
+    try:
+        result["metrics_1"] = trainer.step(sequences(1), config()).values
+        save(trainer, tp, out / "ckpt1", 1)
+        if tp.is_leader:
+            result["generated_1"] = generate(e)
+        trainer.step(sequences(2), config())
+        save(trainer, tp, out / "ckpt2", 2)
+    finally:
+        e.close()
+    dist.barrier()
+    model = tiny_llama()
+    shard_llama_(model, tp)
+    resumed = Trainer.from_adapter(model, out / "ckpt1", tp=tp)
+    resumed.load_state(out / "ckpt1")
+    resumed.step(sequences(2), config())
+    save(resumed, tp, out / "resumed2", 2)
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -64,7 +104,10 @@ def main() -> None:
     rank = dist.get_rank()
     tp = TensorParallel()
     result: dict = {}
-    {"engine": engine}[scenario](tp, result)
+    if scenario == "engine":
+        engine(tp, result)
+    else:
+        train(tp, result, out)
     torch.save(result, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
