@@ -227,3 +227,82 @@ def test_a_split_that_does_not_divide_the_kv_heads_is_refused_naming_the_sizes()
 
     with pytest.raises(ConfigError, match="num_key_value_heads.* is 2, not divisible by tensor_parallel_size 4"):
         sharded_weight_bytes(transformers.LlamaConfig(**{**TINY, "num_attention_heads": 8}), 4, torch.bfloat16)
+
+
+# ---- the whole loop through LocalBackend ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    """A 2-layer, 64-wide random Llama (4 heads, 2 KV heads) with SmolLM2's tokenizer, chat template and stop ids."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    base = LlamaConfig.from_pretrained(default_model_dir)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=base.vocab_size, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig.from_pretrained(default_model_dir)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
+    return out
+
+
+def probe(service) -> tuple[list[int], list[float]]:
+    from tempering.engine import SamplingParams
+
+    prompt = service.renderer.render_prompt([{"role": "user", "content": "Tell me a story."}])
+    completion = service.submit(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)).result(120)[0]
+    return completion.token_ids, completion.logprobs
+
+
+def test_the_whole_loop_at_tp2_through_local_backend_resumes_at_tp2_and_tp1(tiny_model_dir, tmp_path):
+    """register, rollouts, train (checkpoint), close; a new TP 2 backend and a one-process backend resume it."""
+    import asyncio
+
+    import tempering as art
+    from tempering.engine import EngineConfig
+
+    def backend(tp: int) -> art.LocalBackend:
+        return art.LocalBackend(path=tmp_path, device="cpu", gpus=tp, engine_config=EngineConfig(
+            cpu_kv_cache_bytes=16 << 20, max_num_seqs=32, tensor_parallel_size=tp))
+
+    async def session(tp: int, train: bool) -> dict:
+        b = backend(tp)
+        try:
+            model = art.TrainableModel(name="tiny", project="tp", base_model=str(tiny_model_dir))
+            await model.register(b)
+            service = b.hub.service("tiny")
+            q_proj = service.model.model.layers[0].self_attn.q_proj
+            seen = {"step": await model.get_step(), "probe": probe(service),
+                    "q_rows": getattr(q_proj, "base_layer", q_proj).weight.shape[0]}
+            if train:
+                client = model.openai_client()
+                groups = []
+                for prompt in ("Say a number.", "Name a color."):
+                    messages = [{"role": "user", "content": prompt}]
+                    completion = await client.chat.completions.create(model=model.name, messages=messages,
+                                                                      max_tokens=8, n=4, temperature=1.0)
+                    groups.append(art.TrajectoryGroup([
+                        art.Trajectory(messages_and_choices=[*messages, c], reward=float(i)) for i, c in
+                        enumerate(completion.choices)]))
+                await model.train(groups, config=art.TrainConfig(learning_rate=5e-2))
+                seen["trained_probe"], seen["trained_step"] = probe(service), await model.get_step()
+            return seen
+        finally:
+            await b.close()
+
+    first = asyncio.run(session(2, train=True))
+    assert first["q_rows"] == 32  # rank 0 holds 2 of the 4 heads
+    assert first["step"] == 0 and first["trained_step"] == 1
+    assert first["trained_probe"][1] != pytest.approx(first["probe"][1], abs=1e-3)  # the step changed the policy
+    assert sorted(p.name for p in (tmp_path / "tp" / "models" / "tiny" / "checkpoints").iterdir()) == ["0001"]
+    again = asyncio.run(session(2, train=False))
+    single = asyncio.run(session(1, train=False))
+    assert single["q_rows"] == 64
+    for seen in (again, single):
+        assert seen["step"] == 1
+        assert seen["probe"][0] == first["trained_probe"][0]
+        assert seen["probe"][1] == pytest.approx(first["trained_probe"][1], abs=1e-4)
