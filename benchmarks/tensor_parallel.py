@@ -265,7 +265,7 @@ def greedy(engine: Engine, prompts: list[list[int]], max_new: int) -> list[tuple
     return [(c.token_ids, c.logprobs) for c in (f.result()[0] for f in futures)]
 
 
-def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dtype) -> dict:
+def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dtype, waits) -> dict:
     """Greedy tokens at TP N against TP 1 on rank 0 (the same weights and adapter)."""
     vocab = SHAPES[args.model]["vocab_size"]
     work = WORKLOADS[device.type if device.type == "cpu" else "gpu"]
@@ -282,7 +282,7 @@ def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dt
         del engine, trainer, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    dist.barrier()
+    dist.barrier(group=waits)
     model = build_full_then_shard(args.model, tp, device, dtype)
     trainer = live_trainer(model, tp, state)
     engine = new_engine(model, trainer, tp, device, args)
@@ -311,9 +311,11 @@ def run(args) -> dict | None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
     tp = TensorParallel(timeout_s=7200)
+    # the ranks wait for each other on the host (gloo), never in a GPU kernel that would spin meanwhile
+    waits = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.check_greedy:
-        out = check_greedy(args, tp, device, dtype)
+        out = check_greedy(args, tp, device, dtype, waits)
     else:
         vocab = SHAPES[args.model]["vocab_size"]
         work = WORKLOADS["gpu" if device.type == "cuda" else "cpu"]
@@ -326,6 +328,7 @@ def run(args) -> dict | None:
         if tp.is_leader:
             out.update(time_rollouts(engine, prompts_for(work["num_prompts"], work["prompt_len"], vocab), work))
             out["kv_cache_tokens"] = engine.blocks.capacity_tokens
+        dist.barrier(group=waits)  # the followers' engines ran the rollouts; now every rank trains
         # the engine stays up (as in training), idle: its followers wait for the leader's next step
         out.update(time_train_step(trainer, args, vocab, device))
         if device.type == "cuda":
@@ -338,7 +341,7 @@ def run(args) -> dict | None:
         engine.close()
         if not tp.is_leader:
             engine._thread.join()
-    dist.barrier()
+    dist.barrier(group=waits)
     dist.destroy_process_group()
     if not tp.is_leader:
         return None

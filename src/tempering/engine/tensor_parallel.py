@@ -8,10 +8,11 @@ runs that forward on its shards and its own KV cache (the same blocks: its cache
 number of blocks, and the leader's block tables address it). The followers' sampled tokens would
 be the leader's: they compute no logits.
 
-A message is two broadcasts from the leader: a header [2] int64 (the lengths of the two parts),
-then one int64 payload, `meta` (host-side integers: shapes, prefill spans, adapter names) followed
-by `data` (the step's device tensors, flattened). The leader never waits for the device to send
-(its tensors are queued; on a GPU the copies are stream-ordered), a follower reads `meta` to host.
+A message is `meta`, host integers (shapes, prefill spans, adapter names), broadcast on the
+group's gloo `host_group` (its length first), then `data`, the step's device tensors flattened
+into one int64 tensor, broadcast on the `engine_group` (NCCL on GPUs). The leader never waits for
+the device to send (its data broadcast is queued behind the work that computes it); an idle
+follower waits in its thread on the host, not in a device kernel.
 
 Kinds: STEP (a forward: eager, or a decode step that the leader replays from a CUDA graph, which
 the follower replays from its own), CAPTURE (the leader is about to capture a decode graph: its
@@ -106,28 +107,27 @@ class StepLink:
         self._send([STOP], None)
 
     def _send(self, meta: list[int], data: torch.Tensor | None) -> None:
-        num_data = data.shape[0] if data is not None else 0
-        is_cuda = self.device.type == "cuda"
-        host = torch.tensor([len(meta), num_data, *meta], dtype=torch.long, pin_memory=is_cuda)
-        sent = host.to(self.device, non_blocking=True)
-        header, meta_t = sent[:2], sent[2:]
-        group, src = self.tp.engine_group, self.tp.leader
-        dist.broadcast(header, src=src, group=group)
-        payload = meta_t if data is None else torch.cat([meta_t, data])
-        dist.broadcast(payload, src=src, group=group)
+        host = torch.tensor([data.shape[0] if data is not None else 0, *meta], dtype=torch.long)
+        src = self.tp.leader
+        dist.broadcast(torch.tensor([host.shape[0]], dtype=torch.long), src=src, group=self.tp.host_group)
+        dist.broadcast(host, src=src, group=self.tp.host_group)
+        if data is not None:
+            dist.broadcast(data, src=src, group=self.tp.engine_group)
 
     # ---- follower -----------------------------------------------------------------------------
 
     def recv(self) -> StepMessage:
         """The leader's next message (blocks until it sends one: a follower's engine thread waits here)."""
-        group, src = self.tp.engine_group, self.tp.leader
-        header = torch.empty(2, dtype=torch.long, device=self.device)
-        dist.broadcast(header, src=src, group=group)
-        num_meta, num_data = header.tolist()
-        payload = torch.empty(num_meta + num_data, dtype=torch.long, device=self.device)
-        dist.broadcast(payload, src=src, group=group)
-        meta = payload[:num_meta].tolist()
-        data = payload[num_meta:]
+        src = self.tp.leader
+        length = torch.empty(1, dtype=torch.long)
+        dist.broadcast(length, src=src, group=self.tp.host_group)
+        host = torch.empty(int(length.item()), dtype=torch.long)
+        dist.broadcast(host, src=src, group=self.tp.host_group)
+        num_data, *meta = host.tolist()
+        data = None
+        if num_data:
+            data = torch.empty(num_data, dtype=torch.long, device=self.device)
+            dist.broadcast(data, src=src, group=self.tp.engine_group)
         kind = meta[0]
         if kind == STOP:
             return StepMessage(STOP, [])

@@ -72,7 +72,8 @@ class TensorParallel:
         rank: this process's rank within the group (0: the leader, which schedules and samples).
         size: P, the number of ranks.
         leader: the global rank of TP rank 0 (the `src` of the engine's step broadcasts).
-        group: the trainer's process group; engine_group: the engine's (no timeout while idle).
+        group: the trainer's process group; engine_group: the engine's (no timeout while idle);
+            host_group: the engine's step headers (gloo, host memory).
 
     Raises:
         ConfigError: if torch.distributed is not initialized or this process is not in `ranks`.
@@ -85,6 +86,9 @@ class TensorParallel:
         ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
         self.group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
         self.engine_group = dist.new_group(ranks, timeout=_IDLE_TIMEOUT)
+        # the engine's step headers: host integers, on gloo, so that an idle follower waits in its
+        # thread and not in a device kernel (an NCCL receive would spin on the GPU while it trains)
+        self.host_group = dist.new_group(ranks, timeout=_IDLE_TIMEOUT, backend="gloo")
         if dist.get_rank() not in ranks:
             raise ConfigError(f"rank {dist.get_rank()} is not in the tensor-parallel group {ranks}")
         self.ranks = ranks
