@@ -250,27 +250,44 @@ def tiny_model_dir(tmp_path_factory, default_model_dir):
     return out
 
 
+PROBE = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
 def probe(service) -> tuple[list[int], list[float]]:
+    """Greedy tokens and logprobs of one prompt, wherever the router sends it."""
     from tempering.engine import SamplingParams
 
     prompt = service.renderer.render_prompt([{"role": "user", "content": "Tell me a story."}])
-    completion = service.submit(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)).result(120)[0]
+    completion = service.submit(prompt, SamplingParams(**PROBE)).result(120)[0]
     return completion.token_ids, completion.logprobs
 
 
-def test_the_whole_loop_at_tp2_through_local_backend_resumes_at_tp2_and_tp1(tiny_model_dir, tmp_path):
-    """register, rollouts, train (checkpoint), close; a new TP 2 backend and a one-process backend resume it."""
+def replica_probes(service) -> list[tuple[list[int], list[float]]]:
+    """The probe on each replica's leader: rank 0's engine, and every other leader's (through its channel)."""
+    from tempering.engine import SamplingParams
+
+    prompt = service.renderer.render_prompt([{"role": "user", "content": "Tell me a story."}])
+    futures = [service._submit_local(prompt, SamplingParams(**PROBE), n=1, step=None, on_token=None)]
+    futures += [service._submit_remote(link, prompt, SamplingParams(**PROBE), n=1, step=None, on_token=None)
+                for link in service.workers if link.rank % service.tp.size == 0]
+    return [(f.result(120)[0].token_ids, f.result(120)[0].logprobs) for f in futures]
+
+
+@pytest.mark.parametrize("gpus", [2, pytest.param(4, id="2-replicas")])
+def test_the_whole_loop_at_tp2_through_local_backend_resumes_at_tp2_and_tp1(tiny_model_dir, tmp_path, gpus):
+    """register, rollouts, train (checkpoint), close; a new backend of the same shape and a
+    one-process backend resume it. With 4 processes: 2 replicas x TP 2, trained data-parallel."""
     import asyncio
 
     import tempering as art
     from tempering.engine import EngineConfig
 
-    def backend(tp: int) -> art.LocalBackend:
-        return art.LocalBackend(path=tmp_path, device="cpu", gpus=tp, engine_config=EngineConfig(
+    def backend(gpus: int, tp: int) -> art.LocalBackend:
+        return art.LocalBackend(path=tmp_path, device="cpu", gpus=gpus, engine_config=EngineConfig(
             cpu_kv_cache_bytes=16 << 20, max_num_seqs=32, tensor_parallel_size=tp))
 
-    async def session(tp: int, train: bool) -> dict:
-        b = backend(tp)
+    async def session(gpus: int, tp: int, train: bool) -> dict:
+        b = backend(gpus, tp)
         try:
             model = art.TrainableModel(name="tiny", project="tp", base_model=str(tiny_model_dir))
             await model.register(b)
@@ -288,19 +305,27 @@ def test_the_whole_loop_at_tp2_through_local_backend_resumes_at_tp2_and_tp1(tiny
                     groups.append(art.TrajectoryGroup([
                         art.Trajectory(messages_and_choices=[*messages, c], reward=float(i)) for i, c in
                         enumerate(completion.choices)]))
+                seen["requests_per_replica"] = list(service.router.num_requests) if service.router else None
                 await model.train(groups, config=art.TrainConfig(learning_rate=5e-2))
                 seen["trained_probe"], seen["trained_step"] = probe(service), await model.get_step()
+                seen["replica_probes"] = replica_probes(service)
             return seen
         finally:
             await b.close()
 
-    first = asyncio.run(session(2, train=True))
+    first = asyncio.run(session(gpus, 2, train=True))
     assert first["q_rows"] == 32  # rank 0 holds 2 of the 4 heads
     assert first["step"] == 0 and first["trained_step"] == 1
+    if gpus == 4:  # both replicas served, and hold the same adapter after the data-parallel step
+        assert len(first["requests_per_replica"]) == 2 and min(first["requests_per_replica"]) >= 1
+        assert len(first["replica_probes"]) == 2
+        for other in first["replica_probes"]:
+            assert other[0] == first["trained_probe"][0]
+            assert other[1] == pytest.approx(first["trained_probe"][1], abs=1e-5)
     assert first["trained_probe"][1] != pytest.approx(first["probe"][1], abs=1e-3)  # the step changed the policy
     assert sorted(p.name for p in (tmp_path / "tp" / "models" / "tiny" / "checkpoints").iterdir()) == ["0001"]
-    again = asyncio.run(session(2, train=False))
-    single = asyncio.run(session(1, train=False))
+    again = asyncio.run(session(gpus, 2, train=False))
+    single = asyncio.run(session(1, 1, train=False))
     assert single["q_rows"] == 64
     for seen in (again, single):
         assert seen["step"] == 1

@@ -79,22 +79,50 @@ class TensorParallel:
         ConfigError: if torch.distributed is not initialized or this process is not in `ranks`.
     """
 
-    def __init__(self, ranks: Sequence[int] | None = None, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, ranks: Sequence[int] | None = None, *, timeout_s: float = 600.0,
+                 groups: tuple[Any, Any, Any] | None = None) -> None:
         if not dist.is_initialized():
             raise ConfigError("tensor parallelism needs torch.distributed initialized (parallel/launch.py, or "
                               "init_process_group) with one process per GPU")
         ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
-        self.group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
-        self.engine_group = dist.new_group(ranks, timeout=_IDLE_TIMEOUT)
-        # the engine's step headers: host integers, on gloo, so that an idle follower waits in its
-        # thread and not in a device kernel (an NCCL receive would spin on the GPU while it trains)
-        self.host_group = dist.new_group(ranks, timeout=_IDLE_TIMEOUT, backend="gloo")
+        self.group, self.engine_group, self.host_group = groups or _new_groups(ranks, timeout_s)
         if dist.get_rank() not in ranks:
             raise ConfigError(f"rank {dist.get_rank()} is not in the tensor-parallel group {ranks}")
         self.ranks = ranks
         self.rank = ranks.index(dist.get_rank())
         self.size = len(ranks)
         self.leader = ranks[0]
+
+    @classmethod
+    def split(cls, size: int, *, timeout_s: float = 600.0) -> tuple[TensorParallel, dist.ProcessGroup | None]:
+        """Split the whole run into replicas of `size` consecutive ranks, each replica one model split
+        `size` ways (collective: every rank calls it at the same point).
+
+        Returns:
+            (this rank's TensorParallel, the process group of the ranks that hold the same shards in
+            every replica, for data parallelism: ranks {r, r + size, r + 2 size, ...}; None with one replica).
+
+        Raises:
+            ConfigError: if the number of ranks is not a multiple of `size`.
+        """
+        world, me = dist.get_world_size(), dist.get_rank()
+        if world % size:
+            raise ConfigError(f"{world} processes (GPUs) do not split into replicas of tensor_parallel_size {size}: "
+                              f"use a number of GPUs that is a multiple of {size}")
+        mine = None
+        for start in range(0, world, size):  # every rank creates every group, in the same order
+            ranks = list(range(start, start + size))
+            groups = _new_groups(ranks, timeout_s)
+            if me in ranks:
+                mine = cls(ranks, groups=groups)
+        data_group = None
+        if world > size:
+            for offset in range(size):
+                ranks = list(range(offset, world, size))
+                group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+                if me in ranks:
+                    data_group = group
+        return mine, data_group
 
     @property
     def is_leader(self) -> bool:
@@ -197,6 +225,15 @@ class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def _new_groups(ranks: list[int], timeout_s: float) -> tuple[Any, Any, Any]:
+    """The trainer's, the engine's and the engine headers' (gloo) process groups over `ranks`."""
+    return (dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s)),
+            dist.new_group(ranks, timeout=_IDLE_TIMEOUT),
+            # the engine's step headers: host integers, on gloo, so that an idle follower waits in its
+            # thread and not in a device kernel (an NCCL receive would spin on the GPU while it trains)
+            dist.new_group(ranks, timeout=_IDLE_TIMEOUT, backend="gloo"))
 
 
 def _divide(size: int, parts: int, what: str) -> int:

@@ -20,12 +20,13 @@ HTTP routes reach: it balances generation requests over the replicas (parallel/r
 each training call to the other ranks' services (`follow_train`) before taking its own part, and
 alone writes checkpoints.
 
-Tensor parallelism (`EngineConfig.tensor_parallel_size` = P > 1, a run of P processes, one per
-GPU): the model is split over the ranks instead (parallel/tensor.py). Every rank loads only its
-shards (parallel/shard_load.py), its engine and trainer share them; rank 0's engine leads (it
-schedules, samples and takes every request) and the others' follow it; every rank takes the
-same training step on its shards, and rank 0 writes the full adapter. Data-parallel replicas of a
-tensor-parallel model (GPUs = replicas x P) are not built yet.
+Tensor parallelism (`EngineConfig.tensor_parallel_size` = P > 1): the model is split over P
+ranks (parallel/tensor.py). Every rank loads only its shards (parallel/shard_load.py), its engine
+and trainer share them; the engine of the group's first rank leads (it schedules, samples and
+takes the requests) and the others' follow it; every rank takes the same training step on its
+shards, and rank 0 writes the full adapter. With GPUs = replicas x P, ranks [kP, (k+1)P) hold
+replica k, rank 0 routes requests to the replicas' leaders, and the ranks that hold the same
+shard in every replica train data-parallel.
 
 Dedicated mode (ART's `trainer_gpu_ids=[0]`, `inference_gpu_ids=[1, ...]`; `dedicated=True`) splits
 the roles instead: rank 0 trains alone (its engine serves nothing) and the other ranks serve alone,
@@ -148,13 +149,11 @@ class ModelService:
             raise ConfigError("dedicated mode (a training GPU and serving GPUs) needs a multi-GPU run: "
                               "LocalBackend(gpus=N) or `tempering serve --gpus N` with N >= 2")
         engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
-        self.tp = self._tensor_parallel(engine_config.tensor_parallel_size, dp, dedicated)
-        if self.tp is not None:  # the ranks split the model: no data-parallel replica
-            dp = None
+        self.tp = None
+        if engine_config.tensor_parallel_size > 1:  # replicas of P ranks; dp: the same shard's ranks across them
+            self.tp, dp = self._tensor_parallel(engine_config.tensor_parallel_size, dp, dedicated)
         self.dedicated = dedicated
-        self._writes_checkpoints = dp is None or dp.rank == 0
-        if self.tp is not None:
-            self._writes_checkpoints = self.tp.is_leader
+        self._writes_checkpoints = (dp is None or dp.rank == 0) and (self.tp is None or self.tp.is_leader)
         # dedicated: the adapter travels over the whole group; the trainer itself is rank 0's alone
         self._adapter_group = dp if dedicated else None
         self.dp = None if dedicated else dp
@@ -204,28 +203,29 @@ class ModelService:
         self.engine = self._make_engine(engine_config)
         # rank 0 of a multi-GPU run: requests balanced over its own engine (unless dedicated) and the other ranks'
         remote = [lambda *a, link=link, **k: self._submit_remote(link, *a, **k) for link in self.workers]
-        if self.tp is not None:  # one engine over every rank, led from here
-            remote = []
+        if self.tp is not None:  # one engine per replica, led by its TP rank 0
+            remote = [submit for submit, link in zip(remote, self.workers) if link.rank % self.tp.size == 0]
         self.router = Router([*([self._submit_local] if self.serves else []), *remote]) if remote else None
 
     @staticmethod
-    def _tensor_parallel(size: int, dp: DataParallel | None, dedicated: bool) -> TensorParallel | None:
-        """The tensor-parallel group of a run of `size` processes (None for size 1); every rank of the
-        run creates it at registration (a collective).
+    def _tensor_parallel(size: int, dp: DataParallel | None,
+                         dedicated: bool) -> tuple[TensorParallel, DataParallel | None]:
+        """(this rank's tensor-parallel group, its data-parallel group or None) when the run's ranks
+        are split into replicas of `size` consecutive ranks (GPUs = replicas x size); every rank of
+        the run creates them at registration (a collective).
 
         Raises:
-            ConfigError: if the run does not have exactly `size` processes, or with `dedicated`.
+            ConfigError: if the run's processes are not a multiple of `size`, or with `dedicated`.
         """
-        if size == 1:
-            return None
         world = dp.world_size if dp is not None else 1
-        if world != size:
+        if world % size:
             raise ConfigError(f"tensor_parallel_size {size} splits the model over {size} GPUs, but this run has {world}: "
-                              f"start it on {size} (LocalBackend(gpus={size}) or `tempering serve --gpus {size}`); "
-                              "data-parallel replicas of a tensor-parallel model are not supported yet")
+                              f"start it on a multiple of {size} (LocalBackend(gpus={size}) or `tempering serve --gpus "
+                              f"{size}`; 2 x {size} GPUs for two replicas)")
         if dedicated:
             raise ConfigError("dedicated mode (a training GPU and serving GPUs) does not combine with tensor parallelism")
-        return TensorParallel()
+        tp, data_group = TensorParallel.split(size)
+        return tp, DataParallel(data_group) if data_group is not None else None
 
     def _save(self, trainer: Trainer, checkpoint: Path, step: int) -> None:
         """Write `checkpoint` (rank 0); under tensor parallelism every rank takes part (the shards are gathered)."""
