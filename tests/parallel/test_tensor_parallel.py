@@ -297,14 +297,16 @@ def test_the_whole_loop_at_tp2_through_local_backend_resumes_at_tp2_and_tp1(tiny
                     "q_rows": getattr(q_proj, "base_layer", q_proj).weight.shape[0]}
             if train:
                 client = model.openai_client()
-                groups = []
-                for prompt in ("Say a number.", "Name a color."):
+
+                async def group(prompt: str) -> art.TrajectoryGroup:
                     messages = [{"role": "user", "content": prompt}]
                     completion = await client.chat.completions.create(model=model.name, messages=messages,
                                                                       max_tokens=8, n=4, temperature=1.0)
-                    groups.append(art.TrajectoryGroup([
-                        art.Trajectory(messages_and_choices=[*messages, c], reward=float(i)) for i, c in
-                        enumerate(completion.choices)]))
+                    return art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*messages, c], reward=float(i))
+                                                for i, c in enumerate(completion.choices)])
+
+                # at once, so that the router spreads them over the replicas
+                groups = list(await asyncio.gather(*[group(p) for p in ("Say a number.", "Name a color.")]))
                 seen["requests_per_replica"] = list(service.router.num_requests) if service.router else None
                 await model.train(groups, config=art.TrainConfig(learning_rate=5e-2))
                 seen["trained_probe"], seen["trained_step"] = probe(service), await model.get_step()

@@ -28,15 +28,16 @@ def _saved_key(name: str, adapter: str) -> str:
 
 
 def save_full_adapter(peft_model: Any, adapter: str, tp: TensorParallel, directory: Path | None) -> None:
-    """Gather the adapter's shards (collective: every rank of `tp` calls it) and, on TP rank 0, write
-    them to `directory` in PEFT's format (the other ranks may pass None)."""
+    """Gather the adapter's shards (collective: every rank of `tp` calls it) and write them to
+    `directory` in PEFT's format; the ranks that pass None write nothing (with several replicas,
+    only the first replica's TP rank 0 writes)."""
     from safetensors.torch import save_file
 
     full = {}
     for name, p in peft_model.named_parameters():
         if ".lora_" in name and f".{adapter}." in name:
             full[_saved_key(name, adapter)] = tp.gather(p.detach(), lora_shard_dim(name)).cpu().contiguous()
-    if not tp.is_leader:
+    if directory is None:
         return
     config = peft_model.peft_config[adapter]
     is_inference, config.inference_mode = config.inference_mode, True  # as PEFT's save_pretrained writes it

@@ -286,13 +286,13 @@ class Trainer:
         """Write the adapter (PEFT format), optimizer state and trainer state (with RNG) into `directory`.
 
         With tensor parallelism every rank of the group must call it (the shards are gathered) and
-        TP rank 0 writes the full adapter and optimizer state, as one GPU would (the others may pass
-        None).
+        the rank given a directory writes the full adapter and optimizer state, as one GPU would;
+        the others pass None.
         """
         if self.tp is not None:
             save_full_adapter(self.peft_model, ADAPTER_NAME, self.tp, directory)
             optimizer_state = full_optimizer_state(self.optimizer, [n for n, _ in self.named_params], self.tp)
-            if not self.tp.is_leader:
+            if directory is None:
                 return
         else:
             self.peft_model.save_pretrained(str(directory), selected_adapters=[ADAPTER_NAME])
