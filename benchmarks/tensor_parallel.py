@@ -13,7 +13,9 @@ shards. Then:
 - a LoRA policy-gradient step (`Trainer.step`) on `--num-seqs` x `--seq-len` tokens (7/8 of them
   trained), after a warm-up step; tokens/s and MFU: 4 x matmul params x tokens (forward plus the
   backward to the inputs; recomputation not counted) over (989 TFLOP/s x N), H100 SXM dense bf16.
-- peak memory allocated on every GPU (engine, KV cache and trainer together).
+- peak memory allocated on every GPU (engine, KV cache and trainer together). At 72B and TP 4 a
+  GPU holds ~40 GB of weights (35 GB of shards, 5 GB of replicated embedding and LM head), the KV
+  cache (`--kv-fraction` of what is left) and a micro-batch's activations (`--micro-batch-tokens`).
 
 `--check-greedy` instead compares greedy decoding at TP N with TP 1 on the same random weights
 and adapter (the full model drawn from one seed on each device, then sharded; the reference on
@@ -185,11 +187,17 @@ def live_trainer(model, tp: TensorParallel | None, state: dict[str, torch.Tensor
     return trainer
 
 
-def new_engine(model, trainer: Trainer, tp: TensorParallel | None, device: torch.device, args) -> Engine:
+def engine_and_trainer(model, tp: TensorParallel | None, device: torch.device, args,
+                       state: dict[str, torch.Tensor] | None = None) -> tuple[Engine, Trainer]:
+    """The engine, then the trainer on the same shards (as the service makes them: the engine's fused
+    weights, with their spare LoRA rows, are the ones the trainer then finds and shares)."""
     config = EngineConfig(tensor_parallel_size=tp.size if tp is not None else 1, max_num_seqs=256,
                           gpu_memory_fraction=args.kv_fraction, cpu_kv_cache_bytes=64 << 20)
-    return Engine(LlamaFamilyModel(model, 4096, tp=tp), _NoTokenizer(), stop_token_ids=[], lock=threading.RLock(),
-                  config=config, peft_model=lambda: trainer.peft_model)
+    holder: dict = {}
+    engine = Engine(LlamaFamilyModel(model, 4096, tp=tp), _NoTokenizer(), stop_token_ids=[], lock=threading.RLock(),
+                    config=config, peft_model=lambda: holder["trainer"].peft_model if holder else None)
+    holder["trainer"] = live_trainer(model, tp, state)
+    return engine, holder["trainer"]
 
 
 class _NoTokenizer:
@@ -240,7 +248,7 @@ def train_sequences(num_seqs: int, seq_len: int, vocab: int) -> list[TokenizedSe
 
 def time_train_step(trainer: Trainer, args, vocab: int, device: torch.device) -> dict:
     sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
-    config = TrainConfig(learning_rate=1e-6)
+    config = TrainConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens)
     trainer.step(sequences, config)  # warm-up
     sync(device)
     start = time.perf_counter()
@@ -275,8 +283,7 @@ def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dt
     reference = None
     if tp.is_leader:  # TP 1 first, alone on rank 0
         model = build_full_then_shard(args.model, None, device, dtype)
-        trainer = live_trainer(model, None, state)
-        engine = new_engine(model, trainer, None, device, args)
+        engine, trainer = engine_and_trainer(model, None, device, args, state)
         reference = {"base": greedy(engine, prompts, max_new)}
         engine.close()
         del engine, trainer, model
@@ -284,8 +291,9 @@ def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dt
             torch.cuda.empty_cache()
     dist.barrier(group=waits)
     model = build_full_then_shard(args.model, tp, device, dtype)
-    trainer = live_trainer(model, tp, state)
-    engine = new_engine(model, trainer, tp, device, args)
+    checksums = [None] * tp.size
+    dist.all_gather_object(checksums, float(model.model.embed_tokens.weight.float().sum()))
+    engine, trainer = engine_and_trainer(model, tp, device, args, state)
     if not tp.is_leader:
         engine._thread.join()  # follows the leader's steps until its engine closes
         return {}
@@ -297,7 +305,7 @@ def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dt
         first_diff.append(next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None))
         same = first_diff[-1] if first_diff[-1] is not None else len(ids)
         max_lp = max([max_lp, *(abs(a - b) for a, b in zip(lps[:same], ref_lps[:same]))])
-    return {"check": "greedy", "greedy_equal": sum(equal) / len(equal), "first_difference": first_diff,
+    return {"check": "greedy", "same_weights_on_every_rank": len(set(checksums)) == 1, "greedy_equal": sum(equal) / len(equal), "first_difference": first_diff,
             "max_logprob_diff_before_difference": float(f"{max_lp:.3g}"), "new_tokens": max_new, "live_adapter": True}
 
 
@@ -321,8 +329,7 @@ def run(args) -> dict | None:
         work = WORKLOADS["gpu" if device.type == "cuda" else "cpu"]
         start = time.perf_counter()
         model = build_sharded(args.model, tp, device, dtype)
-        trainer = live_trainer(model, tp)
-        engine = new_engine(model, trainer, tp, device, args)
+        engine, trainer = engine_and_trainer(model, tp, device, args)
         sync(device)
         out = {"build_s": round(time.perf_counter() - start, 1)}
         if tp.is_leader:
@@ -348,7 +355,8 @@ def run(args) -> dict | None:
     return {"benchmark": "tensor_parallel", "model": args.model, "tp": args.tp, "device": device_type,
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "workload": None if args.check_greedy else
-            {**WORKLOADS["gpu" if device.type == "cuda" else "cpu"], "train_tokens": args.num_seqs * args.seq_len},
+            {**WORKLOADS["gpu" if device.type == "cuda" else "cpu"], "train_tokens": args.num_seqs * args.seq_len,
+             "micro_batch_tokens": args.micro_batch_tokens, "kv_fraction": args.kv_fraction},
             **out}
 
 
@@ -361,7 +369,8 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=None, help="sequences per train step (default 16 on cuda, 4 on cpu)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1024 on cuda, 64 on cpu)")
     parser.add_argument("--steps", type=int, default=2, help="timed train steps")
-    parser.add_argument("--kv-fraction", type=float, default=0.3, help="EngineConfig.gpu_memory_fraction")
+    parser.add_argument("--kv-fraction", type=float, default=0.25, help="EngineConfig.gpu_memory_fraction")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="TrainConfig.micro_batch_tokens")
     args = parser.parse_args()
     gpu = args.device == "cuda"
     args.model = args.model or ("72b" if gpu else "tiny")

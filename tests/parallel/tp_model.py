@@ -77,6 +77,8 @@ class LivePolicy:
 
 
 def engine_for(model, peft, tp=None):
+    """The engine on `model` (its shards with `tp`); `peft`: the PEFT model, or a function returning it
+    (an engine made before the trainer, as the service makes them)."""
     from tempering.engine import Engine, EngineConfig
     from tempering.engine.models import LlamaFamilyModel
     from tempering.service.base_model import default_model_dir
@@ -85,7 +87,7 @@ def engine_for(model, peft, tp=None):
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     config = EngineConfig(cpu_kv_cache_bytes=4 << 20, max_num_seqs=8, tensor_parallel_size=tp.size if tp else 1)
     return Engine(LlamaFamilyModel(model, 256, tp=tp), tokenizer, stop_token_ids=[], lock=threading.RLock(),
-                  config=config, peft_model=lambda: peft)
+                  config=config, peft_model=(lambda: peft) if isinstance(peft, torch.nn.Module) else peft)
 
 
 def generate(engine) -> dict:

@@ -2,9 +2,10 @@
 
     python tp_rank.py SCENARIO OUT_DIR [cpu|cuda]
 
-"engine": the tiny model sharded over the ranks; both ranks run one forward of a prefill batch
-outside the engine (rank 0 keeps the logits), then rank 0's engine generates greedily with the
-base model and with a LoRA adapter while rank 1's engine follows.
+"engine": the tiny model sharded over the ranks; rank 0's engine generates greedily with the
+base model and with a LoRA adapter while rank 1's engine follows (rank 1 wraps its shards with
+the adapter 3 s late: its engine waits for it); then both ranks run one forward of a prefill
+batch outside the engine (rank 0 keeps the logits).
 "train": the tiny model sharded, its trainer loaded from the full adapter in OUT_DIR/start (each
 rank keeps its slices) and an engine (leader and follower) on the same shards; step 1, a
 checkpoint (OUT_DIR/ckpt1, written by rank 0), the engine's greedy tokens with the trained adapter,
@@ -63,17 +64,22 @@ def direct_logits(model, peft, tp) -> dict:
 
 
 def engine(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> None:
+    import time
+
     model = tiny_llama().to(device)
     shard_llama_(model, tp)
     result["q_rows"] = model.model.layers[0].self_attn.q_proj.weight.shape[0]
-    peft = wrap_with_adapter(model, full_adapter(), tp)
-    result["logits"] = direct_logits(model, peft, tp)
-    e = engine_for(model, peft, tp)
+    holder: dict = {}
+    e = engine_for(model, lambda: holder.get("peft"), tp)
     try:
+        if not tp.is_leader:  # the follower gets its adapter late: the leader's first LoRA steps wait for it
+            time.sleep(3)
+        holder["peft"] = wrap_with_adapter(model, full_adapter(), tp)
         if tp.is_leader:
             result["generated"] = generate(e)
     finally:
         e.close()
+    result["logits"] = direct_logits(model, holder["peft"], tp)
 
 
 def save(trainer, tp: TensorParallel, directory: Path, step: int) -> None:
@@ -92,8 +98,9 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
 
     model = tiny_llama().to(device)
     shard_llama_(model, tp)
-    trainer = Trainer.from_adapter(model, out / "start", tp=tp)
-    e = engine_for(model, trainer.peft_model, tp)
+    holder: dict = {}
+    e = engine_for(model, lambda: holder["trainer"].peft_model if holder else None, tp)  # first, as the service makes them
+    trainer = holder["trainer"] = Trainer.from_adapter(model, out / "start", tp=tp)
     try:
         result["metrics_1"] = trainer.step(sequences(1), config()).values
         save(trainer, tp, out / "ckpt1", 1)

@@ -32,6 +32,7 @@ import collections
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -287,12 +288,34 @@ class Engine:
         """A tensor-parallel follower's worker: run the leader's forwards until it stops."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        try:
+            while True:
+                message = self.link.recv()
+                if message.kind == STOP:
+                    return
+                self._follow_one(message)
+        except BaseException:
+            log.exception("the tensor-parallel follower engine failed: the group's leader will wait for it")
+            raise
+
+    def _follow_one(self, message, timeout_s: float = 600.0) -> None:
+        """Run one of the leader's steps, once this rank has the adapters it names: the ranks create
+        their trainers (and PEFT's LoRA layers) independently, so the leader may use the live adapter
+        a moment before this rank has it. Waits for them without holding the lock (creating a trainer
+        takes it)."""
+        names = {name for _, _, name in message.segments}
+        deadline = time.monotonic() + timeout_s
         while True:
-            message = self.link.recv()
-            if message.kind == STOP:
-                return
             with self.lock:  # as the leader's launch: the trainer does not write the adapter meanwhile
-                self.runner.follow(message)
+                try:
+                    adapters = {name: self._adapter_weights(name) for name in names}
+                except EngineError:
+                    if time.monotonic() > deadline:
+                        raise
+                else:
+                    self.runner.follow(message, adapters)
+                    return
+            time.sleep(0.002)
 
     @property
     def _launched(self) -> bool:

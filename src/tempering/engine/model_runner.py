@@ -464,10 +464,11 @@ class ModelRunner:
         self.link.send_step(ids, prepared.positions, prepared.ctx, segments, graph)
 
     @torch.inference_mode()
-    def follow(self, message: StepMessage) -> None:
+    def follow(self, message: StepMessage, adapters: dict[str, EngineAdapter]) -> None:
         """Run the leader's forward described by `message` on this follower's shards and cache
-        (a CAPTURE: warm up and capture the graph the leader is capturing)."""
-        lora = [LoRASegment(start, end, self.adapter_weights(name)) for start, end, name in message.segments]
+        (a CAPTURE: warm up and capture the graph the leader is capturing); `adapters`: this rank's
+        adapters of the names the message's segments use."""
+        lora = [LoRASegment(start, end, adapters[name]) for start, end, name in message.segments]
         if message.kind == CAPTURE:
             bucket, sample = message.graph
             if lora:
