@@ -121,8 +121,12 @@ def _materialize_(model, config, device: torch.device, init) -> None:
         for module in model.modules():
             for name, p in list(module.named_parameters(recurse=False)):
                 if p.is_meta:
-                    value = torch.ones(p.shape, dtype=p.dtype, device=device) if "norm" in type(module).__name__.lower() \
-                        else (init(tuple(p.shape), p.dtype) if p.dim() > 1 else torch.zeros(p.shape, dtype=p.dtype, device=device))
+                    if "norm" in type(module).__name__.lower():
+                        value = torch.ones(p.shape, dtype=p.dtype, device=device)
+                    elif p.dim() > 1:
+                        value = init(tuple(p.shape), p.dtype)
+                    else:
+                        value = torch.zeros(p.shape, dtype=p.dtype, device=device)
                     setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -152,7 +156,8 @@ def build_full_then_shard(shape: str, tp: TensorParallel | None, device: torch.d
 
 
 def full_adapter_state(shape: str, rank: int = 8) -> dict[str, torch.Tensor]:
-    """A non-zero rank-8 LoRA on every projection, full shapes, by PEFT's saved names (drawn on the CPU from one seed)."""
+    """A non-zero rank-8 LoRA on every projection, full shapes, by PEFT's saved names (drawn on the CPU
+    from one seed)."""
     c = SHAPES[shape]
     H, I = c["hidden_size"], c["intermediate_size"]
     D = H // c["num_attention_heads"]
@@ -183,7 +188,8 @@ def live_trainer(model, tp: TensorParallel | None, state: dict[str, torch.Tensor
                 full = state[name.replace(".default", "")]
                 p.copy_(tp.slice(full, lora_shard_dim(name)) if tp is not None else full)
             else:
-                p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * (0.01 if "lora_A" in name else 0.02))
+                scale = 0.01 if "lora_A" in name else 0.02
+                p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * scale)
     return trainer
 
 
@@ -305,14 +311,16 @@ def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dt
         first_diff.append(next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None))
         same = first_diff[-1] if first_diff[-1] is not None else len(ids)
         max_lp = max([max_lp, *(abs(a - b) for a, b in zip(lps[:same], ref_lps[:same]))])
-    return {"check": "greedy", "same_weights_on_every_rank": len(set(checksums)) == 1, "greedy_equal": sum(equal) / len(equal), "first_difference": first_diff,
+    return {"check": "greedy", "same_weights_on_every_rank": len(set(checksums)) == 1,
+            "greedy_equal": sum(equal) / len(equal), "first_difference": first_diff,
             "max_logprob_diff_before_difference": float(f"{max_lp:.3g}"), "new_tokens": max_new, "live_adapter": True}
 
 
 def run(args) -> dict | None:
     device_type = args.device
     rank = int(os.environ["RANK"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if device_type == "cuda" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -363,11 +371,14 @@ def run(args) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tp", type=int, default=2, help="tensor_parallel_size: processes (GPUs) the model is split over")
+    parser.add_argument("--tp", type=int, default=2,
+                        help="tensor_parallel_size: processes (GPUs) the model is split over")
     parser.add_argument("--model", choices=sorted(SHAPES), default=None, help="default: 72b on cuda, tiny on cpu")
     parser.add_argument("--check-greedy", action="store_true", help="compare greedy tokens at TP N with TP 1")
-    parser.add_argument("--num-seqs", type=int, default=None, help="sequences per train step (default 16 on cuda, 4 on cpu)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1024 on cuda, 64 on cpu)")
+    parser.add_argument("--num-seqs", type=int, default=None,
+                        help="sequences per train step (default 16 on cuda, 4 on cpu)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (default 1024 on cuda, 64 on cpu)")
     parser.add_argument("--steps", type=int, default=2, help="timed train steps")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="EngineConfig.gpu_memory_fraction")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="TrainConfig.micro_batch_tokens")

@@ -7,6 +7,8 @@ engine's greedy tokens and logprobs (leader and follower) equal one process's, w
 adapter; a sharded LoRA training step equals the unsharded step (loss, grad norm, updated adapter),
 the engine then serves the trained shards; the checkpoint is the full PEFT adapter, written once,
 and resumes at TP 2 and at TP 1; a model that does not fit even when sharded is refused with its sizes.
+Then the whole loop through LocalBackend (register, rollouts, train, checkpoint, resume) at TP 2 on
+two processes and at 2 replicas x TP 2 on four.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from tempering.parallel.tensor import sharded_weight_bytes
 from tempering.service.base_model import check_fits, weight_bytes
 
 RANK_SCRIPT = Path(__file__).with_name("tp_rank.py")
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                reason="needs two GPUs"))]
 
 
 def free_port() -> int:

@@ -45,7 +45,8 @@ def direct_logits(model, peft, tp) -> dict:
 
     m = LlamaFamilyModel(model, 256, tp=tp)
     device = m.device
-    adapter = EngineAdapter(collect_adapter(m.hf_layers, "default", m.fused_slices), {"o": m.hidden_size, "down": m.hidden_size})
+    adapter = EngineAdapter(collect_adapter(m.hf_layers, "default", m.fused_slices),
+                            {"o": m.hidden_size, "down": m.hidden_size})
     out = {}
     for key, lora in (("base", []), ("lora", [LoRASegment(0, 10, adapter)])):
         kv = torch.zeros(m.num_layers, 2, 4, 16, m.num_kv_heads, m.head_dim, device=device)
@@ -99,7 +100,8 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
     model = tiny_llama().to(device)
     shard_llama_(model, tp)
     holder: dict = {}
-    e = engine_for(model, lambda: holder["trainer"].peft_model if holder else None, tp)  # first, as the service makes them
+    # the engine first, as the service makes them
+    e = engine_for(model, lambda: holder["trainer"].peft_model if holder else None, tp)
     trainer = holder["trainer"] = Trainer.from_adapter(model, out / "start", tp=tp)
     try:
         result["metrics_1"] = trainer.step(sequences(1), config()).values

@@ -161,7 +161,8 @@ class DecodeGraphs:
         self.positions[:bucket].zero_()
         self.slot_mapping[:bucket].zero_()
         self.context_lens[:bucket].zero_()
-        self.graphs[(bucket, id(adapter) if adapter is not None else 0, sample)] = self._capture(bucket, adapter, sample)
+        key = (bucket, id(adapter) if adapter is not None else 0, sample)
+        self.graphs[key] = self._capture(bucket, adapter, sample)
 
     def replay(self, staged: StagedDecode, sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
                ) -> torch.Tensor | None:

@@ -114,8 +114,9 @@ class Engine:
         self._adapters: dict[tuple[str, int], EngineAdapter] = {}
         tp = getattr(model, "tp", None)
         if self.config.tensor_parallel_size != (tp.size if tp is not None else 1):
-            raise ConfigError(f"EngineConfig.tensor_parallel_size is {self.config.tensor_parallel_size} but the model is "
-                              f"sharded for {tp.size if tp is not None else 1} ranks (parallel.tensor.shard_llama_ and "
+            raise ConfigError(f"EngineConfig.tensor_parallel_size is {self.config.tensor_parallel_size} but the "
+                              f"model is sharded for {tp.size if tp is not None else 1} ranks "
+                              "(parallel.tensor.shard_llama_ and "
                               "LlamaFamilyModel(tp=...)): make them equal")
         self.link = StepLink(tp, model.device) if tp is not None else None
         self.is_follower = tp is not None and not tp.is_leader

@@ -191,7 +191,8 @@ class ModelService:
             self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate, dp=self.dp, tp=self.tp)
             self.trainer.load_state(checkpoint)
         elif resolved.adapter_dir is not None:  # continue from a PEFT adapter: it is step 0
-            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate, dp=self.dp, tp=self.tp)
+            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate, dp=self.dp,
+                                                tp=self.tp)
             self._save(self.trainer, paths.checkpoint(0), 0)
         self._live = LivePolicy(lambda: self.trainer is not None, self.gate)
         self._step_adapters: collections.OrderedDict[int, str] = collections.OrderedDict()
@@ -219,11 +220,13 @@ class ModelService:
         """
         world = dp.world_size if dp is not None else 1
         if world % size:
-            raise ConfigError(f"tensor_parallel_size {size} splits the model over {size} GPUs, but this run has {world}: "
-                              f"start it on a multiple of {size} (LocalBackend(gpus={size}) or `tempering serve --gpus "
+            raise ConfigError(f"tensor_parallel_size {size} splits the model over {size} GPUs, but this run has "
+                              f"{world}: start it on a multiple of {size} (LocalBackend(gpus={size}) or "
+                              "`tempering serve --gpus "
                               f"{size}`; 2 x {size} GPUs for two replicas)")
         if dedicated:
-            raise ConfigError("dedicated mode (a training GPU and serving GPUs) does not combine with tensor parallelism")
+            raise ConfigError("dedicated mode (a training GPU and serving GPUs) does not combine with tensor "
+                              "parallelism")
         tp, data_group = TensorParallel.split(size)
         return tp, DataParallel(data_group) if data_group is not None else None
 

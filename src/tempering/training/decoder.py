@@ -270,8 +270,9 @@ class PackedDecoder:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         tp_size = tp.size if tp is not None else 1
         if q_rows * tp_size != config.num_attention_heads * head_dim:
-            raise ConfigError(f"q_proj has {q_rows} rows, {config.num_attention_heads * head_dim} / {tp_size} expected: "
-                              "a model sharded by parallel.tensor.shard_llama_ trains only with the same group as tp")
+            raise ConfigError(f"q_proj has {q_rows} rows, {config.num_attention_heads * head_dim} / {tp_size} "
+                              "expected: a model sharded by parallel.tensor.shard_llama_ trains only with the same "
+                              "group as tp")
         try:
             return cls(peft_model, adapter, tp)
         except ValueError as exc:

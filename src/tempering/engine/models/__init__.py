@@ -47,7 +47,8 @@ def fallback_reason(hf_model: Any, max_positions: int) -> str | None:
 
 
 def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 16,
-                     batch_invariant: bool = False, tp: Any = None) -> LlamaFamilyModel | Gemma3Model | Qwen3MoeModel | None:
+                     batch_invariant: bool = False,
+                     tp: Any = None) -> LlamaFamilyModel | Gemma3Model | Qwen3MoeModel | None:
     """The engine's model bound to `hf_model`, or None (with a log line saying why) when it is not covered.
 
     `tp`: the tensor-parallel group when `hf_model` holds this rank's shards (the Llama family only).
@@ -73,4 +74,5 @@ def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 
         return Gemma3Model(hf_model, max_positions, max_lora_rank=max_lora_rank)
     if arch in MOE_ARCHITECTURES:
         return Qwen3MoeModel(hf_model, max_positions, max_lora_rank=max_lora_rank)
-    return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank, batch_invariant=batch_invariant, tp=tp)
+    return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank, batch_invariant=batch_invariant,
+                            tp=tp)

@@ -254,13 +254,15 @@ class LlamaFamilyModel:
             q = rotary_and_store_with_lora(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, deferred, qkv,
                                            ops.rotary_and_store_)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
-            attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"], defer=defer)
+            attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"],
+                                                  defer=defer)
             if tp is not None:
                 tp.all_reduce_(attn_out)
             h, residual = add_rms_norm_with_lora(attn_out, deferred, residual, layer.post_norm, self.eps, ops.add_rms_norm)
             act = silu_and_mul_with_lora(h, full_rows(layer.gate_up), 2 * self.intermediate_size, groups["gate_up"],
                                          ops.silu_and_mul)
-            x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"], defer=defer)
+            x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"],
+                                           defer=defer)
             if tp is not None:
                 tp.all_reduce_(x)
         return add_rms_norm_with_lora(x, deferred, residual, self.norm, self.eps, ops.add_rms_norm)[0]
