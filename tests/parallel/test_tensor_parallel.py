@@ -336,3 +336,23 @@ def test_the_whole_loop_at_tp2_through_local_backend_resumes_at_tp2_and_tp1(tiny
         assert seen["step"] == 1
         assert seen["probe"][0] == first["trained_probe"][0]
         assert seen["probe"][1] == pytest.approx(first["trained_probe"][1], abs=1e-4)
+
+
+def test_arts_engine_args_tensor_parallel_size_needs_a_run_of_that_many_gpus(tiny_model_dir, tmp_path):
+    """ART's engine_args.tensor_parallel_size is EngineConfig.tensor_parallel_size: on one process it is
+    refused at registration, naming the fix."""
+    import asyncio
+
+    import tempering as art
+
+    async def register() -> None:
+        backend = art.LocalBackend(path=tmp_path, device="cpu")
+        try:
+            model = art.TrainableModel(name="tiny", project="tp", base_model=str(tiny_model_dir),
+                                       _internal_config={"engine_args": {"tensor_parallel_size": 2}})
+            await model.register(backend)
+        finally:
+            await backend.close()
+
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 .* this run has 1.*LocalBackend\(gpus=2\)"):
+        asyncio.run(register())
