@@ -85,6 +85,10 @@ def load_llama_shards(model_dir: str | Path, tp: TensorParallel, device: torch.d
         raise ConfigError(f"{model_dir} lacks {len(wanted)} tensors of the model, e.g. {sorted(wanted)[:3]}")
     with torch.device(device):  # buffers computed at construction (rotary inverse frequencies)
         model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ConfigError(f"tensor-parallel loading does not know how to build {left[:3]} of {type(model).__name__}: "
+                          "run this model with tensor_parallel_size 1")
     if (model_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     return model.eval().requires_grad_(False)
