@@ -62,11 +62,13 @@ class TensorParallel:
     """This rank's place in a tensor-parallel group.
 
     Every process of the run must construct it with the same `ranks` at the same point (it creates
-    process groups, which is collective over the whole world, as `dist.new_group`).
+    process groups, which is collective over the whole world, as `dist.new_group`); `split` makes
+    the groups of a run of several replicas.
 
     Args:
         ranks: the global ranks of the group, in TP-rank order (default: every rank).
         timeout_s: how long a training collective may wait for another rank.
+        groups: (trainer, engine, engine headers) process groups already made over `ranks` (by `split`).
 
     Attributes:
         rank: this process's rank within the group (0: the leader, which schedules and samples).
