@@ -87,14 +87,18 @@ def serve(
                                                       'e.g. \'{"max_num_seqs": 128}\'')] = None,
     dedicated: Annotated[bool, typer.Option(help="with --gpus N: GPU 0 trains and the others serve (ART's "
                                             "dedicated mode), for every trainable model")] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(min=1, help="split each model over this many GPUs "
+                                                      "(tensor parallelism; = --gpus for now)")] = 1,
 ) -> None:
     """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port.
 
     With --gpus N (or under `torchrun --nproc-per-node N -m tempering.cli serve ...`, also over
     several machines with `--nnodes`) every GPU holds the model, an engine replica and a
     data-parallel trainer; rank 0 serves HTTP. With --dedicated, GPU 0 trains and the others
-    serve, receiving the adapter after every step. If a worker process or a node dies, the server
-    stops with an error naming its rank and node (exit code 1).
+    serve, receiving the adapter after every step. With --tensor-parallel-size N (and --gpus N)
+    the GPUs split one model instead: each holds its shards, rank 0's engine leads the others'.
+    If a worker process or a node dies, the server stops with an error naming its rank and node
+    (exit code 1).
     """
     import ipaddress
     import os
@@ -120,6 +124,12 @@ def serve(
             )
     _log_to_stderr()
     engine = _engine_config(engine_config)
+    if tensor_parallel_size > 1:
+        import dataclasses
+
+        from .engine import EngineConfig
+
+        engine = dataclasses.replace(engine or EngineConfig(), tensor_parallel_size=tensor_parallel_size)
     device_type = "cpu" if device is not None and device.startswith("cpu") else "cuda"
     driver = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: rank 0 serves, the others work

@@ -36,5 +36,5 @@ def test_nothing_is_checked_on_a_cpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_model_larger_than_the_gpu_is_refused_naming_tensor_parallelism(tmp_path):
     save_llama(tmp_path, hidden_size=16384, intermediate_size=53248, num_hidden_layers=256)  # ~0.9T parameters
-    with pytest.raises(ConfigError, match="tensor-parallel serving.*is not supported yet"):
+    with pytest.raises(ConfigError, match="GiB per GPU.*larger tensor_parallel_size"):
         check_fits_device(str(tmp_path), torch.bfloat16, "cuda:0")

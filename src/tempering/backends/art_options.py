@@ -209,8 +209,10 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
               "weights, so nothing needs to sleep during a step"),
     *(ArtOption("engine_args", name, "ignored", note="tempering applies any LoRA rank, unmerged")
       for name in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")),
-    *(ArtOption("engine_args", name, "ignored", note="tempering runs on one device")
-      for name in ("tensor_parallel_size", "pipeline_parallel_size")),
+    ArtOption("engine_args", "tensor_parallel_size", "mapped", "EngineConfig.tensor_parallel_size",
+              "the model is split over that many GPUs of the backend's run (LocalBackend(gpus=N), N a multiple of "
+              "it); the Llama family", to=_set("engine", "tensor_parallel_size", int)),
+    ArtOption("engine_args", "pipeline_parallel_size", "ignored", note="tempering does not split layers over GPUs"),
     ArtOption("engine_args", "dtype", "ignored", note="tempering serves in bfloat16 on GPU, float32 on CPU"),
     ArtOption("engine_args", "seed", "ignored", note="pass `seed` per request (tempering's sampling is "
               "seeded per request, whatever shares the batch)"),

@@ -30,6 +30,9 @@ class EngineConfig:
             keys in fixed tiles, the LoRA kernels' tiles fixed, no spare-rows path. The trainer then
             takes its logprobs' values from the engine (`Engine.score`), equal bit for bit to the
             sampled ones: exact on-policy RL ("batch-invariant inference"). Slower decoding.
+        tensor_parallel_size: ranks (GPUs) that one model is split over (parallel/tensor.py), the
+            name vLLM and SGLang use; 1: the whole model on one device. The engine checks it
+            against the model's shards.
     """
 
     max_num_seqs: int = 256
@@ -42,8 +45,14 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     max_graph_batch_size: int = 256
     batch_invariant: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.batch_invariant:
+            raise ConfigError("batch_invariant (exact on-policy) runs on one GPU per model: set tensor_parallel_size=1 "
+                              "or batch_invariant=False")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -67,11 +67,19 @@ class DecodeGraphs:
         max_blocks_per_seq: width of the static block table.
         last_tokens: [>= max_batch_size] int64, the newest step's sampled ids (read by rows whose
             token is pending; written by graphs that sample).
+        forward_only: a tensor-parallel follower's graphs: they never sample (the leader does), and
+            a graph is captured only when the leader captures its own (`capture`), since the
+            warm-ups run collectives; `stage` of a graph not captured runs it eagerly.
+        on_capture: called as on_capture(bucket, adapter, sample) right before a graph's warm-ups
+            (a tensor-parallel leader tells its followers to capture too).
     """
 
     def __init__(self, model: Any, kv_cache: torch.Tensor, *, max_batch_size: int, max_blocks_per_seq: int,
-                 last_tokens: torch.Tensor) -> None:
+                 last_tokens: torch.Tensor, forward_only: bool = False,
+                 on_capture: Callable[[int, EngineAdapter | None, bool], None] | None = None) -> None:
         self.model = model
+        self.forward_only = forward_only
+        self.on_capture = on_capture
         self.kv_cache = kv_cache
         device = kv_cache.device
         self.buckets = [b for b in (1, 2, 4, 8) if b <= max_batch_size] + list(range(16, max_batch_size + 1, 16))
@@ -137,8 +145,24 @@ class DecodeGraphs:
             self.sources[B:bucket].fill_(-1)
         key = (bucket, id(adapter) if adapter is not None else 0, sample)
         if key not in self.graphs:
+            if self.forward_only:  # captured only with the leader (`capture`)
+                return StagedDecode(B, bucket, adapter, sample, None)
+            if self.on_capture is not None:
+                self.on_capture(bucket, adapter, sample)
             self.graphs[key] = self._capture(bucket, adapter, sample)
         return StagedDecode(B, bucket, adapter, sample, self.graphs[key])
+
+    def capture(self, bucket: int, adapter: EngineAdapter | None, sample: bool) -> None:
+        """(A tensor-parallel follower) warm up and capture the graph of (bucket, adapter, sample) as the
+        leader does the same: the warm-ups' collectives meet the leader's. The warm-ups read inputs
+        that write to the scratch block only (slot 0, no keys), never to a live sequence's blocks."""
+        self.input_ids[:bucket].zero_()
+        self.sources[:bucket].fill_(-1)
+        self.positions[:bucket].zero_()
+        self.slot_mapping[:bucket].zero_()
+        self.context_lens[:bucket].zero_()
+        key = (bucket, id(adapter) if adapter is not None else 0, sample)
+        self.graphs[key] = self._capture(bucket, adapter, sample)
 
     def replay(self, staged: StagedDecode, sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
                ) -> torch.Tensor | None:
@@ -149,7 +173,7 @@ class DecodeGraphs:
             the hidden states [B, H], or None when the graph sampled.
         """
         B, bucket = staged.batch_size, staged.bucket
-        if staged.sample:
+        if staged.sample and not self.forward_only:
             for static, values in zip((self.temperature, self.seeds, self.counters), sampling):
                 static[:B].copy_(values)
         captured = staged.captured
@@ -170,7 +194,7 @@ class DecodeGraphs:
         sources = self.sources[:bucket]
         ids = torch.where(sources >= 0, self.last_tokens[sources.clamp(min=0)], self.input_ids[:bucket])
         hidden = self.model.forward(ids, self.positions[:bucket], ctx, self.kv_cache, lora)
-        if not sample:
+        if not sample or self.forward_only:
             return hidden
         token_ids, logprobs, _ = gumbel_sample(self.model.logits(hidden), self.temperature[:bucket],
                                                self.seeds[:bucket], self.counters[:bucket])

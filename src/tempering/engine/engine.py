@@ -17,6 +17,12 @@ Launching a step holds `lock`, which the trainer takes while it changes weights;
 either the old weights or the new ones, and the device runs the work in launch order. A sequence
 that spans a training step samples its later tokens from the new policy; each token's logprob
 and policy version are recorded under the policy that sampled them.
+
+Tensor parallelism (`model.tp`, parallel/tensor.py): the engine of the group's leader (TP rank 0)
+is the one above, and its runner broadcasts every forward's inputs before running it
+(tensor_parallel.py). On the other ranks the engine is a follower: its worker only runs the
+forwards it receives, on its own shards and KV cache, until the leader's engine closes; it takes
+no requests.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ import collections
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import EngineError, RequestAborted
+from ..errors import ConfigError, EngineError, RequestAborted
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .grammar import GrammarMask, MaskWorker, ReadyMasks
@@ -49,6 +56,7 @@ from .scheduler import Scheduler
 from .scoring import score_sequences
 from .sequence import PENDING, Sequence
 from .stopping import completion_of, finish_reason_at
+from .tensor_parallel import STOP, StepLink
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -104,7 +112,15 @@ class Engine:
         self.config = config or EngineConfig()
         self._peft_model = peft_model
         self._adapters: dict[tuple[str, int], EngineAdapter] = {}
-        self.runner = ModelRunner(model, self.config, self._adapter_weights, max_seq_len)
+        tp = getattr(model, "tp", None)
+        if self.config.tensor_parallel_size != (tp.size if tp is not None else 1):
+            raise ConfigError(f"EngineConfig.tensor_parallel_size is {self.config.tensor_parallel_size} but the "
+                              f"model is sharded for {tp.size if tp is not None else 1} ranks "
+                              "(parallel.tensor.shard_llama_ and "
+                              "LlamaFamilyModel(tp=...)): make them equal")
+        self.link = StepLink(tp, model.device) if tp is not None else None
+        self.is_follower = tp is not None and not tp.is_leader
+        self.runner = ModelRunner(model, self.config, self._adapter_weights, max_seq_len, link=self.link)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.max_seq_len = min(max_seq_len, self.blocks.capacity_tokens)
@@ -120,7 +136,8 @@ class Engine:
         self._masks: MaskWorker | None = None
         self.mask_thread = True
         self.stats = EngineStats()
-        self._thread = threading.Thread(target=self._loop, name="tempering-engine", daemon=True)
+        self._thread = threading.Thread(target=self._follow if self.is_follower else self._loop,
+                                        name="tempering-engine", daemon=True)
         self._thread.start()
         close_at_exit(self)
 
@@ -136,8 +153,11 @@ class Engine:
 
         Raises:
             ConfigError: if the prompt is empty or does not fit in the context or the KV cache.
-            EngineError: if the engine is closed.
+            EngineError: if the engine is closed, or is a tensor-parallel follower.
         """
+        if self.is_follower:
+            raise EngineError("this engine is a tensor-parallel follower (TP rank > 0): submit requests to the "
+                              "group's leader (TP rank 0), which runs them on every rank")
         request = new_request(prompt_ids, params, n, policy, on_token, max_seq_len=self.max_seq_len,
                               limits=f"context {self.max_seq_len}, KV cache {self.blocks.capacity_tokens} tokens")
         with self._cond:
@@ -166,13 +186,18 @@ class Engine:
                 self._cond.notify()
 
     def close(self) -> None:
-        """Stop the worker; unfinished requests fail with EngineError. A second call does nothing."""
+        """Stop the worker; unfinished requests fail with EngineError. A second call does nothing.
+
+        A tensor-parallel leader also stops its followers; a follower waits (up to 60 s) for that.
+        """
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
+        if self.link is not None and not self.is_follower and not self._thread.is_alive():
+            self.link.send_stop()
         if self._masks is not None:
             self._masks.close()
         error = EngineError("the engine was closed before this request finished")
@@ -216,6 +241,9 @@ class Engine:
         Returns:
             per sequence, the logprobs of its tokens 1..len-1, float32 values.
         """
+        if self.link is not None:
+            raise EngineError("Engine.score runs one process's forward; it is not available under tensor parallelism "
+                              "(tensor_parallel_size > 1)")
         with self.lock:
             name = policy.adapter_name
             adapter = self._adapter_weights(name) if name else None
@@ -256,6 +284,39 @@ class Engine:
             except BaseException as exc:  # never let the worker die: fail what was running
                 log.exception("engine step failed")
                 self._fail_all(EngineError(f"generation failed: {exc!r}"))
+
+    def _follow(self) -> None:
+        """A tensor-parallel follower's worker: run the leader's forwards until it stops."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            while True:
+                message = self.link.recv()
+                if message.kind == STOP:
+                    return
+                self._follow_one(message)
+        except BaseException:
+            log.exception("the tensor-parallel follower engine failed: the group's leader will wait for it")
+            raise
+
+    def _follow_one(self, message, timeout_s: float = 600.0) -> None:
+        """Run one of the leader's steps, once this rank has the adapters it names: the ranks create
+        their trainers (and PEFT's LoRA layers) independently, so the leader may use the live adapter
+        a moment before this rank has it. Waits for them without holding the lock (creating a trainer
+        takes it)."""
+        names = {name for _, _, name in message.segments}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.lock:  # as the leader's launch: the trainer does not write the adapter meanwhile
+                try:
+                    adapters = {name: self._adapter_weights(name) for name in names}
+                except EngineError:
+                    if time.monotonic() > deadline:
+                        raise
+                else:
+                    self.runner.follow(message, adapters)
+                    return
+            time.sleep(0.002)
 
     @property
     def _launched(self) -> bool:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .config import EngineConfig
 from .context import PrefillSpan, StepContext
@@ -41,6 +42,7 @@ from .models import LlamaFamilyModel
 from .sampler import SamplingTensors, sample, sampling_flags
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+from .tensor_parallel import CAPTURE, StepLink, StepMessage
 
 if TYPE_CHECKING:  # cuda_graphs is imported on GPUs only
     from .cuda_graphs import StagedDecode
@@ -138,6 +140,10 @@ class ModelRunner:
         config: engine settings (cache size).
         adapter_weights: adapter name → its LoRA tensors.
         max_seq_len: longest sequence (sizes the block tables).
+        link: under tensor parallelism (`model.tp`), the step messages of the group
+            (tensor_parallel.py): the leader sends every forward's inputs before running it, a
+            follower runs the forwards it receives (`follow`). Every rank's cache gets the
+            smallest rank's number of blocks.
     """
 
     def __init__(
@@ -146,6 +152,7 @@ class ModelRunner:
         config: EngineConfig,
         adapter_weights: Callable[[str], EngineAdapter],
         max_seq_len: int = 8192,
+        link: StepLink | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -153,7 +160,13 @@ class ModelRunner:
         self.device = model.device
         self.is_cuda = self.device.type == "cuda"
         self.adapter_weights = adapter_weights
+        self.link = link
+        self.is_follower = link is not None and not link.tp.is_leader
         self.num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
+        if link is not None:  # the leader's block ids must exist in every rank's cache
+            count = torch.tensor([self.num_blocks], dtype=torch.long, device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=link.tp.engine_group)
+            self.num_blocks = int(count.item())
         shape = (model.num_layers, 2, self.num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
         # a mixture of experts records each cached token's experts beside its K/V (routing.py)
@@ -173,10 +186,15 @@ class ModelRunner:
         if self.is_cuda and config.use_cuda_graphs and HAS_TRITON:
             from .cuda_graphs import DecodeGraphs
 
+            on_capture = None
+            if link is not None and not self.is_follower:  # the followers capture the same graph in step
+                on_capture = lambda bucket, adapter, sample: link.send_capture(  # noqa: E731
+                    bucket, sample, [(0, bucket, adapter.name)] if adapter is not None else [])
             self.graphs = DecodeGraphs(
                 model, self.kv_cache,
                 max_batch_size=min(config.max_graph_batch_size, config.max_num_seqs),
                 max_blocks_per_seq=self.max_blocks_per_seq, last_tokens=self.last_tokens,
+                forward_only=self.is_follower, on_capture=on_capture,
             )
 
     @property
@@ -351,6 +369,11 @@ class ModelRunner:
             self.stage(prepared)
         batch, seqs, ids, ctx, options = prepared.batch, prepared.seqs, prepared.ids, prepared.ctx, prepared.options
         lora, has_grammar, staged = prepared.lora, prepared.has_grammar, prepared.staged
+        if staged is None and prepared.sources is not None:  # rows whose newest token is still on the device
+            src, n = prepared.sources, len(batch.decode)
+            ids[:n] = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids[:n])
+        if self.link is not None:  # the followers run this forward with the leader
+            self._send_step(prepared)
         if staged is not None:  # a decode-only step, replayed from its CUDA graph
             sampling = (options.temperature, options.seeds, options.counters)
             hidden = self.graphs.replay(staged, sampling if staged.sample else None)
@@ -359,9 +382,6 @@ class ModelRunner:
                 self._copy_to_host(step, self.graphs.logprobs[:len(seqs)])
                 return step
         else:
-            if prepared.sources is not None:  # these rows' newest token is still on the device: read it there
-                src, n = prepared.sources, len(batch.decode)
-                ids[:n] = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids[:n])
             hidden = self.model.forward(ids, prepared.positions, ctx, self.kv_cache, lora)
         if not seqs:
             return None
@@ -432,6 +452,38 @@ class ModelRunner:
         forced = step.grammar_mask.forced() if step.grammar_mask is not None else None
         return SampledTokens(step.seqs, step.indices, step.host_ids.tolist(), step.host_logprobs.tolist(), tops, forced,
                              step.versions or [0] * len(step.seqs))
+
+    def _send_step(self, prepared: PreparedStep) -> None:
+        """Broadcast a launched step's inputs to the followers (the leader of a tensor-parallel group)."""
+        ids, staged, n = prepared.ids, prepared.staged, len(prepared.batch.decode)
+        if staged is not None and prepared.sources is not None:  # the graph reads these on the device
+            src = prepared.sources
+            ids = torch.cat([torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids[:n]), ids[n:]])
+        segments = [(s.start, s.end, s.adapter.name) for s in prepared.lora]
+        graph = (staged.bucket, staged.sample) if staged is not None else None
+        self.link.send_step(ids, prepared.positions, prepared.ctx, segments, graph)
+
+    @torch.inference_mode()
+    def follow(self, message: StepMessage, adapters: dict[str, EngineAdapter]) -> None:
+        """Run the leader's forward described by `message` on this follower's shards and cache
+        (a CAPTURE: warm up and capture the graph the leader is capturing); `adapters`: this rank's
+        adapters of the names the message's segments use."""
+        lora = [LoRASegment(start, end, adapters[name]) for start, end, name in message.segments]
+        if message.kind == CAPTURE:
+            bucket, sample = message.graph
+            if lora:
+                self.model.bind_lora(lora, bucket)
+            self.graphs.capture(bucket, lora[0].adapter if lora else None, sample)
+            return
+        ids, ctx = message.ids, message.ctx
+        if lora:
+            self.model.bind_lora(lora, ids.shape[0])
+        if message.graph is not None:  # the leader replays a graph of `bucket` rows: so does this rank
+            staged = self.graphs.stage(ids, None, message.positions, ctx.slot_mapping, ctx.decode_block_tables,
+                                       ctx.decode_context_lens, lora[0].adapter if lora else None, message.graph[1])
+            self.graphs.replay(staged, None)
+        else:
+            self.model.forward(ids, message.positions, ctx, self.kv_cache, lora)
 
     def _graphable(self, batch: ScheduledBatch, lora: list[LoRASegment]) -> bool:
         """A decode-only batch that fits a graph bucket, with one adapter (or none) for all rows."""

@@ -15,6 +15,13 @@ rounding to bfloat16 throws away what RL needs:
   accumulated in float32 and rounded to the model dtype after scaling, `round(s · x A^T)`, as
   the delta's input.
 
+Under tensor parallelism (parallel/tensor.py) both sides also round where they split: a
+row-parallel projection (o, down) gives each rank a partial sum of its input columns, with its
+partial LoRA delta added in float32 before the one rounding, as above; the rounded partial sums
+are then added over the ranks in the model dtype by one all-reduce. Column-parallel projections
+round exactly as on one device. So the engine and the trainer still compute the same function as
+each other; against one device the sums differ by reassociation and the one extra rounding.
+
 References: on the precision a sampler/trainer pair needs, "Defeating Nondeterminism in LLM
 Inference" (Thinking Machines, 2025) and "Your Efficient RL Framework Secretly Brings You
 Off-Policy RL Training" (Yao et al., 2025).

@@ -27,11 +27,13 @@ from .builtin_models import builtin_model, builtin_model_dir
 __all__ = [
     "DEFAULT_BASE_MODEL",
     "ResolvedBaseModel",
+    "check_fits",
     "check_fits_device",
     "default_cache_dir",
     "default_model_dir",
     "resolve_base_model",
     "weight_bytes",
+    "weight_bytes_per_rank",
 ]
 
 DEFAULT_BASE_MODEL = "SmolLM2-135M-Instruct"
@@ -106,13 +108,56 @@ def weight_bytes(model_ref: str, dtype) -> int:
     return sum(p.numel() for p in shell.parameters()) * torch.empty((), dtype=dtype).element_size()
 
 
-def check_fits_device(model_ref: str, dtype, device) -> None:
-    """Check, before loading, that the weights of `model_ref` in `dtype` fit the free memory of a
-    CUDA `device` (nothing to check on a CPU).
+def weight_bytes_per_rank(model_ref: str, dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes of the weights one GPU holds of `model_ref` in `dtype`: all of them, or at
+    `tensor_parallel_size` > 1 its shard of every layer plus the replicated embedding, LM head and
+    norms (parallel/tensor.py), from the config alone.
 
-    Every GPU holds a whole copy of the model: its engine replica and its trainer share it. A
-    model larger than one GPU would need tensor parallelism (one model split over several GPUs),
-    which tempering does not have yet.
+    Raises:
+        ConfigError: if the model cannot be split over `tensor_parallel_size` ranks.
+    """
+    if tensor_parallel_size == 1:
+        return weight_bytes(model_ref, dtype)
+    from transformers import AutoConfig
+
+    from ..parallel.tensor import sharded_weight_bytes
+
+    return sharded_weight_bytes(AutoConfig.from_pretrained(model_ref), tensor_parallel_size, dtype)
+
+
+def check_fits(model_ref: str, dtype, *, free_bytes: int, total_bytes: int, device_name: str,
+               tensor_parallel_size: int = 1) -> None:
+    """Refuse a model whose weights, per GPU, need more than 95% of `free_bytes`.
+
+    Args:
+        model_ref: a model directory or hub id; dtype: the weights' dtype.
+        free_bytes, total_bytes: the device's free and total memory.
+        device_name: the device, for the message.
+        tensor_parallel_size: GPUs one model is split over.
+
+    Raises:
+        ConfigError: naming the bytes needed per GPU (and in all), the bytes free, and the fix.
+    """
+    needed = weight_bytes_per_rank(model_ref, dtype, tensor_parallel_size)
+    if needed <= 0.95 * free_bytes:
+        return
+    gib = 2**30
+    split = (f" at tensor_parallel_size {tensor_parallel_size} (its layers split over {tensor_parallel_size} GPUs, "
+             "the embedding and LM head on each)" if tensor_parallel_size > 1 else "")
+    raise ConfigError(
+        f"{model_ref} needs {needed / gib:.1f} GiB per GPU for its weights in {dtype}{split}, but {device_name} has "
+        f"{free_bytes / gib:.1f} GiB free of {total_bytes / gib:.1f} GiB. Use a larger tensor_parallel_size "
+        "(it must divide the model's attention heads, KV heads and intermediate size), GPUs with more memory, or "
+        "a smaller model"
+    )
+
+
+def check_fits_device(model_ref: str, dtype, device, *, tensor_parallel_size: int = 1) -> None:
+    """Check, before loading, that this GPU's share of the weights of `model_ref` in `dtype` fits the
+    free memory of a CUDA `device` (nothing to check on a CPU): `check_fits` with the device's memory.
+
+    Each GPU holds a whole copy of the model (its engine replica and its trainer share it), or
+    with tensor parallelism its shards of it.
 
     Raises:
         ConfigError: if the weights alone need more than 95% of the device's free memory.
@@ -122,16 +167,9 @@ def check_fits_device(model_ref: str, dtype, device) -> None:
     device = torch.device(device)
     if device.type != "cuda":
         return
-    needed = weight_bytes(model_ref, dtype)
     free, total = torch.cuda.mem_get_info(device)
-    if needed > 0.95 * free:
-        raise ConfigError(
-            f"{model_ref} needs {needed / 2**30:.1f} GiB for its weights in {dtype}, but {device} has "
-            f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB. Each GPU holds a whole copy of the model "
-            "(with several GPUs, one engine replica and one data-parallel trainer per GPU); tensor-parallel "
-            "serving, which would split one model over several GPUs, is not supported yet. Use GPUs with more "
-            "memory, or a smaller model"
-        )
+    check_fits(model_ref, dtype, free_bytes=free, total_bytes=total, device_name=str(device),
+               tensor_parallel_size=tensor_parallel_size)
 
 
 def _looks_like_hub_id(spec: str) -> bool:

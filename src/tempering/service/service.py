@@ -20,6 +20,14 @@ HTTP routes reach: it balances generation requests over the replicas (parallel/r
 each training call to the other ranks' services (`follow_train`) before taking its own part, and
 alone writes checkpoints.
 
+Tensor parallelism (`EngineConfig.tensor_parallel_size` = P > 1): the model is split over P
+ranks (parallel/tensor.py). Every rank loads only its shards (parallel/shard_load.py), its engine
+and trainer share them; the engine of the group's first rank leads (it schedules, samples and
+takes the requests) and the others' follow it; every rank takes the same training step on its
+shards, and rank 0 writes the full adapter. With GPUs = replicas x P, ranks [kP, (k+1)P) hold
+replica k, rank 0 routes requests to the replicas' leaders, and the ranks that hold the same
+shard in every replica train data-parallel.
+
 Dedicated mode (ART's `trainer_gpu_ids=[0]`, `inference_gpu_ids=[1, ...]`; `dedicated=True`) splits
 the roles instead: rank 0 trains alone (its engine serves nothing) and the other ranks serve alone,
 so decoding never waits for a training step on the same GPU. After every training call rank 0
@@ -50,6 +58,8 @@ from ..engine.memory import release_free_memory
 from ..engine.models import fallback_reason
 from ..errors import ConfigError, DistributedError, TrajectoryError, UnknownModelError
 from ..parallel import Router, WorkerLink
+from ..parallel.shard_load import load_llama_shards
+from ..parallel.tensor import TensorParallel
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
 from ..training.data_parallel import DataParallel
@@ -101,8 +111,9 @@ class ModelService:
 
     Raises:
         UnknownModelError: if `base_model` cannot be resolved.
-        ConfigError: if the weights do not fit the GPU (no tensor parallelism yet), `dedicated`
-            without a multi-GPU run, or a `dtype` the GPU path does not serve (float32 on CUDA).
+        ConfigError: if the weights (this GPU's shards of them) do not fit the GPU, `dedicated`
+            without a multi-GPU run, a `dtype` the GPU path does not serve (float32 on CUDA), or a
+            tensor_parallel_size other than the run's number of processes.
     """
 
     def __init__(
@@ -137,17 +148,26 @@ class ModelService:
         if dedicated and (dp is None or dp.world_size < 2):
             raise ConfigError("dedicated mode (a training GPU and serving GPUs) needs a multi-GPU run: "
                               "LocalBackend(gpus=N) or `tempering serve --gpus N` with N >= 2")
+        engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
+        self.tp = None
+        if engine_config.tensor_parallel_size > 1:  # replicas of P ranks; dp: the same shard's ranks across them
+            self.tp, dp = self._tensor_parallel(engine_config.tensor_parallel_size, dp, dedicated)
         self.dedicated = dedicated
-        self._writes_checkpoints = dp is None or dp.rank == 0
+        self._writes_checkpoints = (dp is None or dp.rank == 0) and (self.tp is None or self.tp.is_leader)
         # dedicated: the adapter travels over the whole group; the trainer itself is rank 0's alone
         self._adapter_group = dp if dedicated else None
         self.dp = None if dedicated else dp
-        self.serves = not dedicated or dp.rank != 0  # whether this rank's engine takes requests
+        # whether this rank's engine takes requests (a tensor-parallel follower runs the leader's)
+        self.serves = (not dedicated or dp.rank != 0) and (self.tp is None or self.tp.is_leader)
         self.workers = list(workers)
         resolved = resolve_base_model(base_model, cache_dir=cache_dir)
-        check_fits_device(resolved.model_ref, self.dtype, self.device)
+        check_fits_device(resolved.model_ref, self.dtype, self.device,
+                          tensor_parallel_size=engine_config.tensor_parallel_size)
         self.tokenizer = AutoTokenizer.from_pretrained(resolved.model_ref)
-        self.model = AutoModelForCausalLM.from_pretrained(resolved.model_ref, dtype=self.dtype).to(self.device)
+        if self.tp is not None:  # this rank's shards only, read slice by slice
+            self.model = load_llama_shards(resolved.model_ref, self.tp, self.device, self.dtype)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(resolved.model_ref, dtype=self.dtype).to(self.device)
         self.model.requires_grad_(False)
         self.max_seq_len = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
         if max_seq_len is not None:
@@ -168,24 +188,54 @@ class ModelService:
         self._train_stream: torch.cuda.Stream | None = None  # the trainer's CUDA stream (made on first use)
         if self.step > 0 or (paths.checkpoint(0) / "adapter_config.json").is_file():
             checkpoint = paths.checkpoint(self.step)
-            self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate, dp=self.dp)
+            self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate, dp=self.dp, tp=self.tp)
             self.trainer.load_state(checkpoint)
         elif resolved.adapter_dir is not None:  # continue from a PEFT adapter: it is step 0
-            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate, dp=self.dp)
-            if self._writes_checkpoints:
-                write_atomically(paths.checkpoint(0), lambda tmp: self.trainer.save(tmp, step=0))
+            self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate, dp=self.dp,
+                                                tp=self.tp)
+            self._save(self.trainer, paths.checkpoint(0), 0)
         self._live = LivePolicy(lambda: self.trainer is not None, self.gate)
         self._step_adapters: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._step_adapters_lock = threading.Lock()
         self._max_step_adapters = 4
-        engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
-        if not self.serves:  # dedicated rank 0: an engine for completeness, with a token KV cache
+        if dedicated and not self.serves:  # dedicated rank 0: an engine for completeness, with a token KV cache
             engine_config = dataclasses.replace(engine_config, num_kv_blocks=64, cpu_kv_cache_bytes=8 << 20,
                                                 max_num_seqs=min(engine_config.max_num_seqs, 16), use_cuda_graphs=False)
         self.engine = self._make_engine(engine_config)
         # rank 0 of a multi-GPU run: requests balanced over its own engine (unless dedicated) and the other ranks'
         remote = [lambda *a, link=link, **k: self._submit_remote(link, *a, **k) for link in self.workers]
+        if self.tp is not None:  # one engine per replica, led by its TP rank 0
+            remote = [submit for submit, link in zip(remote, self.workers) if link.rank % self.tp.size == 0]
         self.router = Router([*([self._submit_local] if self.serves else []), *remote]) if remote else None
+
+    @staticmethod
+    def _tensor_parallel(size: int, dp: DataParallel | None,
+                         dedicated: bool) -> tuple[TensorParallel, DataParallel | None]:
+        """(this rank's tensor-parallel group, its data-parallel group or None) when the run's ranks
+        are split into replicas of `size` consecutive ranks (GPUs = replicas x size); every rank of
+        the run creates them at registration (a collective).
+
+        Raises:
+            ConfigError: if the run's processes are not a multiple of `size`, or with `dedicated`.
+        """
+        world = dp.world_size if dp is not None else 1
+        if world % size:
+            raise ConfigError(f"tensor_parallel_size {size} splits the model over {size} GPUs, but this run has "
+                              f"{world}: start it on a multiple of {size} (LocalBackend(gpus={size}) or "
+                              "`tempering serve --gpus "
+                              f"{size}`; 2 x {size} GPUs for two replicas)")
+        if dedicated:
+            raise ConfigError("dedicated mode (a training GPU and serving GPUs) does not combine with tensor "
+                              "parallelism")
+        tp, data_group = TensorParallel.split(size)
+        return tp, DataParallel(data_group) if data_group is not None else None
+
+    def _save(self, trainer: Trainer, checkpoint: Path, step: int) -> None:
+        """Write `checkpoint` (rank 0); under tensor parallelism every rank takes part (the shards are gathered)."""
+        if self._writes_checkpoints:
+            write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=step))
+        elif self.tp is not None:
+            trainer.save(None, step=step)
 
     def _make_engine(self, config: EngineConfig) -> Engine | HFEngine:
         """tempering's engine when it has model code for the architecture, else the transformers one
@@ -193,9 +243,12 @@ class ModelService:
         arch = type(self.model).__name__
         reason = fallback_reason(self.model, self.max_seq_len)
         if reason is None or config.batch_invariant:  # a fallback cannot be batch-invariant: engine_model_for says so
-            decoder = engine_model_for(self.model, self.max_seq_len, batch_invariant=config.batch_invariant)
+            decoder = engine_model_for(self.model, self.max_seq_len, batch_invariant=config.batch_invariant, tp=self.tp)
         else:
             decoder = None
+        if decoder is None and self.tp is not None:
+            raise ConfigError(f"tensor parallelism runs tempering's Llama-family engine, which does not cover {arch} "
+                              f"({reason}): use tensor_parallel_size 1")
         if decoder is None:
             log.warning("%s (%s, %s): served by the transformers fallback engine (HFEngine, static batches), "
                         "because %s", self.paths.name, self.base_model, arch, reason)
@@ -242,6 +295,11 @@ class ModelService:
             if step == 0:
                 return NoAdapterPolicy(lambda: self.peft_model)
             return self._live  # trained with save_checkpoint=False: only the live weights are that step's
+        if self.tp is not None:
+            if step == self.step:  # the live adapter is that step's
+                return self._live
+            raise ConfigError(f"serving saved step {step} beside the live adapter is not supported under tensor "
+                              f"parallelism yet; the latest step ({self.step}) is served")
         with self._step_adapters_lock:
             name = self._step_adapters.get(step)
             if name is not None:
@@ -356,7 +414,7 @@ class ModelService:
 
                 def commit() -> None:
                     if config.save_checkpoint:
-                        write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
+                        self._save(trainer, checkpoint, new_step)
                         emit({"type": "checkpoint", "step": new_step})
 
                 with self._training(trainer):
@@ -421,7 +479,7 @@ class ModelService:
                 emit({"type": "started", "num_trajectories": len(trajectories), "num_updates": len(batches)})
 
                 def commit() -> None:
-                    write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=new_step))
+                    self._save(trainer, checkpoint, new_step)
                     emit({"type": "checkpoint", "step": new_step})
 
                 with self._training(trainer):
@@ -442,9 +500,14 @@ class ModelService:
         already tokenized, with advantages); rank 0 writes the checkpoint."""
         with self.train_lock:
             trainer = self._prepare_trainer(config)
+            # under tensor parallelism this rank's shards are gathered into rank 0's checkpoint
+            checkpoint = self.paths.checkpoint(new_step)
+            commit = (lambda: self._save(trainer, checkpoint, new_step)) if self.tp and config.save_checkpoint else None
             if sequences:
                 with self._training(trainer):
-                    trainer.step(sequences, config, version=new_step, scorer=self._exact_scorer())
+                    trainer.step(sequences, config, commit=commit, version=new_step, scorer=self._exact_scorer())
+            elif commit is not None:
+                commit()
             self._publish(new_step)
         release_free_memory()
 
@@ -453,8 +516,10 @@ class ModelService:
         with self.train_lock:
             trainer = self._prepare_trainer(TrainConfig())
             batches = sft_batches(per_trajectory, config, trainer.rng)
+            checkpoint = self.paths.checkpoint(new_step)
+            commit = (lambda: self._save(trainer, checkpoint, new_step)) if self.tp is not None else None
             with self._training(trainer):
-                trainer.sft_step(batches, config, version=new_step)
+                trainer.sft_step(batches, config, commit=commit, version=new_step)
             self._publish(new_step)
         release_free_memory()
 
@@ -625,7 +690,7 @@ class ModelService:
                 k: v for k, v in (("rank", config.lora_rank), ("alpha", config.lora_alpha)) if v is not None
             })
             with self.gate:  # injecting the LoRA layers changes the module tree an engine step reads
-                self.trainer = Trainer.new(self.model, lora, gate=self.gate, dp=self.dp)
+                self.trainer = Trainer.new(self.model, lora, gate=self.gate, dp=self.dp, tp=self.tp)
             return self.trainer
         for key, wanted in (("rank", config.lora_rank), ("alpha", config.lora_alpha)):
             have = getattr(self.trainer.lora, key)

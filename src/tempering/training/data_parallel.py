@@ -43,6 +43,8 @@ class DataParallel:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # the global rank of this group's first member: the source of `broadcast_`
+        self.first = dist.get_process_group_ranks(group)[0] if group is not None else 0
 
     def shard(self, sizes: Sequence[int]) -> list[int]:
         """The indices (ascending) of this rank's items: longest first, each to the least-loaded rank.
@@ -89,9 +91,10 @@ class DataParallel:
         dist.all_reduce(flag, group=self.group)
         return flag.item() == 0.0
 
-    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        """Overwrite `tensors` on every rank with rank `src`'s (one broadcast per dtype); `src`'s
-        own tensors are only read."""
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int | None = None) -> None:
+        """Overwrite `tensors` on every rank with rank `src`'s (a global rank; default: the group's
+        first) (one broadcast per dtype); `src`'s own tensors are only read."""
+        src = self.first if src is None else src
         is_src = dist.get_rank() == src  # `src` is a global rank, as in dist.broadcast
         with torch.no_grad():
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

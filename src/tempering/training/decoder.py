@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import ConfigError
 from ..modeling import SUPPORTED_ARCHITECTURES, covered_architecture
 from ..modeling.lora import collect_adapter
 from ..modeling.precision import linear_f32
 from ..modeling.weights import base_layer, fuse_linears
 from .attention import varlen_causal_attention
 from .kernels import ops_for
+
+if TYPE_CHECKING:
+    from ..parallel.tensor import TensorParallel
 
 __all__ = ["PackedDecoder", "lora_linear"]
 
@@ -193,16 +197,24 @@ class PackedDecoder:
 
     Build it with `PackedDecoder.maybe(peft_model)`, which returns None for architectures it does
     not cover (the trainer then runs the transformers model itself).
+
+    `tp`: this rank's tensor-parallel group when the model holds its shards (parallel/tensor.py):
+    the layers run this rank's heads and MLP columns; `tp.copy_to` precedes q/k/v and gate/up
+    (their input gradient is summed over the ranks in the backward pass) and `tp.reduce_from`
+    sums o's and down's partial outputs, LoRA deltas included, rounded to the model dtype on each
+    rank first, as the engine does.
     """
 
-    def __init__(self, peft_model: Any, adapter: str) -> None:
+    def __init__(self, peft_model: Any, adapter: str, tp: TensorParallel | None = None) -> None:
         hf = peft_model.get_base_model()
         config = hf.config
         inner = hf.model
         self.config = config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        tp_size = self.tp.size if self.tp is not None else 1
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads // tp_size  # this rank's heads
+        self.num_kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.eps = config.rms_norm_eps
@@ -246,7 +258,7 @@ class PackedDecoder:
         self.has_dropout = any(g.dropout > 0 for layer in self.layers for g in layer.lora.values())
 
     @classmethod
-    def maybe(cls, peft_model: Any, adapter: str) -> PackedDecoder | None:
+    def maybe(cls, peft_model: Any, adapter: str, tp: TensorParallel | None = None) -> PackedDecoder | None:
         """A decoder for `peft_model`, or None if its architecture or adapter is not covered."""
         hf = peft_model.get_base_model()
         config = hf.config
@@ -254,8 +266,15 @@ class PackedDecoder:
             return None
         if getattr(config, "hidden_act", "silu") != "silu" or getattr(peft_model.peft_config[adapter], "use_dora", False):
             return None
+        q_rows = base_layer(hf.model.layers[0].self_attn.q_proj).weight.shape[0]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        tp_size = tp.size if tp is not None else 1
+        if q_rows * tp_size != config.num_attention_heads * head_dim:
+            raise ConfigError(f"q_proj has {q_rows} rows, {config.num_attention_heads * head_dim} / {tp_size} "
+                              "expected: a model sharded by parallel.tensor.shard_llama_ trains only with the same "
+                              "group as tp")
         try:
-            return cls(peft_model, adapter)
+            return cls(peft_model, adapter, tp)
         except ValueError as exc:
             log.info("training with the transformers forward: %s", exc)
             return None
@@ -299,8 +318,10 @@ class PackedDecoder:
                max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                keys: tuple[torch.Tensor, torch.Tensor, int] | None = None, *, recomputing: bool = False) -> torch.Tensor:
         T = x.shape[0]
-        ops = self.ops
+        ops, tp = self.ops, self.tp
         h = ops.rms_norm(x, layer.input_norm, self.eps)
+        if tp is not None:
+            h = tp.copy_to(h)
         qkv = self._linear(h, layer.qkv, layer.qkv_bias, layer, "qkv", adapters)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)  # one gradient concat, not three
         q = q.view(T, self.num_heads, self.head_dim)
@@ -313,12 +334,17 @@ class PackedDecoder:
         k = ops.rotary(k, cos, sin)
         o = varlen_causal_attention(q, k, v, cu_seq_lens, max_seq_len, self.scale, window=layer.window, keys=keys)
         o = o.reshape(T, self.q_size)
-        x = x + self._linear(o, layer.o, layer.o_bias, layer, "o", adapters)
+        attn_out = self._linear(o, layer.o, layer.o_bias, layer, "o", adapters)
+        x = x + (tp.reduce_from(attn_out) if tp is not None else attn_out)
         h = ops.rms_norm(x, layer.post_norm, self.eps)
+        if tp is not None:
+            h = tp.copy_to(h)
         gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias, layer, "gate_up", adapters)
         act = ops.silu_and_mul(gate_up)
         # the layer's output is not needed when recomputing it for the backward: skip the down GEMM
-        return x + self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing)
+        # (and its all-reduce: every rank recomputes alike)
+        down = self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing)
+        return x + (tp.reduce_from(down) if tp is not None and not recomputing else down)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: _Layer, name: str,
                 adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, skip_output: bool = False) -> torch.Tensor:

@@ -19,6 +19,12 @@ after a failure) happens inside the owner's `gate` (a lock that the engine's ste
 CUDA it also orders the two streams), and the step's last update sets `gate.version`, so each
 sampled token is stamped with the version of the weights that sampled it.
 
+With a `TensorParallel` (parallel/tensor.py; the model holds this rank's shards, every rank of
+the group calling `step` with the same sequences) the forward runs the rank's heads and MLP
+columns, the gradients of the replicated LoRA tensors are summed over the group, the gradient
+norm is the whole adapter's, and every rank takes the same optimizer step on its shards
+(tensor_parallel.py: checkpoints hold the full adapter).
+
 With a `DataParallel` (data_parallel.py; one process per GPU, every rank calling `step` with the
 same sequences) each update's mini-batch is split between the ranks and the LoRA gradients are
 summed over them before the identical optimizer step on every rank; the first step makes every
@@ -43,6 +49,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from ..errors import CheckpointError, ConfigError, DistributedError
+from ..parallel.tensor import TensorParallel, init_row_parallel_lora_A_, lora_shard_dim
 from ..types import LoRAConfig, TrainConfig
 from .attention import use_packed_attention, varlen_attn
 from .batching import MicroBatch, Row, pack_sequences
@@ -53,6 +60,7 @@ from .gemma3_decoder import Gemma3PackedDecoder
 from .logprobs import selective_logprobs
 from .moe import MoEPackedDecoder, expert_modules_of, expert_target_modules
 from .objective import STATS, histogram_quantile, rl_objective
+from .tensor_parallel import full_optimizer_state, load_sharded_adapter, save_full_adapter, shard_optimizer_state
 from .tokenize import TokenizedSequence
 
 __all__ = ["ADAPTER_NAME", "StepMetrics", "Trainer"]
@@ -176,14 +184,16 @@ class Trainer:
     """
 
     def __init__(self, peft_model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None,
-                 dp: DataParallel | None = None) -> None:
+                 dp: DataParallel | None = None, tp: TensorParallel | None = None) -> None:
         self.gate = gate if gate is not None else _NoGate()
         self.dp = dp
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self._is_synced = dp is None  # every rank's adapter equals rank 0's (made so by the first step)
         self.peft_model = peft_model
         self.lora = lora
         self.model = peft_model.get_base_model()  # the transformers model with LoRA layers inside
-        self.params = [p for p in peft_model.parameters() if p.requires_grad]
+        self.named_params = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
         if not self.params:
             raise ConfigError("the adapter has no trainable parameters; check LoRA target_modules")
         # fused on CUDA: one kernel for all ~400 LoRA tensors instead of a dozen multi-tensor launches
@@ -193,8 +203,16 @@ class Trainer:
         self.rng = random.Random(seed)
         # our own forward for the Llama family, Gemma 3 and Qwen3-MoE; None: run the transformers model (other
         # architectures)
-        self.decoder = (MoEPackedDecoder.maybe(peft_model, ADAPTER_NAME) or PackedDecoder.maybe(peft_model, ADAPTER_NAME)
-                        or Gemma3PackedDecoder.maybe(peft_model, ADAPTER_NAME))
+        if self.tp is not None:
+            self._check_tensor_parallel(peft_model)
+            self.decoder = PackedDecoder.maybe(peft_model, ADAPTER_NAME, self.tp)
+            if self.decoder is None:
+                raise ConfigError("tensor parallelism trains with tempering's own Llama-family forward, which does not "
+                                  f"cover {type(self.model).__name__}: use tensor_parallel_size 1")
+        else:
+            self.decoder = (MoEPackedDecoder.maybe(peft_model, ADAPTER_NAME)
+                            or PackedDecoder.maybe(peft_model, ADAPTER_NAME)
+                            or Gemma3PackedDecoder.maybe(peft_model, ADAPTER_NAME))
         log.info("training %s with %s", type(self.model).__name__,
                  f"tempering's packed forward ({type(self.decoder).__name__})" if self.decoder is not None
                  else "the transformers model's own forward (PEFT): tempering's packed forward does not cover it")
@@ -208,11 +226,18 @@ class Trainer:
         self._updates_this_step = 0  # optimizer updates taken by the running step
         self._num_rescored: int | None = None  # the running step's trained tokens rescored (None: no scorer)
 
+    def _check_tensor_parallel(self, peft_model: Any) -> None:
+        for name, _ in self.named_params:
+            lora_shard_dim(name)  # raises for a LoRA on a module tensor parallelism does not shard
+        if getattr(peft_model.peft_config[ADAPTER_NAME], "lora_dropout", 0.0):
+            raise ConfigError("LoRA dropout is not supported with tensor parallelism (each rank would draw its own "
+                              "mask): set LoRAConfig(dropout=0)")
+
     # ---- construction ---------------------------------------------------------------------
 
     @classmethod
     def new(cls, model: Any, lora: LoRAConfig, *, seed: int = 0, gate: Any = None,
-            dp: DataParallel | None = None) -> Trainer:
+            dp: DataParallel | None = None, tp: TensorParallel | None = None) -> Trainer:
         from peft import LoraConfig, get_peft_model
 
         experts = expert_target_modules(model, lora.target_modules)  # PEFT maps them onto stacked expert weights
@@ -229,29 +254,50 @@ class Trainer:
         with torch.random.fork_rng(devices=[]), _quiet_peft():
             torch.manual_seed(seed)  # reproducible A init (B starts at 0)
             peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
-        return cls(peft_model, lora, seed=seed, gate=gate, dp=dp)
+        if tp is not None and tp.size > 1:  # the sharded A's: slices of one full draw, the same on every rank
+            init_row_parallel_lora_A_([(n, p) for n, p in peft_model.named_parameters() if "lora_A" in n], tp, seed)
+        return cls(peft_model, lora, seed=seed, gate=gate, dp=dp, tp=tp)
 
     @classmethod
-    def from_adapter(cls, model: Any, adapter_dir: Path, *, gate: Any = None, dp: DataParallel | None = None) -> Trainer:
+    def from_adapter(cls, model: Any, adapter_dir: Path, *, gate: Any = None, dp: DataParallel | None = None,
+                     tp: TensorParallel | None = None) -> Trainer:
+        """Continue from the PEFT adapter in `adapter_dir` (with `tp`: this rank's slices of it)."""
         from peft import PeftModel
 
-        try:
+        if tp is not None and tp.size > 1:
             with _quiet_peft():
-                peft_model = PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=ADAPTER_NAME, is_trainable=True)
-        except Exception as exc:
-            raise CheckpointError(f"could not load the LoRA adapter in {adapter_dir}: {exc}") from exc
+                peft_model = load_sharded_adapter(model, adapter_dir, ADAPTER_NAME, tp)
+        else:
+            try:
+                with _quiet_peft():
+                    peft_model = PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=ADAPTER_NAME,
+                                                           is_trainable=True)
+            except Exception as exc:
+                raise CheckpointError(f"could not load the LoRA adapter in {adapter_dir}: {exc}") from exc
         config = peft_model.peft_config[ADAPTER_NAME]
         targets = sorted(config.target_modules) if not isinstance(config.target_modules, str) else [config.target_modules]
         targets += [m for m in expert_modules_of(config.target_parameters) if m not in targets]
         lora = LoRAConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout, target_modules=targets)
-        return cls(peft_model, lora, gate=gate, dp=dp)
+        return cls(peft_model, lora, gate=gate, dp=dp, tp=tp)
 
     # ---- saving ---------------------------------------------------------------------------
 
-    def save(self, directory: Path, *, step: int) -> None:
-        """Write the adapter (PEFT format), optimizer state and trainer state (with RNG) into `directory`."""
-        self.peft_model.save_pretrained(str(directory), selected_adapters=[ADAPTER_NAME])
-        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+    def save(self, directory: Path | None, *, step: int) -> None:
+        """Write the adapter (PEFT format), optimizer state and trainer state (with RNG) into `directory`.
+
+        With tensor parallelism every rank of the group must call it (the shards are gathered) and
+        the rank given a directory writes the full adapter and optimizer state, as one GPU would;
+        the others pass None.
+        """
+        if self.tp is not None:
+            save_full_adapter(self.peft_model, ADAPTER_NAME, self.tp, directory)
+            optimizer_state = full_optimizer_state(self.optimizer, [n for n, _ in self.named_params], self.tp)
+            if directory is None:
+                return
+        else:
+            self.peft_model.save_pretrained(str(directory), selected_adapters=[ADAPTER_NAME])
+            optimizer_state = self.optimizer.state_dict()
+        torch.save(optimizer_state, directory / "optimizer.pt")
         torch.save(
             {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
             directory / "rng.pt",
@@ -269,7 +315,10 @@ class Trainer:
         device = self.params[0].device
         path = directory / "optimizer.pt"
         if path.is_file():
-            self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+            state = torch.load(path, map_location=device, weights_only=True)
+            if self.tp is not None:  # the full state, as one GPU saves it: this rank's slices
+                state = shard_optimizer_state(state, [n for n, _ in self.named_params], self.tp)
+            self.optimizer.load_state_dict(state)
         state_path = directory / "trainer_state.json"
         if state_path.is_file():
             state = json.loads(state_path.read_text())
@@ -511,13 +560,16 @@ class Trainer:
                 raise DistributedError(f"{num_failed} other rank(s) failed their part of this training step "
                                        "(see their log); the step was undone on every rank")
         self.rows.install_grads()
+        if self.tp is not None:  # each rank holds a partial sum of the replicated tensors' gradients
+            self.tp.all_reduce_replicated_grads(self.named_params)
         return stats
 
     def _can_capture(self, config: TrainConfig) -> bool:
         """CUDA graphs for the rows: on CUDA, with tempering's own forward, PyTorch's varlen attention
         (torch >= 2.10; the fallback loops over sequences on the host) and no LoRA dropout."""
+        # not under tensor parallelism: its collectives in captured rows are not validated yet
         return (config.cuda_graphs and self.params[0].device.type == "cuda" and self.decoder is not None
-                and not self.decoder.has_dropout and varlen_attn is not None)
+                and not self.decoder.has_dropout and varlen_attn is not None and self.tp is None)
 
     def sft_step(
         self,
@@ -598,7 +650,13 @@ class Trainer:
         nan) skips the update: nothing is written, and the caller reports it.
         """
         self._save_tensors()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm if max_grad_norm is not None else math.inf)
+        if self.tp is not None:  # the whole adapter's norm, the same on every rank of the group
+            grad_norm = self.tp.grad_norm(self.named_params)
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(self.params, max_grad_norm, grad_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params,
+                                                       max_grad_norm if max_grad_norm is not None else math.inf)
         if not torch.isfinite(grad_norm):  # skipped, as AMP's GradScaler skips an overflowed step
             for p in self.params:
                 p.grad = None

@@ -47,8 +47,11 @@ def fallback_reason(hf_model: Any, max_positions: int) -> str | None:
 
 
 def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 16,
-                     batch_invariant: bool = False) -> LlamaFamilyModel | Gemma3Model | Qwen3MoeModel | None:
+                     batch_invariant: bool = False,
+                     tp: Any = None) -> LlamaFamilyModel | Gemma3Model | Qwen3MoeModel | None:
     """The engine's model bound to `hf_model`, or None (with a log line saying why) when it is not covered.
+
+    `tp`: the tensor-parallel group when `hf_model` holds this rank's shards (the Llama family only).
 
     `max_lora_rank`: spare weight rows per LoRA slice on CUDA (see LlamaFamilyModel).
     `batch_invariant`: see EngineConfig.batch_invariant.
@@ -61,6 +64,9 @@ def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 
     if batch_invariant and (reason is not None or arch not in SUPPORTED_ARCHITECTURES):
         raise ConfigError(f"batch_invariant (exact on-policy) covers the Llama family {SUPPORTED_ARCHITECTURES}; "
                           f"{arch or type(hf_model).__name__} is not: leave EngineConfig.batch_invariant off for it")
+    if tp is not None and (reason is not None or arch not in SUPPORTED_ARCHITECTURES):
+        raise ConfigError(f"tensor parallelism covers the Llama family {SUPPORTED_ARCHITECTURES}; "
+                          f"{arch or type(hf_model).__name__} is not: use tensor_parallel_size 1")
     if reason is not None:
         log.warning("%s; falling back to the transformers engine", reason)
         return None
@@ -68,4 +74,5 @@ def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 
         return Gemma3Model(hf_model, max_positions, max_lora_rank=max_lora_rank)
     if arch in MOE_ARCHITECTURES:
         return Qwen3MoeModel(hf_model, max_positions, max_lora_rank=max_lora_rank)
-    return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank, batch_invariant=batch_invariant)
+    return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank, batch_invariant=batch_invariant,
+                            tp=tp)

@@ -12,11 +12,12 @@ arXiv 2305.13245), SwiGLU (Shazeer 2020, arXiv 2002.05202), Qwen3 technical repo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from ...errors import ConfigError
 from ...modeling import SUPPORTED_ARCHITECTURES
 from ...modeling.weights import base_layer, extend_linear, full_rows, fuse_linears
 from ..context import StepContext
@@ -33,6 +34,9 @@ from ..lora import (
     silu_and_mul_with_lora,
     triton_lora,
 )
+
+if TYPE_CHECKING:
+    from ...parallel.tensor import TensorParallel
 
 __all__ = ["LlamaFamilyModel", "SUPPORTED_ARCHITECTURES"]
 
@@ -64,16 +68,32 @@ class LlamaFamilyModel:
         batch_invariant: every token computed the same whatever its batch (EngineConfig.batch_invariant):
             batch-invariant products and attention, no spare rows (their path and the shrink/expand
             path of a mixed batch round alike but sum differently).
+        tp: this rank's tensor-parallel group, when `hf_model` holds its shards (parallel/tensor.py):
+            the forward then runs this rank's heads and MLP columns, and sums o's and down's
+            partial outputs (with their partial LoRA deltas) over the group, one all-reduce each.
+            None: the whole model (no collective, nothing else changes).
+
+    Raises:
+        ConfigError: if `tp` is given but the weights are not this rank's shards.
     """
 
     def __init__(self, hf_model: Any, max_positions: int, *, max_lora_rank: int = 16,
-                 spare_rows: bool | None = None, batch_invariant: bool = False) -> None:
+                 spare_rows: bool | None = None, batch_invariant: bool = False,
+                 tp: TensorParallel | None = None) -> None:
         config = hf_model.config
         inner = hf_model.model
         self.hf_layers = list(inner.layers)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        tp_size = self.tp.size if self.tp is not None else 1
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp_size
+        q_rows = base_layer(self.hf_layers[0].self_attn.q_proj).weight.shape[0]
+        if q_rows != self.num_heads * self.head_dim:
+            raise ConfigError(f"q_proj has {q_rows} rows but {self.num_heads} heads of {self.head_dim} need "
+                              f"{self.num_heads * self.head_dim} at tensor_parallel_size {tp_size}: shard the model "
+                              "with parallel.tensor.shard_llama_ for exactly the group passed as tp")
         self.hidden_size = config.hidden_size
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim ** -0.5
@@ -170,7 +190,7 @@ class LlamaFamilyModel:
             [N, H].
         """
         N = input_ids.shape[0]
-        ops = self.ops
+        ops, tp = self.ops, self.tp
         x = F.embedding(input_ids, self.embed)  # [N, H]
         residual = None
         cos, sin = self.rotary(positions)  # [N, D] each
@@ -194,9 +214,13 @@ class LlamaFamilyModel:
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale,
                                 batch_invariant=self.batch_invariant).reshape(N, self.q_size)  # [N, Hq D]
             attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops)
+            if tp is not None:  # the heads' partial sums (and partial LoRA deltas) of every rank
+                tp.all_reduce_(attn_out)
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
-            act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops)  # [N, I]
+            act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops)  # [N, I / P]
             x = linear_with_segments(act, layer.down, None, lora, i, "down", ops)
+            if tp is not None:
+                tp.all_reduce_(x)
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def _forward_spare_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
@@ -205,10 +229,12 @@ class LlamaFamilyModel:
 
         The q/k/v, o and down deltas are left to the kernels that read those outputs next
         (engine/lora.py); Qwen3's q/k norm, which sits between q/k/v and the rotation, keeps the
-        q/k/v expand.
+        q/k/v expand. With tensor parallelism the o and down deltas are added before the all-reduce
+        that sums the ranks' partial outputs (each rank's delta is partial too).
         """
         N = x.shape[0]
-        ops = self.ops
+        ops, tp = self.ops, self.tp
+        defer = tp is None
         residual, deferred = None, None
         for i, layer in enumerate(self.layers):
             groups = adapter.layers[i]
@@ -228,11 +254,17 @@ class LlamaFamilyModel:
             q = rotary_and_store_with_lora(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, deferred, qkv,
                                            ops.rotary_and_store_)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
-            attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"], defer=True)
+            attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"],
+                                                  defer=defer)
+            if tp is not None:
+                tp.all_reduce_(attn_out)
             h, residual = add_rms_norm_with_lora(attn_out, deferred, residual, layer.post_norm, self.eps, ops.add_rms_norm)
             act = silu_and_mul_with_lora(h, full_rows(layer.gate_up), 2 * self.intermediate_size, groups["gate_up"],
                                          ops.silu_and_mul)
-            x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"], defer=True)
+            x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"],
+                                           defer=defer)
+            if tp is not None:
+                tp.all_reduce_(x)
         return add_rms_norm_with_lora(x, deferred, residual, self.norm, self.eps, ops.add_rms_norm)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

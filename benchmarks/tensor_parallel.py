@@ -1,0 +1,414 @@
+"""Tensor-parallel serving and training (parallel/tensor.py) of one model split over N GPUs.
+
+Prints one JSON line. Each rank builds its shards of a random model directly on its device (the
+model is created on the meta device and `shard_llama_` draws every shard where it lives: a
+72B model never exists whole on one device or in host memory; the replicated embedding, LM head
+and norms are drawn on each device), wraps them with a live rank-8 LoRA on every projection (A and
+B non-zero), and starts its engine (rank 0 leads, the others follow) and its trainer on the same
+shards. Then:
+
+- rollouts: workload R (32 prompts x n=8, 128-token random prompts, 256 new tokens, EOS
+  ignored, logprobs returned) with the live adapter, after a warm-up of the same shape and the
+  capture of every decode CUDA graph; tokens/s.
+- a LoRA policy-gradient step (`Trainer.step`) on `--num-seqs` x `--seq-len` tokens (7/8 of them
+  trained), after a warm-up step; tokens/s and MFU: 4 x matmul params x tokens (forward plus the
+  backward to the inputs; recomputation not counted) over (989 TFLOP/s x N), H100 SXM dense bf16.
+- peak memory allocated on every GPU (engine, KV cache and trainer together). At 72B and TP 4 a
+  GPU holds ~40 GB of weights (35 GB of shards, 5 GB of replicated embedding and LM head), the KV
+  cache (`--kv-fraction` of what is left) and a micro-batch's activations (`--micro-batch-tokens`).
+
+`--check-greedy` instead compares greedy decoding at TP N with TP 1 on the same random weights
+and adapter (the full model drawn from one seed on each device, then sharded; the reference on
+rank 0 alone first): per prompt, whether the tokens are equal and where they first differ.
+
+Shapes: `72b` (Qwen2.5-72B: hidden 8192, 80 layers, 64 heads, 8 KV heads, intermediate 29568,
+vocab 152064, bf16, ~145 GB), `1.5b` (Qwen2.5-1.5B; TP 2 at most: 2 KV heads), `tiny` (a
+2-layer Llama for checking the path on CPU processes through gloo).
+
+It starts its own ranks 1..N-1 (torchrun's variables, NCCL on GPUs, gloo on CPUs), or runs under
+`torchrun --nproc-per-node N benchmarks/tensor_parallel.py ...`.
+
+    python benchmarks/tensor_parallel.py --device cuda --tp 4 --model 72b
+    python benchmarks/tensor_parallel.py --device cuda --tp 2 --model 1.5b
+    python benchmarks/tensor_parallel.py --device cuda --tp 2 --model 1.5b --check-greedy
+    python benchmarks/tensor_parallel.py --device cpu --tp 2 --model tiny [--check-greedy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from tempering.engine import BasePolicy, Engine, EngineConfig, SamplingParams
+from tempering.engine.models import LlamaFamilyModel
+from tempering.parallel.tensor import TensorParallel, shard_llama_
+from tempering.training import TokenizedSequence, Trainer
+from tempering.types import LoRAConfig, TrainConfig
+
+SHAPES = {
+    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
+                rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                 rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, max_position_embeddings=1024,
+                 rms_norm_eps=1e-6),
+}
+WORKLOADS = {"gpu": dict(num_prompts=32, n=8, max_new=256, prompt_len=128),
+             "cpu": dict(num_prompts=4, n=2, max_new=16, prompt_len=16)}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+H100_BF16_FLOPS = 989e12
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Policy:
+    """The live adapter "default" (the trainer's), as the service's policy presents it."""
+
+    key = ("adapter", "default")
+    adapter_name = "default"
+    cache_version = version = 1
+
+    def activate(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def hf_config(shape: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    return LlamaConfig(**SHAPES[shape]) if shape == "tiny" else Qwen2Config(**SHAPES[shape])
+
+
+def build_sharded(shape: str, tp: TensorParallel | None, device: torch.device, dtype: torch.dtype):
+    """A random model of `shape` holding this rank's shards, drawn on `device` without the whole model
+    ever existing (see the module docstring); with `tp` None, the whole model (for TP 1)."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(shape)
+    torch.manual_seed(1 + (tp.rank if tp is not None else 0))  # the shards' values: any will do for speed
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    def init(shape_: tuple[int, ...], dtype_: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape_, dtype=dtype_, device=device).normal_(0.0, 0.02)
+
+    if tp is not None:
+        shard_llama_(model, tp, init=init)
+    _materialize_(model, config, device, init)
+    return model.eval().requires_grad_(False)
+
+
+def _materialize_(model, config, device: torch.device, init) -> None:
+    """Draw every tensor still on the meta device (replicated ones; all of them at TP 1) on `device`."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_meta:
+                    if "norm" in type(module).__name__.lower():
+                        value = torch.ones(p.shape, dtype=p.dtype, device=device)
+                    elif p.dim() > 1:
+                        value = init(tuple(p.shape), p.dtype)
+                    else:
+                        value = torch.zeros(p.shape, dtype=p.dtype, device=device)
+                    setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        with torch.device(device):  # its inverse frequencies, a buffer computed at construction
+            model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"still on the meta device: {left}"
+
+
+def build_full_then_shard(shape: str, tp: TensorParallel | None, device: torch.device, dtype: torch.dtype):
+    """The whole random model drawn from one seed on `device` (the same on every rank), then sharded:
+    for comparing TP N with TP 1 on equal weights (shapes that fit one device)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config(shape))
+    finally:
+        torch.set_default_dtype(default)
+    model.requires_grad_(False).eval()
+    if tp is not None:
+        shard_llama_(model, tp)
+    return model
+
+
+def full_adapter_state(shape: str, rank: int = 8) -> dict[str, torch.Tensor]:
+    """A non-zero rank-8 LoRA on every projection, full shapes, by PEFT's saved names (drawn on the CPU
+    from one seed)."""
+    c = SHAPES[shape]
+    H, I = c["hidden_size"], c["intermediate_size"]
+    D = H // c["num_attention_heads"]
+    shapes = {"q_proj": (H, c["num_attention_heads"] * D), "k_proj": (H, c["num_key_value_heads"] * D),
+              "v_proj": (H, c["num_key_value_heads"] * D), "o_proj": (c["num_attention_heads"] * D, H),
+              "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for layer in range(c["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            state[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.01
+            state[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.02
+    return state
+
+
+def live_trainer(model, tp: TensorParallel | None, state: dict[str, torch.Tensor] | None = None) -> Trainer:
+    """The trainer (rank-8 LoRA on every projection, alpha 16) on `model`'s shards, its A and B non-zero:
+    `state` sliced for this rank, or drawn on the device (the same draws on every rank)."""
+    from tempering.parallel.tensor import lora_shard_dim
+
+    trainer = Trainer.new(model, LoRAConfig(rank=8, alpha=16, target_modules=TARGETS), tp=tp)
+    g = torch.Generator(device=trainer.params[0].device).manual_seed(1)
+    with torch.no_grad():
+        for name, p in trainer.named_params:
+            if state is not None:
+                full = state[name.replace(".default", "")]
+                p.copy_(tp.slice(full, lora_shard_dim(name)) if tp is not None else full)
+            else:
+                scale = 0.01 if "lora_A" in name else 0.02
+                p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * scale)
+    return trainer
+
+
+def engine_and_trainer(model, tp: TensorParallel | None, device: torch.device, args,
+                       state: dict[str, torch.Tensor] | None = None) -> tuple[Engine, Trainer]:
+    """The engine, then the trainer on the same shards (as the service makes them: the engine's fused
+    weights, with their spare LoRA rows, are the ones the trainer then finds and shares)."""
+    config = EngineConfig(tensor_parallel_size=tp.size if tp is not None else 1, max_num_seqs=256,
+                          gpu_memory_fraction=args.kv_fraction, cpu_kv_cache_bytes=64 << 20)
+    holder: dict = {}
+    engine = Engine(LlamaFamilyModel(model, 4096, tp=tp), _NoTokenizer(), stop_token_ids=[], lock=threading.RLock(),
+                    config=config, peft_model=lambda: holder["trainer"].peft_model if holder else None)
+    holder["trainer"] = live_trainer(model, tp, state)
+    return engine, holder["trainer"]
+
+
+class _NoTokenizer:
+    """A random model has no tokenizer: completions carry token ids only (their text is left empty)."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def prompts_for(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def time_rollouts(engine: Engine, prompts: list[list[int]], work: dict) -> dict:
+    """Workload R with the live adapter: seconds and tokens/s, after a full-length warm-up and the
+    capture of every decode graph bucket."""
+    policy = _Policy()
+    graphs = engine.runner.graphs
+    for size in graphs.buckets if graphs is not None else []:
+        engine.submit(prompts[0][:16], SamplingParams(max_tokens=3, ignore_eos=True), n=size, policy=policy).result()
+    params = SamplingParams(max_tokens=work["max_new"], temperature=1.0, ignore_eos=True)
+    for f in [engine.submit(p, params, n=work["n"], policy=policy) for p in prompts]:
+        f.result()
+    engine.blocks.forget_cached()
+    sync(engine.device)
+    start = time.perf_counter()
+    results = [f.result() for f in [engine.submit(p, params, n=work["n"], policy=policy) for p in prompts]]
+    sync(engine.device)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(c.token_ids) for r in results for c in r)
+    assert num_tokens == len(prompts) * work["n"] * work["max_new"]
+    return {"rollout_s": round(elapsed, 3), "rollout_tok_s": round(num_tokens / elapsed, 1)}
+
+
+def train_sequences(num_seqs: int, seq_len: int, vocab: int) -> list[TokenizedSequence]:
+    g = torch.Generator().manual_seed(2)
+    prompt = seq_len // 8
+    out = []
+    for i in range(num_seqs):
+        ids = torch.randint(100, vocab - 100, (seq_len,), generator=g).tolist()
+        sampled = (-torch.rand(seq_len - prompt, generator=g) * 3).tolist()
+        out.append(TokenizedSequence(ids, [False] * prompt + [True] * (seq_len - prompt),
+                                     [float("nan")] * prompt + sampled, advantage=1.0 if i % 2 else -1.0,
+                                     trajectory_index=i))
+    return out
+
+
+def time_train_step(trainer: Trainer, args, vocab: int, device: torch.device) -> dict:
+    sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
+    config = TrainConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens)
+    trainer.step(sequences, config)  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.step(sequences, config)
+    sync(device)
+    elapsed = (time.perf_counter() - start) / args.steps
+    return {"train_step_s": round(elapsed, 3), "train_tok_s": round(args.num_seqs * args.seq_len / elapsed, 1)}
+
+
+def matmul_params(shape: str) -> int:
+    c = SHAPES[shape]
+    H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    D = H // c["num_attention_heads"]
+    attention = H * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * D + c["num_attention_heads"] * D * H
+    return L * (attention + 3 * H * I) + V * H  # the LM head's product, not the embedding's lookup
+
+
+def greedy(engine: Engine, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    futures = [engine.submit(p, params, policy=_Policy()) for p in prompts]
+    return [(c.token_ids, c.logprobs) for c in (f.result()[0] for f in futures)]
+
+
+def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dtype, waits) -> dict:
+    """Greedy tokens at TP N against TP 1 on rank 0 (the same weights and adapter)."""
+    vocab = SHAPES[args.model]["vocab_size"]
+    work = WORKLOADS[device.type if device.type == "cpu" else "gpu"]
+    prompts = prompts_for(8, work["prompt_len"], vocab, seed=3)
+    max_new = 64 if device.type == "cuda" else 16
+    state = full_adapter_state(args.model)
+    reference = None
+    if tp.is_leader:  # TP 1 first, alone on rank 0
+        model = build_full_then_shard(args.model, None, device, dtype)
+        engine, trainer = engine_and_trainer(model, None, device, args, state)
+        reference = {"base": greedy(engine, prompts, max_new)}
+        engine.close()
+        del engine, trainer, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier(group=waits)
+    model = build_full_then_shard(args.model, tp, device, dtype)
+    checksums = [None] * tp.size
+    dist.all_gather_object(checksums, float(model.model.embed_tokens.weight.float().sum()))
+    engine, trainer = engine_and_trainer(model, tp, device, args, state)
+    if not tp.is_leader:
+        engine._thread.join()  # follows the leader's steps until its engine closes
+        return {}
+    sharded = greedy(engine, prompts, max_new)
+    engine.close()
+    equal, first_diff, max_lp = [], [], 0.0
+    for (ids, lps), (ref_ids, ref_lps) in zip(sharded, reference["base"]):
+        equal.append(ids == ref_ids)
+        first_diff.append(next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None))
+        same = first_diff[-1] if first_diff[-1] is not None else len(ids)
+        max_lp = max([max_lp, *(abs(a - b) for a, b in zip(lps[:same], ref_lps[:same]))])
+    return {"check": "greedy", "same_weights_on_every_rank": len(set(checksums)) == 1,
+            "greedy_equal": sum(equal) / len(equal), "first_difference": first_diff,
+            "max_logprob_diff_before_difference": float(f"{max_lp:.3g}"), "new_tokens": max_new, "live_adapter": True}
+
+
+def run(args) -> dict | None:
+    device_type = args.device
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
+    tp = TensorParallel(timeout_s=7200)
+    # the ranks wait for each other on the host (gloo), never in a GPU kernel that would spin meanwhile
+    waits = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.check_greedy:
+        out = check_greedy(args, tp, device, dtype, waits)
+    else:
+        vocab = SHAPES[args.model]["vocab_size"]
+        work = WORKLOADS["gpu" if device.type == "cuda" else "cpu"]
+        start = time.perf_counter()
+        model = build_sharded(args.model, tp, device, dtype)
+        engine, trainer = engine_and_trainer(model, tp, device, args)
+        sync(device)
+        out = {"build_s": round(time.perf_counter() - start, 1)}
+        if tp.is_leader:
+            out.update(time_rollouts(engine, prompts_for(work["num_prompts"], work["prompt_len"], vocab), work))
+            out["kv_cache_tokens"] = engine.blocks.capacity_tokens
+        dist.barrier(group=waits)  # the followers' engines ran the rollouts; now every rank trains
+        # the engine stays up (as in training), idle: its followers wait for the leader's next step
+        out.update(time_train_step(trainer, args, vocab, device))
+        if device.type == "cuda":
+            out["mfu"] = round(4 * matmul_params(args.model) * args.num_seqs * args.seq_len
+                               / out["train_step_s"] / (H100_BF16_FLOPS * tp.size), 4)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        peaks = [None] * tp.size
+        dist.all_gather_object(peaks, peak)
+        out["peak_gib_per_gpu"] = [round(p, 2) if p is not None else None for p in peaks]
+        engine.close()
+        if not tp.is_leader:
+            engine._thread.join()
+    dist.barrier(group=waits)
+    dist.destroy_process_group()
+    if not tp.is_leader:
+        return None
+    return {"benchmark": "tensor_parallel", "model": args.model, "tp": args.tp, "device": device_type,
+            "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "dtype": str(dtype).removeprefix("torch."), "workload": None if args.check_greedy else
+            {**WORKLOADS["gpu" if device.type == "cuda" else "cpu"], "train_tokens": args.num_seqs * args.seq_len,
+             "micro_batch_tokens": args.micro_batch_tokens, "kv_fraction": args.kv_fraction},
+            **out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tp", type=int, default=2,
+                        help="tensor_parallel_size: processes (GPUs) the model is split over")
+    parser.add_argument("--model", choices=sorted(SHAPES), default=None, help="default: 72b on cuda, tiny on cpu")
+    parser.add_argument("--check-greedy", action="store_true", help="compare greedy tokens at TP N with TP 1")
+    parser.add_argument("--num-seqs", type=int, default=None,
+                        help="sequences per train step (default 16 on cuda, 4 on cpu)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (default 1024 on cuda, 64 on cpu)")
+    parser.add_argument("--steps", type=int, default=2, help="timed train steps")
+    parser.add_argument("--kv-fraction", type=float, default=0.25, help="EngineConfig.gpu_memory_fraction")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="TrainConfig.micro_batch_tokens")
+    args = parser.parse_args()
+    gpu = args.device == "cuda"
+    args.model = args.model or ("72b" if gpu else "tiny")
+    args.num_seqs = args.num_seqs or (16 if gpu else 4)
+    args.seq_len = args.seq_len or (1024 if gpu else 64)
+    if args.check_greedy and args.model == "72b":
+        parser.error("--check-greedy draws the whole model on each device: use --model 1.5b or tiny")
+    procs = []
+    if "RANK" not in os.environ:  # start ranks 1..N-1 as torchrun would, this process is rank 0
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        base = {"WORLD_SIZE": str(args.tp), "LOCAL_WORLD_SIZE": str(args.tp), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port)}
+        for rank in range(1, args.tp):
+            procs.append(subprocess.Popen([sys.executable, *sys.argv],
+                                          env={**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        os.environ.update({**base, "RANK": "0", "LOCAL_RANK": "0"})
+    try:
+        result = run(args)
+    finally:
+        for p in procs:
+            if p.wait(timeout=600) != 0:
+                print(f"rank process {p.args} exited with {p.returncode}", file=sys.stderr)
+    if result is not None:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

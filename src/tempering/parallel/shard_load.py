@@ -1,0 +1,94 @@
+"""Loading a Llama-family checkpoint as one rank's tensor-parallel shards, read slice by slice.
+
+The model is built on the meta device from its config; every tensor of the checkpoint's
+safetensors files is then read on the host as this rank's slice only (`safe_open(...).get_slice`
+reads the slice's bytes, never the whole matrix) and moved to the device, so a rank's memory
+(host and device) never holds more than its shards plus the replicated embedding, LM head and
+norms. The layout is parallel/tensor.py's (`shard_llama_` gives the same shards from a loaded model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .tensor import COLUMN_PARALLEL, ROW_PARALLEL, TensorParallel, _check_config
+
+__all__ = ["load_llama_shards"]
+
+
+def _shard_dim(name: str) -> int | None:
+    """0: a column-parallel weight or bias (output rows); 1: a row-parallel weight (input columns); None: replicated."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in COLUMN_PARALLEL:
+        return 0
+    if len(parts) >= 2 and parts[-2] in ROW_PARALLEL:
+        if parts[-1] == "bias":
+            raise ConfigError(f"tensor parallelism does not cover a bias on a row-parallel layer ({name}); "
+                              "run this model with tensor_parallel_size 1")
+        return 1
+    return None
+
+
+def load_llama_shards(model_dir: str | Path, tp: TensorParallel, device: torch.device, dtype: torch.dtype) -> Any:
+    """This rank's shards of the Llama-family model in `model_dir` (config.json + *.safetensors), on `device`.
+
+    Returns:
+        the `*ForCausalLM` module, frozen, holding the rank's shards (parallel/tensor.py) and whole
+        replicated tensors, with its generation config.
+
+    Raises:
+        ConfigError: if `model_dir` is not a local directory of safetensors files, the sizes do not
+            divide by `tp.size`, or a tensor the model needs is missing.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not model_dir.is_dir() or not files:
+        raise ConfigError(f"tensor parallelism loads a model from a local directory of .safetensors files; {model_dir} "
+                          "is not one (download it first, e.g. `hf download <id> --local-dir DIR`)")
+    config = AutoConfig.from_pretrained(model_dir)
+    _check_config(config, tp.size)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    modules = dict(model.named_modules())
+    wanted = {name for name, _ in model.named_parameters()}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key not in wanted:
+                    continue
+                dim = _shard_dim(key)
+                piece = f.get_slice(key)
+                if dim is None:
+                    tensor = piece[:]
+                else:
+                    n = piece.get_shape()[dim] // tp.size
+                    rows = slice(tp.rank * n, (tp.rank + 1) * n)
+                    tensor = piece[rows] if dim == 0 else piece[:, rows]
+                module_name, attr = key.rsplit(".", 1)
+                module = modules[module_name]
+                setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
+                if isinstance(module, nn.Linear) and attr == "weight":
+                    module.out_features, module.in_features = module.weight.shape
+                wanted.discard(key)
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+        wanted.discard("lm_head.weight")
+    if wanted:
+        raise ConfigError(f"{model_dir} lacks {len(wanted)} tensors of the model, e.g. {sorted(wanted)[:3]}")
+    with torch.device(device):  # buffers computed at construction (rotary inverse frequencies)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ConfigError(f"tensor-parallel loading does not know how to build {left[:3]} of {type(model).__name__}: "
+                          "run this model with tensor_parallel_size 1")
+    if (model_dir / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,358 @@
+"""Tensor parallelism (parallel/tensor.py) over two ranks against one process on the same model:
+two CPU processes through gloo, and (skipped without two GPUs) two GPU processes through NCCL.
+
+A tiny random Llama (4 query heads, 2 KV heads: one KV head per rank) with a non-zero LoRA on every
+projection. What is checked: each rank holds only its shard; the sharded forward's logits and the
+engine's greedy tokens and logprobs (leader and follower) equal one process's, with and without the
+adapter; a sharded LoRA training step equals the unsharded step (loss, grad norm, updated adapter),
+the engine then serves the trained shards; the checkpoint is the full PEFT adapter, written once,
+and resumes at TP 2 and at TP 1; a model that does not fit even when sharded is refused with its sizes.
+Then the whole loop through LocalBackend (register, rollouts, train, checkpoint, resume) at TP 2 on
+two processes and at 2 replicas x TP 2 on four.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_model import TINY, config, engine_for, full_adapter, generate, sequences, tiny_llama, wrap_with_adapter
+from tp_rank import direct_logits
+
+from tempering.errors import ConfigError
+from tempering.parallel.tensor import sharded_weight_bytes
+from tempering.service.base_model import check_fits, weight_bytes
+
+RANK_SCRIPT = Path(__file__).with_name("tp_rank.py")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                reason="needs two GPUs"))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, out: Path, device: str, timeout_s: float = 180) -> list[dict]:
+    """Run tp_rank.py SCENARIO as 2 processes with torchrun's variables; their results."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(RANK_SCRIPT), scenario, str(out), device], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout_s)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the ranks of {scenario!r} did not finish within {timeout_s} s (a hang)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for rank in range(2):
+        path = out / f"rank{rank}.pt"
+        assert path.is_file(), f"rank {rank} wrote no result:\n{logs[rank][-3000:]}"
+        results.append(torch.load(path, weights_only=False))
+    return results
+
+
+def tolerance(device: str) -> float:
+    return 1e-5 if device == "cpu" else 2e-4  # float32; CUDA's kernels sum in other orders
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def served(request, tmp_path_factory):
+    """The engine scenario on two ranks, and the same on one process."""
+    device = request.param
+    ranks = run_ranks("engine", tmp_path_factory.mktemp(f"engine-{device}"), device)
+    model = tiny_llama().to(device)
+    peft = wrap_with_adapter(model, full_adapter())
+    reference = {"logits": direct_logits(model, peft, None)}
+    engine = engine_for(model, peft)
+    try:
+        reference["generated"] = generate(engine)
+    finally:
+        engine.close()
+    return ranks, reference, device
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(request, tmp_path_factory):
+    """The train scenario on two ranks from a saved full adapter, and the same steps on one process."""
+    from tempering.training import Trainer
+
+    device = request.param
+    out = tmp_path_factory.mktemp(f"train-{device}")
+    wrap_with_adapter(tiny_llama(), full_adapter()).save_pretrained(str(out / "start"))
+    ranks = run_ranks("train", out, device)
+    trainer = Trainer.from_adapter(tiny_llama().to(device), out / "start")
+    engine = engine_for(trainer.model, trainer.peft_model)
+    reference = {}
+    try:
+        reference["metrics_1"] = trainer.step(sequences(1), config()).values
+        reference["adapter_1"] = adapter_of(trainer)
+        reference["generated_1"] = generate(engine)
+        trainer.step(sequences(2), config())
+        reference["adapter_2"] = adapter_of(trainer)
+    finally:
+        engine.close()
+    return ranks, reference, out, device
+
+
+def adapter_of(trainer) -> dict[str, torch.Tensor]:
+    """The trainer's LoRA tensors by their saved names."""
+    return {n.replace(".default", ""): p.detach().cpu().clone() for n, p in trainer.peft_model.named_parameters()
+            if "lora_" in n}
+
+
+def saved_adapter(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors"))
+
+
+def assert_adapters_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Equal up to float reassociation of the sharded sums, as Adam magnifies it (an entry whose
+    gradient is near zero moves by about lr × sign; lr 1e-2 here)."""
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+# ---- serving ----------------------------------------------------------------------------------
+
+
+def test_each_rank_holds_only_its_shard_of_the_projections(served):
+    ranks, _, _ = served
+    full_q_rows = TINY["hidden_size"]  # 4 heads of 16
+    assert [r["q_rows"] for r in ranks] == [full_q_rows // 2] * 2
+
+
+def test_the_sharded_forward_gives_the_logits_of_one_process_with_and_without_lora(served):
+    ranks, reference, device = served
+    for key in ("base", "lora"):
+        torch.testing.assert_close(ranks[0]["logits"][key], reference["logits"][key].cpu(), rtol=0,
+                                   atol=tolerance(device))
+    # the adapter changes the logits (it is applied, on both ranks' shards)
+    assert (reference["logits"]["lora"] - reference["logits"]["base"]).abs().max() > 1e-2
+
+
+def test_the_engine_at_tp2_samples_the_greedy_tokens_and_logprobs_of_one_process(served):
+    ranks, reference, device = served
+    for key in ("base", "lora"):
+        tokens, logprobs = ranks[0]["generated"][key]
+        ref_tokens, ref_logprobs = reference["generated"][key]
+        assert tokens == ref_tokens, key
+        assert max(abs(a - b) for x, y in zip(logprobs, ref_logprobs) for a, b in zip(x, y)) < 10 * tolerance(device)
+    assert reference["generated"]["base"][0] != reference["generated"]["lora"][0]
+    assert "generated" not in ranks[1]  # the follower takes no requests
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+
+def test_a_sharded_lora_step_equals_the_unsharded_step(trained):
+    ranks, reference, out, _ = trained
+    for key in ("loss/train", "loss/grad_norm", "loss/entropy"):
+        assert ranks[0]["metrics_1"][key] == pytest.approx(reference["metrics_1"][key], rel=1e-4, abs=1e-6), key
+        assert ranks[1]["metrics_1"][key] == ranks[0]["metrics_1"][key], key
+    assert_adapters_close(saved_adapter(out / "ckpt1"), reference["adapter_1"])
+    assert_adapters_close(saved_adapter(out / "ckpt2"), reference["adapter_2"])
+    moved = max((reference["adapter_1"][k] - v).abs().max() for k, v in saved_adapter(out / "start").items())
+    assert moved > 1e-3  # the step changed the adapter
+
+
+def test_the_engine_serves_the_trained_shards(trained):
+    ranks, reference, _, _ = trained
+    tokens, logprobs = ranks[0]["generated_1"]["lora"]
+    ref_tokens, ref_logprobs = reference["generated_1"]["lora"]
+    assert tokens == ref_tokens
+    assert max(abs(a - b) for x, y in zip(logprobs, ref_logprobs) for a, b in zip(x, y)) < 1e-3
+
+
+def test_the_checkpoint_is_the_full_peft_adapter_written_once(trained):
+    from peft import PeftModel
+
+    _, _, out, _ = trained
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith((".tmp", "ckpt"))) == ["ckpt1", "ckpt2"]
+    assert {k: v.shape for k, v in saved_adapter(out / "ckpt1").items()} == \
+        {k: v.shape for k, v in saved_adapter(out / "start").items()}
+    PeftModel.from_pretrained(tiny_llama(), str(out / "ckpt1"))  # PEFT itself loads it onto the whole model
+    optimizer = torch.load(out / "ckpt1" / "optimizer.pt", weights_only=True)
+    assert optimizer["state"][0]["exp_avg"].shape == (4, TINY["hidden_size"])  # full, as one GPU's
+
+
+def test_a_tp2_checkpoint_resumes_at_tp2_and_at_tp1(trained):
+    from tempering.training import Trainer
+
+    _, _, out, device = trained
+    assert_adapters_close(saved_adapter(out / "resumed2"), saved_adapter(out / "ckpt2"))
+    single = Trainer.from_adapter(tiny_llama().to(device), out / "ckpt1")
+    single.load_state(out / "ckpt1")
+    single.step(sequences(2), config())
+    assert_adapters_close(adapter_of(single), saved_adapter(out / "ckpt2"))
+
+
+# ---- sizes ------------------------------------------------------------------------------------
+
+
+def test_a_model_that_does_not_fit_even_when_sharded_is_refused_with_its_sizes(tmp_path):
+    import transformers
+
+    transformers.LlamaConfig(**TINY).save_pretrained(tmp_path)
+    whole = weight_bytes(str(tmp_path), torch.bfloat16)
+    per_rank = sharded_weight_bytes(transformers.LlamaConfig(**TINY), 2, torch.bfloat16)
+    assert per_rank < whole
+    free = (whole + per_rank) // 2  # enough for a half, not for the whole
+    check_fits(str(tmp_path), torch.bfloat16, free_bytes=free, total_bytes=2 * free, device_name="cuda:0",
+               tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"GiB per GPU .* at tensor_parallel_size 2 .* GiB free of .* GiB"):
+        check_fits(str(tmp_path), torch.bfloat16, free_bytes=per_rank // 2, total_bytes=free, device_name="cuda:0",
+                   tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="larger tensor_parallel_size"):
+        check_fits(str(tmp_path), torch.bfloat16, free_bytes=free, total_bytes=2 * free, device_name="cuda:0")
+
+
+def test_a_split_that_does_not_divide_the_kv_heads_is_refused_naming_the_sizes():
+    import transformers
+
+    with pytest.raises(ConfigError, match="num_key_value_heads.* is 2, not divisible by tensor_parallel_size 4"):
+        sharded_weight_bytes(transformers.LlamaConfig(**{**TINY, "num_attention_heads": 8}), 4, torch.bfloat16)
+
+
+# ---- the whole loop through LocalBackend ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    """A 2-layer, 64-wide random Llama (4 heads, 2 KV heads) with SmolLM2's tokenizer, chat template and stop ids."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    base = LlamaConfig.from_pretrained(default_model_dir)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=base.vocab_size, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig.from_pretrained(default_model_dir)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
+    return out
+
+
+PROBE = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def probe(service) -> tuple[list[int], list[float]]:
+    """Greedy tokens and logprobs of one prompt, wherever the router sends it."""
+    from tempering.engine import SamplingParams
+
+    prompt = service.renderer.render_prompt([{"role": "user", "content": "Tell me a story."}])
+    completion = service.submit(prompt, SamplingParams(**PROBE)).result(120)[0]
+    return completion.token_ids, completion.logprobs
+
+
+def replica_probes(service) -> list[tuple[list[int], list[float]]]:
+    """The probe on each replica's leader: rank 0's engine, and every other leader's (through its channel)."""
+    from tempering.engine import SamplingParams
+
+    prompt = service.renderer.render_prompt([{"role": "user", "content": "Tell me a story."}])
+    futures = [service._submit_local(prompt, SamplingParams(**PROBE), n=1, step=None, on_token=None)]
+    futures += [service._submit_remote(link, prompt, SamplingParams(**PROBE), n=1, step=None, on_token=None)
+                for link in service.workers if link.rank % service.tp.size == 0]
+    return [(f.result(120)[0].token_ids, f.result(120)[0].logprobs) for f in futures]
+
+
+@pytest.mark.parametrize("gpus", [2, pytest.param(4, id="2-replicas")])
+def test_the_whole_loop_at_tp2_through_local_backend_resumes_at_tp2_and_tp1(tiny_model_dir, tmp_path, gpus):
+    """register, rollouts, train (checkpoint), close; a new backend of the same shape and a
+    one-process backend resume it. With 4 processes: 2 replicas x TP 2, trained data-parallel."""
+    import asyncio
+
+    import tempering as art
+    from tempering.engine import EngineConfig
+
+    def backend(gpus: int, tp: int) -> art.LocalBackend:
+        return art.LocalBackend(path=tmp_path, device="cpu", gpus=gpus, engine_config=EngineConfig(
+            cpu_kv_cache_bytes=16 << 20, max_num_seqs=32, tensor_parallel_size=tp))
+
+    async def session(gpus: int, tp: int, train: bool) -> dict:
+        b = backend(gpus, tp)
+        try:
+            model = art.TrainableModel(name="tiny", project="tp", base_model=str(tiny_model_dir))
+            await model.register(b)
+            service = b.hub.service("tiny")
+            q_proj = service.model.model.layers[0].self_attn.q_proj
+            seen = {"step": await model.get_step(), "probe": probe(service),
+                    "q_rows": getattr(q_proj, "base_layer", q_proj).weight.shape[0]}
+            if train:
+                client = model.openai_client()
+
+                async def group(prompt: str) -> art.TrajectoryGroup:
+                    messages = [{"role": "user", "content": prompt}]
+                    completion = await client.chat.completions.create(model=model.name, messages=messages,
+                                                                      max_tokens=8, n=4, temperature=1.0)
+                    return art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*messages, c], reward=float(i))
+                                                for i, c in enumerate(completion.choices)])
+
+                # at once, so that the router spreads them over the replicas
+                groups = list(await asyncio.gather(*[group(p) for p in ("Say a number.", "Name a color.")]))
+                seen["requests_per_replica"] = list(service.router.num_requests) if service.router else None
+                await model.train(groups, config=art.TrainConfig(learning_rate=5e-2))
+                seen["trained_probe"], seen["trained_step"] = probe(service), await model.get_step()
+                seen["replica_probes"] = replica_probes(service)
+            return seen
+        finally:
+            await b.close()
+
+    first = asyncio.run(session(gpus, 2, train=True))
+    assert first["q_rows"] == 32  # rank 0 holds 2 of the 4 heads
+    assert first["step"] == 0 and first["trained_step"] == 1
+    if gpus == 4:  # both replicas served, and hold the same adapter after the data-parallel step
+        assert len(first["requests_per_replica"]) == 2 and min(first["requests_per_replica"]) >= 1
+        assert len(first["replica_probes"]) == 2
+        for other in first["replica_probes"]:
+            assert other[0] == first["trained_probe"][0]
+            assert other[1] == pytest.approx(first["trained_probe"][1], abs=1e-5)
+    assert first["trained_probe"][1] != pytest.approx(first["probe"][1], abs=1e-3)  # the step changed the policy
+    assert sorted(p.name for p in (tmp_path / "tp" / "models" / "tiny" / "checkpoints").iterdir()) == ["0001"]
+    again = asyncio.run(session(gpus, 2, train=False))
+    single = asyncio.run(session(1, 1, train=False))
+    assert single["q_rows"] == 64
+    for seen in (again, single):
+        assert seen["step"] == 1
+        assert seen["probe"][0] == first["trained_probe"][0]
+        assert seen["probe"][1] == pytest.approx(first["trained_probe"][1], abs=1e-4)
+
+
+def test_arts_engine_args_tensor_parallel_size_needs_a_run_of_that_many_gpus(tiny_model_dir, tmp_path):
+    """ART's engine_args.tensor_parallel_size is EngineConfig.tensor_parallel_size: on one process it is
+    refused at registration, naming the fix."""
+    import asyncio
+
+    import tempering as art
+
+    async def register() -> None:
+        backend = art.LocalBackend(path=tmp_path, device="cpu")
+        try:
+            model = art.TrainableModel(name="tiny", project="tp", base_model=str(tiny_model_dir),
+                                       _internal_config={"engine_args": {"tensor_parallel_size": 2}})
+            await model.register(backend)
+        finally:
+            await backend.close()
+
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 .* this run has 1.*LocalBackend\(gpus=2\)"):
+        asyncio.run(register())

@@ -1,0 +1,121 @@
+"""The tiny model, adapter and data shared by the tensor-parallel tests and their rank script."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import torch
+
+from tempering.training import TokenizedSequence
+from tempering.types import TrainConfig
+
+# 4 query heads and 2 KV heads: at tensor_parallel_size 2 each rank holds 2 query heads and 1 KV head
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=211, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[5, 17, 42, 9, 100, 3], [7, 7, 120, 33], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+def tiny_llama(qwen2: bool = False):
+    """A tiny random fp32 Llama (or Qwen2: biased q/k/v), the same weights in every process."""
+    import transformers
+
+    torch.manual_seed(0)
+    if qwen2:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    return model.float().requires_grad_(False)
+
+
+def full_adapter(seed: int = 1) -> dict[str, torch.Tensor]:
+    """A non-zero LoRA (rank 4) on every projection of TINY, full shapes, by PEFT's saved key names."""
+    H, I = TINY["hidden_size"], TINY["intermediate_size"]
+    D = H // TINY["num_attention_heads"]
+    shapes = {"q_proj": (H, TINY["num_attention_heads"] * D), "k_proj": (H, TINY["num_key_value_heads"] * D),
+              "v_proj": (H, TINY["num_key_value_heads"] * D), "o_proj": (H, H), "gate_proj": (H, I),
+              "up_proj": (H, I), "down_proj": (I, H)}
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for layer in range(TINY["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            state[f"{prefix}.lora_A.weight"] = torch.randn(4, fan_in, generator=g) * 0.2
+            state[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, 4, generator=g) * 0.2
+    return state
+
+
+def wrap_with_adapter(model, state: dict[str, torch.Tensor], tp=None):
+    """PEFT-wrap `model` (whole, or this rank's shards) with the LoRA `state` (full tensors: sliced for `tp`)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tempering.parallel.tensor import lora_shard_dim
+
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0),
+                          adapter_name="default")
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                full = state[name.replace(".default", "")]
+                p.copy_(tp.slice(full, lora_shard_dim(name)) if tp is not None else full)
+    return peft
+
+
+class LivePolicy:
+    """The PEFT adapter "default", as the service's policy presents it."""
+
+    key = ("adapter", "default")
+    adapter_name = "default"
+    cache_version = version = 1
+
+    def activate(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def engine_for(model, peft, tp=None):
+    """The engine on `model` (its shards with `tp`); `peft`: the PEFT model, or a function returning it
+    (an engine made before the trainer, as the service makes them)."""
+    from tempering.engine import Engine, EngineConfig
+    from tempering.engine.models import LlamaFamilyModel
+    from tempering.service.base_model import default_model_dir
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    config = EngineConfig(cpu_kv_cache_bytes=4 << 20, max_num_seqs=8, tensor_parallel_size=tp.size if tp else 1)
+    return Engine(LlamaFamilyModel(model, 256, tp=tp), tokenizer, stop_token_ids=[], lock=threading.RLock(),
+                  config=config, peft_model=(lambda: peft) if isinstance(peft, torch.nn.Module) else peft)
+
+
+def generate(engine) -> dict:
+    """Greedy completions of PROMPTS (24 tokens) with the base model and with the adapter."""
+    from tempering.engine import BasePolicy, SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    out = {}
+    for key, policy in (("base", BasePolicy()), ("lora", LivePolicy())):
+        futures = [engine.submit(p, params, policy=policy) for p in PROMPTS]  # batched together
+        completions = [f.result(120)[0] for f in futures]
+        out[key] = ([c.token_ids for c in completions], [c.logprobs for c in completions])
+    return out
+
+
+def sequences(seed: int, n: int = 8) -> list[TokenizedSequence]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length, k = rng.randint(12, 40), rng.randint(3, 10)
+        out.append(TokenizedSequence(
+            [rng.randrange(TINY["vocab_size"]) for _ in range(length)], [False] * (length - k) + [True] * k,
+            [float("nan")] * (length - k) + [rng.uniform(-3, -0.5) for _ in range(k)],
+            advantage=rng.choice([-1.0, -0.5, 0.5, 1.0]), group_index=i // 4, trajectory_index=i % 4,
+        ))
+    return out
+
+
+def config() -> TrainConfig:
+    # two mini-batches (two optimizer updates) per step, rows of at most 64 tokens, gradient clipping active
+    return TrainConfig(learning_rate=1e-2, batch_size=4, micro_batch_tokens=64, cuda_graphs=False, max_grad_norm=0.5)

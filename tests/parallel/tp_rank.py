@@ -1,0 +1,141 @@
+"""One rank of the tensor-parallel tests (run by test_tensor_parallel.py with torchrun's env vars).
+
+    python tp_rank.py SCENARIO OUT_DIR [cpu|cuda]
+
+"engine": the tiny model sharded over the ranks; rank 0's engine generates greedily with the
+base model and with a LoRA adapter while rank 1's engine follows (rank 1 wraps its shards with
+the adapter 3 s late: its engine waits for it); then both ranks run one forward of a prefill
+batch outside the engine (rank 0 keeps the logits).
+"train": the tiny model sharded, its trainer loaded from the full adapter in OUT_DIR/start (each
+rank keeps its slices) and an engine (leader and follower) on the same shards; step 1, a
+checkpoint (OUT_DIR/ckpt1, written by rank 0), the engine's greedy tokens with the trained adapter,
+step 2 and OUT_DIR/ckpt2; then a fresh trainer resumed from ckpt1 takes step 2 again (OUT_DIR/resumed2).
+Each rank saves what it saw to OUT_DIR/rank{RANK}.pt (tensors on the CPU). On "cuda" rank r
+computes on cuda:r and the ranks talk through NCCL; on "cpu" through gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_model import engine_for, full_adapter, generate, tiny_llama, wrap_with_adapter
+
+from tempering.parallel.tensor import TensorParallel, shard_llama_
+
+
+def to_cpu(value):
+    if torch.is_tensor(value):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def direct_logits(model, peft, tp) -> dict:
+    """One prefill forward of two prompts, with and without the adapter, outside any engine."""
+    from tempering.engine.context import PrefillSpan, StepContext
+    from tempering.engine.lora import EngineAdapter, LoRASegment, collect_adapter
+    from tempering.engine.models import LlamaFamilyModel
+
+    m = LlamaFamilyModel(model, 256, tp=tp)
+    device = m.device
+    adapter = EngineAdapter(collect_adapter(m.hf_layers, "default", m.fused_slices),
+                            {"o": m.hidden_size, "down": m.hidden_size})
+    out = {}
+    for key, lora in (("base", []), ("lora", [LoRASegment(0, 10, adapter)])):
+        kv = torch.zeros(m.num_layers, 2, 4, 16, m.num_kv_heads, m.head_dim, device=device)
+        ids = torch.tensor([5, 17, 42, 9, 100, 3, 7, 7, 120, 33], device=device)
+        positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3], device=device)
+        slots = torch.tensor([16, 17, 18, 19, 20, 21, 32, 33, 34, 35], device=device)
+        tables = [torch.tensor([1], device=device), torch.tensor([2], device=device)]
+        ctx = StepContext(slot_mapping=slots, num_decode=0,
+                          prefill=[PrefillSpan(0, 6, 6, tables[0]), PrefillSpan(6, 4, 4, tables[1])])
+        if device.type == "cuda":  # the packed varlen prefill (as ModelRunner.prepare builds it on a GPU)
+            ctx.prefill_key_slots = slots
+            ctx.cu_q = ctx.cu_k = torch.tensor([0, 6, 10], dtype=torch.int32, device=device)
+            ctx.max_q = ctx.max_k = 6
+        out[key] = m.logits(m.forward(ids, positions, ctx, kv, lora)).cpu()
+    return out
+
+
+def engine(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> None:
+    import time
+
+    model = tiny_llama().to(device)
+    shard_llama_(model, tp)
+    result["q_rows"] = model.model.layers[0].self_attn.q_proj.weight.shape[0]
+    holder: dict = {}
+    e = engine_for(model, lambda: holder.get("peft"), tp)
+    try:
+        if not tp.is_leader:  # the follower gets its adapter late: the leader's first LoRA steps wait for it
+            time.sleep(3)
+        holder["peft"] = wrap_with_adapter(model, full_adapter(), tp)
+        if tp.is_leader:
+            result["generated"] = generate(e)
+    finally:
+        e.close()
+    result["logits"] = direct_logits(model, holder["peft"], tp)
+
+
+def save(trainer, tp: TensorParallel, directory: Path, step: int) -> None:
+    from tempering.storage import write_atomically
+
+    if tp.is_leader:
+        write_atomically(directory, lambda tmp: trainer.save(tmp, step=step))
+    else:
+        trainer.save(None, step=step)
+
+
+def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> None:
+    from tp_model import config, sequences
+
+    from tempering.training import Trainer
+
+    model = tiny_llama().to(device)
+    shard_llama_(model, tp)
+    holder: dict = {}
+    # the engine first, as the service makes them
+    e = engine_for(model, lambda: holder["trainer"].peft_model if holder else None, tp)
+    trainer = holder["trainer"] = Trainer.from_adapter(model, out / "start", tp=tp)
+    try:
+        result["metrics_1"] = trainer.step(sequences(1), config()).values
+        save(trainer, tp, out / "ckpt1", 1)
+        if tp.is_leader:
+            result["generated_1"] = generate(e)
+        trainer.step(sequences(2), config())
+        save(trainer, tp, out / "ckpt2", 2)
+    finally:
+        e.close()
+    dist.barrier()
+    model = tiny_llama().to(device)
+    shard_llama_(model, tp)
+    resumed = Trainer.from_adapter(model, out / "ckpt1", tp=tp)
+    resumed.load_state(out / "ckpt1")
+    resumed.step(sequences(2), config())
+    save(resumed, tp, out / "resumed2", 2)
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    device_type = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    tp = TensorParallel()
+    result: dict = {}
+    {"engine": engine, "train": train}[scenario](tp, result, out, device)
+    torch.save(to_cpu(result), out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
