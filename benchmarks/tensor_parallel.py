@@ -343,6 +343,7 @@ def run(args) -> dict | None:
         if tp.is_leader:
             out.update(time_rollouts(engine, prompts_for(work["num_prompts"], work["prompt_len"], vocab), work))
             out["kv_cache_tokens"] = engine.blocks.capacity_tokens
+            print(f"rollouts: {json.dumps(out)}", file=sys.stderr, flush=True)  # kept if the train step fails
         dist.barrier(group=waits)  # the followers' engines ran the rollouts; now every rank trains
         # the engine stays up (as in training), idle: its followers wait for the leader's next step
         out.update(time_train_step(trainer, args, vocab, device))

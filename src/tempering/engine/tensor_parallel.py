@@ -93,9 +93,11 @@ class StepLink:
                 meta += [1, t.shape[0], t.shape[1] if t.dim() == 2 else 0]
                 data.append(t.reshape(-1))
         meta.append(len(ctx.prefill))
-        for span in ctx.prefill:
-            meta += [span.start, span.num_new, span.context_len, span.block_table.shape[0]]
-            data.append(span.block_table)
+        for span in ctx.prefill:  # a span's block table is None on GPUs (prefill_key_slots address its keys)
+            table = span.block_table
+            meta += [span.start, span.num_new, span.context_len, -1 if table is None else table.shape[0]]
+            if table is not None:
+                data.append(table)
         meta += _encode_segments(segments)
         self._send(meta, torch.cat([t.to(torch.long) for t in data]))
 
@@ -155,7 +157,7 @@ class StepLink:
         for _ in range(num_spans):
             start, num_new, context_len, table_len = meta[pos:pos + 4]
             pos += 4
-            ctx.prefill.append(PrefillSpan(start, num_new, context_len, take(table_len)))
+            ctx.prefill.append(PrefillSpan(start, num_new, context_len, None if table_len < 0 else take(table_len)))
         segments, _ = _decode_segments(meta, pos)
         return StepMessage(STEP, segments, ids, positions, ctx, (bucket, bool(sample)) if bucket else None)
 
