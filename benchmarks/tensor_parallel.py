@@ -1,4 +1,4 @@
-"""Tensor-parallel serving and training (parallel/tensor.py) of one model split over N GPUs.
+"""Tensor-parallel serving and training (modeling/tensor_parallel.py) of one model split over N GPUs.
 
 Prints one JSON line. Each rank builds its shards of a random model directly on its device (the
 model is created on the meta device and `shard_llama_` draws every shard where it lives: a
@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from tempering.engine import BasePolicy, Engine, EngineConfig, SamplingParams
 from tempering.engine.models import LlamaFamilyModel
-from tempering.parallel.tensor import TensorParallel, shard_llama_
+from tempering.modeling.tensor_parallel import TensorParallel, shard_llama_
 from tempering.training import TokenizedSequence, Trainer
 from tempering.types import LoRAConfig, TrainConfig
 
@@ -178,7 +178,7 @@ def full_adapter_state(shape: str, rank: int = 8) -> dict[str, torch.Tensor]:
 def live_trainer(model, tp: TensorParallel | None, state: dict[str, torch.Tensor] | None = None) -> Trainer:
     """The trainer (rank-8 LoRA on every projection, alpha 16) on `model`'s shards, its A and B non-zero:
     `state` sliced for this rank, or drawn on the device (the same draws on every rank)."""
-    from tempering.parallel.tensor import lora_shard_dim
+    from tempering.modeling.tensor_parallel import lora_shard_dim
 
     trainer = Trainer.new(model, LoRAConfig(rank=8, alpha=16, target_modules=TARGETS), tp=tp)
     g = torch.Generator(device=trainer.params[0].device).manual_seed(1)

@@ -51,7 +51,7 @@ def wrap_with_adapter(model, state: dict[str, torch.Tensor], tp=None):
     """PEFT-wrap `model` (whole, or this rank's shards) with the LoRA `state` (full tensors: sliced for `tp`)."""
     from peft import LoraConfig, get_peft_model
 
-    from tempering.parallel.tensor import lora_shard_dim
+    from tempering.modeling.tensor_parallel import lora_shard_dim
 
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0),
                           adapter_name="default")

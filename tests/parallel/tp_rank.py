@@ -26,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from tp_model import engine_for, full_adapter, generate, tiny_llama, wrap_with_adapter
 
-from tempering.parallel.tensor import TensorParallel, shard_llama_
+from tempering.modeling.tensor_parallel import TensorParallel, shard_llama_
 
 
 def to_cpu(value):

@@ -30,7 +30,7 @@ class EngineConfig:
             keys in fixed tiles, the LoRA kernels' tiles fixed, no spare-rows path. The trainer then
             takes its logprobs' values from the engine (`Engine.score`), equal bit for bit to the
             sampled ones: exact on-policy RL ("batch-invariant inference"). Slower decoding.
-        tensor_parallel_size: ranks (GPUs) that one model is split over (parallel/tensor.py), the
+        tensor_parallel_size: ranks (GPUs) that one model is split over (modeling/tensor_parallel.py), the
             name vLLM and SGLang use; 1: the whole model on one device. The engine checks it
             against the model's shards.
     """

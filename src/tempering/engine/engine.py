@@ -18,7 +18,7 @@ either the old weights or the new ones, and the device runs the work in launch o
 that spans a training step samples its later tokens from the new policy; each token's logprob
 and policy version are recorded under the policy that sampled them.
 
-Tensor parallelism (`model.tp`, parallel/tensor.py): the engine of the group's leader (TP rank 0)
+Tensor parallelism (`model.tp`, modeling/tensor_parallel.py): the engine of the group's leader (TP rank 0)
 is the one above, and its runner broadcasts every forward's inputs before running it
 (tensor_parallel.py). On the other ranks the engine is a follower: its worker only runs the
 forwards it receives, on its own shards and KV cache, until the leader's engine closes; it takes
@@ -116,7 +116,7 @@ class Engine:
         if self.config.tensor_parallel_size != (tp.size if tp is not None else 1):
             raise ConfigError(f"EngineConfig.tensor_parallel_size is {self.config.tensor_parallel_size} but the "
                               f"model is sharded for {tp.size if tp is not None else 1} ranks "
-                              "(parallel.tensor.shard_llama_ and "
+                              "(modeling.tensor_parallel.shard_llama_ and "
                               "LlamaFamilyModel(tp=...)): make them equal")
         self.link = StepLink(tp, model.device) if tp is not None else None
         self.is_follower = tp is not None and not tp.is_leader

@@ -1,6 +1,6 @@
 """The tensor-parallel engine's step messages: the leader's schedule, broadcast to its followers.
 
-Under tensor parallelism (parallel/tensor.py) every rank of the group must run the same forward
+Under tensor parallelism (modeling/tensor_parallel.py) every rank of the group must run the same forward
 at the same time: each holds a part of every layer and the ranks sum their partial outputs twice
 per layer. The leader (TP rank 0) alone schedules, samples and answers requests. Before each
 forward it broadcasts the step's model inputs on the engine's process group, and each follower
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .context import PrefillSpan, StepContext
 
 if TYPE_CHECKING:
-    from ..parallel.tensor import TensorParallel
+    from ..modeling.tensor_parallel import TensorParallel
 
 __all__ = ["CAPTURE", "STEP", "STOP", "StepLink", "StepMessage"]
 

@@ -15,7 +15,7 @@ rounding to bfloat16 throws away what RL needs:
   accumulated in float32 and rounded to the model dtype after scaling, `round(s · x A^T)`, as
   the delta's input.
 
-Under tensor parallelism (parallel/tensor.py) both sides also round where they split: a
+Under tensor parallelism (modeling/tensor_parallel.py) both sides also round where they split: a
 row-parallel projection (o, down) gives each rank a partial sum of its input columns, with its
 partial LoRA delta added in float32 before the one rounding, as above; the rounded partial sums
 are then added over the ranks in the model dtype by one all-reduce. Column-parallel projections

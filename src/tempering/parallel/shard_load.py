@@ -4,7 +4,7 @@ The model is built on the meta device from its config; every tensor of the check
 safetensors files is then read on the host as this rank's slice only (`safe_open(...).get_slice`
 reads the slice's bytes, never the whole matrix) and moved to the device, so a rank's memory
 (host and device) never holds more than its shards plus the replicated embedding, LM head and
-norms. The layout is parallel/tensor.py's (`shard_llama_` gives the same shards from a loaded model).
+norms. The layout is modeling/tensor_parallel.py's (`shard_llama_` gives the same shards from a loaded model).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .tensor import COLUMN_PARALLEL, ROW_PARALLEL, TensorParallel, _check_config
+from ..modeling.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL, TensorParallel, _check_config
 
 __all__ = ["load_llama_shards"]
 
@@ -38,7 +38,7 @@ def load_llama_shards(model_dir: str | Path, tp: TensorParallel, device: torch.d
     """This rank's shards of the Llama-family model in `model_dir` (config.json + *.safetensors), on `device`.
 
     Returns:
-        the `*ForCausalLM` module, frozen, holding the rank's shards (parallel/tensor.py) and whole
+        the `*ForCausalLM` module, frozen, holding the rank's shards (modeling/tensor_parallel.py) and whole
         replicated tensors, with its generation config.
 
     Raises:

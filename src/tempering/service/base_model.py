@@ -111,7 +111,7 @@ def weight_bytes(model_ref: str, dtype) -> int:
 def weight_bytes_per_rank(model_ref: str, dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of the weights one GPU holds of `model_ref` in `dtype`: all of them, or at
     `tensor_parallel_size` > 1 its shard of every layer plus the replicated embedding, LM head and
-    norms (parallel/tensor.py), from the config alone.
+    norms (modeling/tensor_parallel.py), from the config alone.
 
     Raises:
         ConfigError: if the model cannot be split over `tensor_parallel_size` ranks.
@@ -120,7 +120,7 @@ def weight_bytes_per_rank(model_ref: str, dtype, tensor_parallel_size: int = 1) 
         return weight_bytes(model_ref, dtype)
     from transformers import AutoConfig
 
-    from ..parallel.tensor import sharded_weight_bytes
+    from ..modeling.tensor_parallel import sharded_weight_bytes
 
     return sharded_weight_bytes(AutoConfig.from_pretrained(model_ref), tensor_parallel_size, dtype)
 

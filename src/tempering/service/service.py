@@ -21,7 +21,7 @@ each training call to the other ranks' services (`follow_train`) before taking i
 alone writes checkpoints.
 
 Tensor parallelism (`EngineConfig.tensor_parallel_size` = P > 1): the model is split over P
-ranks (parallel/tensor.py). Every rank loads only its shards (parallel/shard_load.py), its engine
+ranks (modeling/tensor_parallel.py). Every rank loads only its shards (parallel/shard_load.py), its engine
 and trainer share them; the engine of the group's first rank leads (it schedules, samples and
 takes the requests) and the others' follow it; every rank takes the same training step on its
 shards, and rank 0 writes the full adapter. With GPUs = replicas x P, ranks [kP, (k+1)P) hold
@@ -59,7 +59,7 @@ from ..engine.models import fallback_reason
 from ..errors import ConfigError, DistributedError, TrajectoryError, UnknownModelError
 from ..parallel import Router, WorkerLink
 from ..parallel.shard_load import load_llama_shards
-from ..parallel.tensor import TensorParallel
+from ..modeling.tensor_parallel import TensorParallel
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
 from ..training.data_parallel import DataParallel

@@ -38,7 +38,7 @@ from .attention import varlen_causal_attention
 from .kernels import ops_for
 
 if TYPE_CHECKING:
-    from ..parallel.tensor import TensorParallel
+    from ..modeling.tensor_parallel import TensorParallel
 
 __all__ = ["PackedDecoder", "lora_linear"]
 
@@ -198,7 +198,7 @@ class PackedDecoder:
     Build it with `PackedDecoder.maybe(peft_model)`, which returns None for architectures it does
     not cover (the trainer then runs the transformers model itself).
 
-    `tp`: this rank's tensor-parallel group when the model holds its shards (parallel/tensor.py):
+    `tp`: this rank's tensor-parallel group when the model holds its shards (modeling/tensor_parallel.py):
     the layers run this rank's heads and MLP columns; `tp.copy_to` precedes q/k/v and gate/up
     (their input gradient is summed over the ranks in the backward pass) and `tp.reduce_from`
     sums o's and down's partial outputs, LoRA deltas included, rounded to the model dtype on each
@@ -271,7 +271,7 @@ class PackedDecoder:
         tp_size = tp.size if tp is not None else 1
         if q_rows * tp_size != config.num_attention_heads * head_dim:
             raise ConfigError(f"q_proj has {q_rows} rows, {config.num_attention_heads * head_dim} / {tp_size} "
-                              "expected: a model sharded by parallel.tensor.shard_llama_ trains only with the same "
+                              "expected: a model sharded by modeling.tensor_parallel.shard_llama_ trains only with the same "
                               "group as tp")
         try:
             return cls(peft_model, adapter, tp)

@@ -1,6 +1,6 @@
 """The trainer's checkpoints under tensor parallelism: always the full adapter, whatever the group size.
 
-Each rank trains its shards of the LoRA tensors (parallel/tensor.py: a column-parallel layer's B
+Each rank trains its shards of the LoRA tensors (modeling/tensor_parallel.py: a column-parallel layer's B
 and a row-parallel layer's A are split, the rest replicated). A checkpoint holds the whole
 adapter as one PEFT directory, the one a single GPU writes (adapter_config.json +
 adapter_model.safetensors), and the optimizer state as a single GPU's `optimizer.pt`: the ranks
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..parallel.tensor import TensorParallel, lora_shard_dim
+from ..modeling.tensor_parallel import TensorParallel, lora_shard_dim
 
 __all__ = ["full_optimizer_state", "load_sharded_adapter", "save_full_adapter", "shard_optimizer_state"]
 

@@ -19,7 +19,7 @@ after a failure) happens inside the owner's `gate` (a lock that the engine's ste
 CUDA it also orders the two streams), and the step's last update sets `gate.version`, so each
 sampled token is stamped with the version of the weights that sampled it.
 
-With a `TensorParallel` (parallel/tensor.py; the model holds this rank's shards, every rank of
+With a `TensorParallel` (modeling/tensor_parallel.py; the model holds this rank's shards, every rank of
 the group calling `step` with the same sequences) the forward runs the rank's heads and MLP
 columns, the gradients of the replicated LoRA tensors are summed over the group, the gradient
 norm is the whole adapter's, and every rank takes the same optimizer step on its shards
@@ -49,7 +49,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from ..errors import CheckpointError, ConfigError, DistributedError
-from ..parallel.tensor import TensorParallel, init_row_parallel_lora_A_, lora_shard_dim
+from ..modeling.tensor_parallel import TensorParallel, init_row_parallel_lora_A_, lora_shard_dim
 from ..types import LoRAConfig, TrainConfig
 from .attention import use_packed_attention, varlen_attn
 from .batching import MicroBatch, Row, pack_sequences

@@ -36,7 +36,7 @@ from ..lora import (
 )
 
 if TYPE_CHECKING:
-    from ...parallel.tensor import TensorParallel
+    from ...modeling.tensor_parallel import TensorParallel
 
 __all__ = ["LlamaFamilyModel", "SUPPORTED_ARCHITECTURES"]
 
@@ -68,7 +68,7 @@ class LlamaFamilyModel:
         batch_invariant: every token computed the same whatever its batch (EngineConfig.batch_invariant):
             batch-invariant products and attention, no spare rows (their path and the shrink/expand
             path of a mixed batch round alike but sum differently).
-        tp: this rank's tensor-parallel group, when `hf_model` holds its shards (parallel/tensor.py):
+        tp: this rank's tensor-parallel group, when `hf_model` holds its shards (modeling/tensor_parallel.py):
             the forward then runs this rank's heads and MLP columns, and sums o's and down's
             partial outputs (with their partial LoRA deltas) over the group, one all-reduce each.
             None: the whole model (no collective, nothing else changes).
@@ -93,7 +93,7 @@ class LlamaFamilyModel:
         if q_rows != self.num_heads * self.head_dim:
             raise ConfigError(f"q_proj has {q_rows} rows but {self.num_heads} heads of {self.head_dim} need "
                               f"{self.num_heads * self.head_dim} at tensor_parallel_size {tp_size}: shard the model "
-                              "with parallel.tensor.shard_llama_ for exactly the group passed as tp")
+                              "with modeling.tensor_parallel.shard_llama_ for exactly the group passed as tp")
         self.hidden_size = config.hidden_size
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim ** -0.5
