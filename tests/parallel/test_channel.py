@@ -115,3 +115,30 @@ def test_a_shutdown_with_a_reason_ends_the_worker_at_once_even_during_a_call(cha
     link.close(timeout_s=10, reason="node 1 (host gpu-b) left this multi-GPU run")
     worker.join(10)
     assert worker.exitcode == 1 and time.monotonic() - start < 5 and not failures
+
+
+def test_requests_queued_while_the_sender_waits_leave_as_one_batch_in_order(channel):
+    link, *_ = channel
+    sent, release = [], threading.Event()
+    send = link._conn.send
+
+    def slow_send(message):  # the first send stalls, as one waiting for the GIL or the socket
+        sent.append(message[0])
+        if len(sent) == 1:
+            release.wait(10)
+        send(message)
+
+    link._conn.send = slow_send
+    first = link.call("record", value=0)
+    while not sent:
+        time.sleep(0.01)
+    queued = [link.call("record", value=i) for i in range(1, 21)]
+    bad = link.call("record", value=threading.Lock())  # cannot be pickled: fails alone
+    after = link.call("record", value=21)
+    release.set()
+    assert first.result(timeout=10) == [0]
+    assert [f.result(timeout=10)[-1] for f in queued] == list(range(1, 21))
+    with pytest.raises(DistributedError, match="could not send"):
+        bad.result(timeout=10)
+    assert after.result(timeout=10) == list(range(22))
+    assert sent[:2] == ["call", "batch"]  # the 22 queued requests tried to leave in one message
