@@ -235,24 +235,6 @@ def test_a_split_that_does_not_divide_the_kv_heads_is_refused_naming_the_sizes()
 # ---- the whole loop through LocalBackend ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, default_model_dir):
-    """A 2-layer, 64-wide random Llama (4 heads, 2 KV heads) with SmolLM2's tokenizer, chat template and stop ids."""
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    base = LlamaConfig.from_pretrained(default_model_dir)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=base.vocab_size, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig.from_pretrained(default_model_dir)
-    out = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
-    return out
-
-
 PROBE = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
