@@ -13,9 +13,6 @@ two processes and at 2 replicas x TP 2 on four.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +20,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+import rank_processes  # noqa: E402
 from tp_model import TINY, config, engine_for, full_adapter, generate, sequences, tiny_llama, wrap_with_adapter
 from tp_rank import direct_logits
 
@@ -35,37 +34,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.devic
                                                                 reason="needs two GPUs"))]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario: str, out: Path, device: str, timeout_s: float = 180) -> list[dict]:
     """Run tp_rank.py SCENARIO as 2 processes with torchrun's variables; their results."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(RANK_SCRIPT), scenario, str(out), device], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout_s)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the ranks of {scenario!r} did not finish within {timeout_s} s (a hang)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = []
-    for rank in range(2):
-        path = out / f"rank{rank}.pt"
-        assert path.is_file(), f"rank {rank} wrote no result:\n{logs[rank][-3000:]}"
-        results.append(torch.load(path, weights_only=False))
-    return results
+    return rank_processes.run_ranks(RANK_SCRIPT, scenario, out, device=device, timeout_s=timeout_s)
 
 
 def tolerance(device: str) -> float:

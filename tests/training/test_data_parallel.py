@@ -3,9 +3,6 @@ through gloo, and (skipped without two GPUs) two GPU processes through NCCL."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +10,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+import rank_processes  # noqa: E402
 from dp_data import config, make_trainer, sequences, sft_batches
 
 from tempering.training.data_parallel import DataParallel
@@ -20,37 +19,9 @@ from tempering.training.data_parallel import DataParallel
 RANK_SCRIPT = Path(__file__).with_name("dp_rank.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario: str, out: Path, *, device: str = "cpu", world_size: int = 2, timeout_s: float = 120) -> list[dict]:
     """Run dp_rank.py SCENARIO as `world_size` processes with torchrun's variables; their results."""
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(RANK_SCRIPT), scenario, str(out), device], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout_s)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the ranks of {scenario!r} did not finish within {timeout_s} s (a hang)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = []
-    for rank in range(world_size):
-        path = out / f"rank{rank}.pt"
-        assert path.is_file(), f"rank {rank} wrote no result:\n{logs[rank][-3000:]}"
-        results.append(torch.load(path, weights_only=False))
-    return results
+    return rank_processes.run_ranks(RANK_SCRIPT, scenario, out, device=device, world_size=world_size, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
