@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import socket
@@ -75,6 +76,16 @@ H100_BF16_FLOPS = 989e12
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+_START = time.perf_counter()
+
+
+def progress(what: str, device: torch.device) -> None:
+    """One line on stderr: this rank, seconds since start, what just finished, GPU memory allocated."""
+    memory = f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated" if device.type == "cuda" else ""
+    rank = os.environ.get("RANK", "0")
+    print(f"[rank {rank} {time.perf_counter() - _START:7.1f} s] {what}{memory}", file=sys.stderr, flush=True)
 
 
 class _Policy:
@@ -255,14 +266,19 @@ def train_sequences(num_seqs: int, seq_len: int, vocab: int) -> list[TokenizedSe
 def time_train_step(trainer: Trainer, args, vocab: int, device: torch.device) -> dict:
     sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
     config = TrainConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens)
+    start = time.perf_counter()
     trainer.step(sequences, config)  # warm-up
     sync(device)
+    first = time.perf_counter() - start
+    progress(f"warm-up train step: {first:.1f} s", device)
     start = time.perf_counter()
-    for _ in range(args.steps):
+    for step in range(args.steps):
         trainer.step(sequences, config)
+        progress(f"train step {step + 1}/{args.steps}", device)
     sync(device)
     elapsed = (time.perf_counter() - start) / args.steps
-    return {"train_step_s": round(elapsed, 3), "train_tok_s": round(args.num_seqs * args.seq_len / elapsed, 1)}
+    return {"train_first_step_s": round(first, 1), "train_step_s": round(elapsed, 3),
+            "train_tok_s": round(args.num_seqs * args.seq_len / elapsed, 1)}
 
 
 def matmul_params(shape: str) -> int:
@@ -325,6 +341,10 @@ def run(args) -> dict | None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
+    if args.stack_dump_s:  # every thread's stack, every N seconds: where a slow or stuck rank is
+        os.makedirs(args.stack_dump_dir, exist_ok=True)
+        stacks = open(os.path.join(args.stack_dump_dir, f"stacks-rank{rank}.txt"), "w")  # noqa: SIM115 (kept open)
+        faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True, file=stacks)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
     tp = TensorParallel(timeout_s=7200)
     # the ranks wait for each other on the host (gloo), never in a GPU kernel that would spin meanwhile
@@ -337,14 +357,17 @@ def run(args) -> dict | None:
         work = WORKLOADS["gpu" if device.type == "cuda" else "cpu"]
         start = time.perf_counter()
         model = build_sharded(args.model, tp, device, dtype)
+        progress("model built", device)
         engine, trainer = engine_and_trainer(model, tp, device, args)
         sync(device)
+        progress("engine and trainer built", device)
         out = {"build_s": round(time.perf_counter() - start, 1)}
         if tp.is_leader:
             out.update(time_rollouts(engine, prompts_for(work["num_prompts"], work["prompt_len"], vocab), work))
             out["kv_cache_tokens"] = engine.blocks.capacity_tokens
             print(f"rollouts: {json.dumps(out)}", file=sys.stderr, flush=True)  # kept if the train step fails
         dist.barrier(group=waits)  # the followers' engines ran the rollouts; now every rank trains
+        progress("rollouts done", device)
         # the engine stays up (as in training), idle: its followers wait for the leader's next step
         out.update(time_train_step(trainer, args, vocab, device))
         if device.type == "cuda":
@@ -383,6 +406,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed train steps")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="EngineConfig.gpu_memory_fraction")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="TrainConfig.micro_batch_tokens")
+    parser.add_argument("--stack-dump-s", type=float, default=0,
+                        help="write every thread's stack every N seconds (0: never) to --stack-dump-dir")
+    parser.add_argument("--stack-dump-dir", default="tp-stacks", help="where each rank's stacks-rankR.txt goes")
     args = parser.parse_args()
     gpu = args.device == "cuda"
     args.model = args.model or ("72b" if gpu else "tiny")

@@ -40,7 +40,25 @@ def run_ranks(scenario: str, out: Path, device: str, timeout_s: float = 180) -> 
 
 
 def tolerance(device: str) -> float:
-    return 1e-5 if device == "cpu" else 2e-4  # float32; CUDA's kernels sum in other orders
+    """Logits' absolute tolerance: float32 on the CPU; bfloat16 on CUDA (the model's dtype there), where
+    the shards' partial sums are rounded before the all-reduce adds them."""
+    return 1e-5 if device == "cpu" else 3e-2
+
+
+def assert_same_greedy(got: tuple[list, list], want: tuple[list, list], device: str, logprob_tol: float) -> None:
+    """Greedy completions (token ids, logprobs per prompt) equal. In bfloat16 (CUDA) two sums of the same
+    terms in another order may round a near tie the other way: a completion may then part from the
+    reference, but only where the two chosen tokens were nearly tied (their logprobs within 0.05),
+    and it matches up to there."""
+    for tokens, logprobs, ref_tokens, ref_logprobs in zip(*got, *want):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(ref_tokens))
+        if device == "cpu":
+            assert tokens == ref_tokens
+        else:
+            assert len(tokens) == len(ref_tokens)
+            if same < len(tokens):
+                assert abs(logprobs[same] - ref_logprobs[same]) < 0.05, f"not a near tie at token {same}"
+        assert max((abs(a - b) for a, b in zip(logprobs[:same], ref_logprobs[:same])), default=0.0) < logprob_tol
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -48,7 +66,7 @@ def served(request, tmp_path_factory):
     """The engine scenario on two ranks, and the same on one process."""
     device = request.param
     ranks = run_ranks("engine", tmp_path_factory.mktemp(f"engine-{device}"), device)
-    model = tiny_llama().to(device)
+    model = tiny_llama(device=device)
     peft = wrap_with_adapter(model, full_adapter())
     reference = {"logits": direct_logits(model, peft, None)}
     engine = engine_for(model, peft)
@@ -68,7 +86,7 @@ def trained(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"train-{device}")
     wrap_with_adapter(tiny_llama(), full_adapter()).save_pretrained(str(out / "start"))
     ranks = run_ranks("train", out, device)
-    trainer = Trainer.from_adapter(tiny_llama().to(device), out / "start")
+    trainer = Trainer.from_adapter(tiny_llama(device=device), out / "start")
     engine = engine_for(trainer.model, trainer.peft_model)
     reference = {}
     try:
@@ -94,12 +112,19 @@ def saved_adapter(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "adapter_model.safetensors"))
 
 
-def assert_adapters_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def assert_adapters_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], device: str,
+                          start: dict[str, torch.Tensor]) -> None:
     """Equal up to float reassociation of the sharded sums, as Adam magnifies it (an entry whose
-    gradient is near zero moves by about lr × sign; lr 1e-2 here)."""
+    gradient is near zero moves by about lr × sign; lr 1e-2 here). In bfloat16 (CUDA) such entries
+    may move either way, so there the update from `start` is compared as a whole: its difference
+    within 25% of its size, tensor by tensor."""
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4, msg=key)
+        if device == "cpu":
+            torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4, msg=key)
+        else:
+            update = b[key].float() - start[key].float()
+            assert (a[key].float() - b[key].float()).norm() <= 0.25 * update.norm() + 1e-6, key
 
 
 # ---- serving ----------------------------------------------------------------------------------
@@ -123,10 +148,7 @@ def test_the_sharded_forward_gives_the_logits_of_one_process_with_and_without_lo
 def test_the_engine_at_tp2_samples_the_greedy_tokens_and_logprobs_of_one_process(served):
     ranks, reference, device = served
     for key in ("base", "lora"):
-        tokens, logprobs = ranks[0]["generated"][key]
-        ref_tokens, ref_logprobs = reference["generated"][key]
-        assert tokens == ref_tokens, key
-        assert max(abs(a - b) for x, y in zip(logprobs, ref_logprobs) for a, b in zip(x, y)) < 10 * tolerance(device)
+        assert_same_greedy(ranks[0]["generated"][key], reference["generated"][key], device, 10 * tolerance(device))
     assert reference["generated"]["base"][0] != reference["generated"]["lora"][0]
     assert "generated" not in ranks[1]  # the follower takes no requests
 
@@ -135,22 +157,22 @@ def test_the_engine_at_tp2_samples_the_greedy_tokens_and_logprobs_of_one_process
 
 
 def test_a_sharded_lora_step_equals_the_unsharded_step(trained):
-    ranks, reference, out, _ = trained
+    ranks, reference, out, device = trained
+    rel = 1e-4 if device == "cpu" else 2e-2
     for key in ("loss/train", "loss/grad_norm", "loss/entropy"):
-        assert ranks[0]["metrics_1"][key] == pytest.approx(reference["metrics_1"][key], rel=1e-4, abs=1e-6), key
+        assert ranks[0]["metrics_1"][key] == pytest.approx(reference["metrics_1"][key], rel=rel, abs=1e-6), key
         assert ranks[1]["metrics_1"][key] == ranks[0]["metrics_1"][key], key
-    assert_adapters_close(saved_adapter(out / "ckpt1"), reference["adapter_1"])
-    assert_adapters_close(saved_adapter(out / "ckpt2"), reference["adapter_2"])
-    moved = max((reference["adapter_1"][k] - v).abs().max() for k, v in saved_adapter(out / "start").items())
+    start = saved_adapter(out / "start")
+    assert_adapters_close(saved_adapter(out / "ckpt1"), reference["adapter_1"], device, start)
+    assert_adapters_close(saved_adapter(out / "ckpt2"), reference["adapter_2"], device, start)
+    moved = max((reference["adapter_1"][k] - v).abs().max() for k, v in start.items())
     assert moved > 1e-3  # the step changed the adapter
 
 
 def test_the_engine_serves_the_trained_shards(trained):
-    ranks, reference, _, _ = trained
-    tokens, logprobs = ranks[0]["generated_1"]["lora"]
-    ref_tokens, ref_logprobs = reference["generated_1"]["lora"]
-    assert tokens == ref_tokens
-    assert max(abs(a - b) for x, y in zip(logprobs, ref_logprobs) for a, b in zip(x, y)) < 1e-3
+    ranks, reference, _, device = trained
+    assert_same_greedy(ranks[0]["generated_1"]["lora"], reference["generated_1"]["lora"], device,
+                       1e-3 if device == "cpu" else 0.1)
 
 
 def test_the_checkpoint_is_the_full_peft_adapter_written_once(trained):
@@ -169,11 +191,12 @@ def test_a_tp2_checkpoint_resumes_at_tp2_and_at_tp1(trained):
     from tempering.training import Trainer
 
     _, _, out, device = trained
-    assert_adapters_close(saved_adapter(out / "resumed2"), saved_adapter(out / "ckpt2"))
-    single = Trainer.from_adapter(tiny_llama().to(device), out / "ckpt1")
+    ckpt1 = saved_adapter(out / "ckpt1")
+    assert_adapters_close(saved_adapter(out / "resumed2"), saved_adapter(out / "ckpt2"), device, ckpt1)
+    single = Trainer.from_adapter(tiny_llama(device=device), out / "ckpt1")
     single.load_state(out / "ckpt1")
     single.step(sequences(2), config())
-    assert_adapters_close(adapter_of(single), saved_adapter(out / "ckpt2"))
+    assert_adapters_close(adapter_of(single), saved_adapter(out / "ckpt2"), device, ckpt1)
 
 
 # ---- sizes ------------------------------------------------------------------------------------

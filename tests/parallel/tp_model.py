@@ -17,8 +17,9 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 PROMPTS = [[5, 17, 42, 9, 100, 3], [7, 7, 120, 33], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
 
-def tiny_llama(qwen2: bool = False):
-    """A tiny random fp32 Llama (or Qwen2: biased q/k/v), the same weights in every process."""
+def tiny_llama(qwen2: bool = False, device: str | torch.device = "cpu"):
+    """A tiny random Llama (or Qwen2: biased q/k/v), the same weights in every process, on `device`:
+    float32 on the CPU, bfloat16 on CUDA (the engine's GPU kernels serve bf16/fp16 only)."""
     import transformers
 
     torch.manual_seed(0)
@@ -26,7 +27,8 @@ def tiny_llama(qwen2: bool = False):
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
-    return model.float().requires_grad_(False)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return model.to(device=device, dtype=dtype).requires_grad_(False)
 
 
 def full_adapter(seed: int = 1) -> dict[str, torch.Tensor]:
@@ -81,13 +83,17 @@ def engine_for(model, peft, tp=None):
     (an engine made before the trainer, as the service makes them)."""
     from tempering.engine import Engine, EngineConfig
     from tempering.engine.models import LlamaFamilyModel
-    from tempering.service.base_model import default_model_dir
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     config = EngineConfig(cpu_kv_cache_bytes=4 << 20, max_num_seqs=8, tensor_parallel_size=tp.size if tp else 1)
-    return Engine(LlamaFamilyModel(model, 256, tp=tp), tokenizer, stop_token_ids=[], lock=threading.RLock(),
+    return Engine(LlamaFamilyModel(model, 256, tp=tp), _IdsOnly(), stop_token_ids=[], lock=threading.RLock(),
                   config=config, peft_model=(lambda: peft) if isinstance(peft, torch.nn.Module) else peft)
+
+
+class _IdsOnly:
+    """The tiny random model has no tokenizer: its completions are compared by token ids, their text left empty."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""
 
 
 def generate(engine) -> dict:

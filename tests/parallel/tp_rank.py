@@ -49,7 +49,7 @@ def direct_logits(model, peft, tp) -> dict:
                             {"o": m.hidden_size, "down": m.hidden_size})
     out = {}
     for key, lora in (("base", []), ("lora", [LoRASegment(0, 10, adapter)])):
-        kv = torch.zeros(m.num_layers, 2, 4, 16, m.num_kv_heads, m.head_dim, device=device)
+        kv = torch.zeros(m.num_layers, 2, 4, 16, m.num_kv_heads, m.head_dim, device=device, dtype=m.dtype)
         ids = torch.tensor([5, 17, 42, 9, 100, 3, 7, 7, 120, 33], device=device)
         positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3], device=device)
         slots = torch.tensor([16, 17, 18, 19, 20, 21, 32, 33, 34, 35], device=device)
@@ -60,14 +60,14 @@ def direct_logits(model, peft, tp) -> dict:
             ctx.prefill_key_slots = slots
             ctx.cu_q = ctx.cu_k = torch.tensor([0, 6, 10], dtype=torch.int32, device=device)
             ctx.max_q = ctx.max_k = 6
-        out[key] = m.logits(m.forward(ids, positions, ctx, kv, lora)).cpu()
+        out[key] = m.logits(m.forward(ids, positions, ctx, kv, lora)).float().cpu()
     return out
 
 
 def engine(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> None:
     import time
 
-    model = tiny_llama().to(device)
+    model = tiny_llama(device=device)
     shard_llama_(model, tp)
     result["q_rows"] = model.model.layers[0].self_attn.q_proj.weight.shape[0]
     holder: dict = {}
@@ -97,7 +97,7 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
 
     from tempering.training import Trainer
 
-    model = tiny_llama().to(device)
+    model = tiny_llama(device=device)
     shard_llama_(model, tp)
     holder: dict = {}
     # the engine first, as the service makes them
@@ -113,7 +113,7 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
     finally:
         e.close()
     dist.barrier()
-    model = tiny_llama().to(device)
+    model = tiny_llama(device=device)
     shard_llama_(model, tp)
     resumed = Trainer.from_adapter(model, out / "ckpt1", tp=tp)
     resumed.load_state(out / "ckpt1")
