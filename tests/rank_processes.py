@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +34,18 @@ def run_ranks(script: Path, scenario: str, out: Path, *, device: str = "cpu", wo
         for p in procs:
             logs.append(p.communicate(timeout=timeout_s)[0])
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the ranks of {scenario!r} did not finish within {timeout_s} s (a hang)")
+        for p in procs:  # every thread's stack (the rank scripts register faulthandler on SIGUSR1), then the end of each rank's output
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        tails = []
+        for rank, p in enumerate(procs):
+            try:
+                output = p.communicate(timeout=5)[0]
+            except subprocess.TimeoutExpired:
+                p.kill()
+                output = p.communicate()[0]
+            tails.append(f"---- rank {rank} ----\n{output[-4000:]}")
+        pytest.fail(f"the ranks of {scenario!r} did not finish within {timeout_s} s (a hang):\n" + "\n".join(tails))
     finally:
         for p in procs:
             if p.poll() is None:

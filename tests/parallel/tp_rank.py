@@ -16,7 +16,9 @@ computes on cuda:r and the ranks talk through NCCL; on "cpu" through gloo.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -122,6 +124,7 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks for the stacks of a hang
     scenario, out = sys.argv[1], Path(sys.argv[2])
     device_type = sys.argv[3] if len(sys.argv) > 3 else "cpu"
     torch.set_num_threads(1)
