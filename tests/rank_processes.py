@@ -39,11 +39,14 @@ def run_ranks(script: Path, scenario: str, out: Path, *, device: str = "cpu", wo
                 p.send_signal(signal.SIGUSR1)
         tails = []
         for rank, p in enumerate(procs):
-            try:
-                output = p.communicate(timeout=5)[0]
-            except subprocess.TimeoutExpired:
-                p.kill()
-                output = p.communicate()[0]
+            if rank < len(logs):  # finished (or died) before the others timed out: its output is read
+                output = f"(exited with {p.returncode})\n{logs[rank]}"
+            else:
+                try:
+                    output = p.communicate(timeout=5)[0]
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    output = p.communicate()[0]
             tails.append(f"---- rank {rank} ----\n{output[-4000:]}")
         pytest.fail(f"the ranks of {scenario!r} did not finish within {timeout_s} s (a hang):\n" + "\n".join(tails))
     finally:
