@@ -332,7 +332,7 @@ def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dt
             "max_logprob_diff_before_difference": float(f"{max_lp:.3g}"), "new_tokens": max_new, "live_adapter": True}
 
 
-def run(args) -> dict | None:
+def run(args) -> None:
     device_type = args.device
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -380,16 +380,17 @@ def run(args) -> dict | None:
         engine.close()
         if not tp.is_leader:
             engine._thread.join()
-    dist.barrier(group=waits)
-    dist.destroy_process_group()
-    if not tp.is_leader:
-        return None
-    return {"benchmark": "tensor_parallel", "model": args.model, "tp": args.tp, "device": device_type,
+    if tp.is_leader:  # printed before the teardown, which cannot lose it
+        print(json.dumps({
+            "benchmark": "tensor_parallel", "model": args.model, "tp": args.tp, "device": device_type,
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "workload": None if args.check_greedy else
             {**WORKLOADS["gpu" if device.type == "cuda" else "cpu"], "train_tokens": args.num_seqs * args.seq_len,
              "micro_batch_tokens": args.micro_batch_tokens, "kv_fraction": args.kv_fraction},
-            **out}
+            **out}), flush=True)
+    dist.barrier(group=waits)
+    progress("destroying the process groups", device)
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -428,13 +429,11 @@ def main() -> None:
                                           env={**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
         os.environ.update({**base, "RANK": "0", "LOCAL_RANK": "0"})
     try:
-        result = run(args)
+        run(args)
     finally:
         for p in procs:
             if p.wait(timeout=600) != 0:
                 print(f"rank process {p.args} exited with {p.returncode}", file=sys.stderr)
-    if result is not None:
-        print(json.dumps(result))
 
 
 if __name__ == "__main__":

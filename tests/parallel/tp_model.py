@@ -84,7 +84,8 @@ def engine_for(model, peft, tp=None):
     from tempering.engine import Engine, EngineConfig
     from tempering.engine.models import LlamaFamilyModel
 
-    config = EngineConfig(cpu_kv_cache_bytes=4 << 20, max_num_seqs=8, tensor_parallel_size=tp.size if tp else 1)
+    config = EngineConfig(cpu_kv_cache_bytes=4 << 20, num_kv_blocks=256, max_num_seqs=8,
+                          tensor_parallel_size=tp.size if tp else 1)
     return Engine(LlamaFamilyModel(model, 256, tp=tp), _IdsOnly(), stop_token_ids=[], lock=threading.RLock(),
                   config=config, peft_model=(lambda: peft) if isinstance(peft, torch.nn.Module) else peft)
 

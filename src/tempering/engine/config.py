@@ -17,7 +17,7 @@ class EngineConfig:
         max_num_seqs: most sequences in one step (prefill and decode together).
         max_num_batched_tokens: token budget of one step; longer prompts are prefilled in chunks.
         block_size: tokens per KV-cache block.
-        num_kv_blocks: cache size in blocks; None sizes it from memory (below).
+        num_kv_blocks: cache size in blocks; None sizes it from memory (below), at most 2**20 blocks.
         gpu_memory_fraction: on GPU, the share of the memory free after loading the weights that
             the KV cache takes (the rest is left to the trainer and activations).
         cpu_kv_cache_bytes: on CPU, the KV cache size.

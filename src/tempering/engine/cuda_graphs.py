@@ -295,3 +295,21 @@ class DecodeGraphs:
     def forget(self, adapter: EngineAdapter) -> None:
         """Drop the graphs that read `adapter`'s tensors (it is being unloaded)."""
         self.graphs = {k: v for k, v in self.graphs.items() if v.adapter is not adapter}
+
+    def release(self) -> None:
+        """Free every captured graph and the memory pool (the engine is closing).
+
+        Under tensor parallelism the graphs hold NCCL collectives, and `ncclCommDestroy` (from
+        `torch.distributed.destroy_process_group`) blocks for as long as a graph that captured one
+        of the communicator's operations is alive (pytorch/pytorch#115388): resetting them first
+        lets the process group be destroyed."""
+        torch.cuda.synchronize(self.kv_cache.device)
+        for captured in self.graphs.values():
+            if captured is not None:
+                captured.graph.reset()
+        for graph in self.sample_graphs.values():
+            if graph is not None:
+                graph.reset()
+        self.graphs.clear()
+        self.sample_graphs.clear()
+        self.pool = None

@@ -198,6 +198,8 @@ class Engine:
         self._thread.join(timeout=60)
         if self.link is not None and not self.is_follower and not self._thread.is_alive():
             self.link.send_stop()
+        if not self._thread.is_alive():  # (a worker still running may replay them)
+            self.runner.close()
         if self._masks is not None:
             self._masks.close()
         error = EngineError("the engine was closed before this request finished")

@@ -50,6 +50,10 @@ if TYPE_CHECKING:  # cuda_graphs is imported on GPUs only
 __all__ = ["LaunchedStep", "ModelRunner", "PreparedStep", "SampledTokens"]
 
 HAS_TRITON = paged_decode_attention is not None
+# 16M token slots at the default block size: more than any batch of rollouts holds, and a small
+# model's cache on a large GPU would otherwise count tens of millions of blocks (the block manager
+# keeps an object per block: seconds per million to create)
+MAX_KV_BLOCKS = 1 << 20
 try:
     from .layers.triton_attention import HAS_VARLEN
 except ImportError:  # no Triton (CPU builds of torch)
@@ -204,12 +208,19 @@ class ModelRunner:
         return kv + self.block_size * getattr(m, "routing_bytes_per_token", 0)
 
     def _num_blocks_from_memory(self) -> int:
+        """The KV cache's blocks in its memory budget, at most MAX_KV_BLOCKS."""
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * self.config.gpu_memory_fraction
         else:
             budget = self.config.cpu_kv_cache_bytes
-        return max(2, int(budget // self.block_bytes))
+        return max(2, min(MAX_KV_BLOCKS, int(budget // self.block_bytes)))
+
+    def close(self) -> None:
+        """Free the CUDA graphs (the engine's worker has stopped): see `DecodeGraphs.release`."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     # ---- block tables ---------------------------------------------------------------------------
 
