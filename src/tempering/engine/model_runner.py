@@ -25,6 +25,7 @@ it blocks, so a step copies its rows with one numpy gather instead of rebuilding
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,6 +49,8 @@ if TYPE_CHECKING:  # cuda_graphs is imported on GPUs only
     from .cuda_graphs import StagedDecode
 
 __all__ = ["LaunchedStep", "ModelRunner", "PreparedStep", "SampledTokens"]
+
+log = logging.getLogger(__name__)
 
 HAS_TRITON = paged_decode_attention is not None
 # 16M token slots at the default block size: more than any batch of rollouts holds, and a small
@@ -219,8 +222,11 @@ class ModelRunner:
     def close(self) -> None:
         """Free the CUDA graphs (the engine's worker has stopped): see `DecodeGraphs.release`."""
         if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
+            graphs, self.graphs = self.graphs, None
+            try:
+                graphs.release()
+            except Exception as exc:  # a device in an error state: closing goes on
+                log.warning("freeing the engine's CUDA graphs failed: %r", exc)
 
     # ---- block tables ---------------------------------------------------------------------------
 
