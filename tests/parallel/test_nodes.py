@@ -1,5 +1,5 @@
 """A run over two machines, as two torchrun "nodes" on this host (c10d rendezvous): on CPUs, one
-gloo process each; on a machine with four GPUs (skipped elsewhere), two NCCL processes each.
+gloo process each; on GPUs (skipped with fewer than two), NCCL processes: two each with four GPUs, else one each.
 `tempering serve` across them answers and trains (on CPUs: as one process does), and a node
 killed in the middle of a training step stops the run with a DistributedError that names it.
 Also, on forked workers: the error of a node that loses several ranks names all of them; the
@@ -35,9 +35,10 @@ ENGINE = {"cpu_kv_cache_bytes": 16 << 20, "max_num_seqs": 32}
 GPU_ENGINE = {"num_kv_blocks": 2048, "max_num_seqs": 32}
 PROMPTS = ["Say a number.", "Name a color.", "Pick a letter.", "Tell me a story."]
 KEY = "nodes-test-key"
-PER_NODE = {"cpu": 1, "cuda": 2}  # processes per node
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 4,
-                                                                reason="needs four GPUs"))]
+# processes per node: on GPUs two each where there are four, else one each
+PER_NODE = {"cpu": 1, "cuda": max(1, min(2, torch.cuda.device_count() // 2))}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                reason="needs two GPUs"))]
 
 
 def free_port() -> int:
@@ -48,7 +49,7 @@ def free_port() -> int:
 
 def start_nodes(root: Path, http_port: int, logs: Path, device: str) -> list[subprocess.Popen]:
     """Two torchrun agents of one c10d rendezvous, each starting `tempering serve` processes: one
-    on the CPU, or two on GPUs 0-1 and 2-3.
+    on the CPU, or on GPUs one each (GPUs 0 and 1) or two each (GPUs 0-1 and 2-3).
 
     Each "machine" has an address of its own (127.0.0.2, 127.0.0.3: torchrun numbers the nodes in
     the order of their addresses), and the first hosts the rendezvous, so that node 1 holds
