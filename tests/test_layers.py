@@ -33,14 +33,7 @@ def _imports(path: Path) -> set[str]:
     package = path.relative_to(SRC).with_suffix("").parts[:-1]
     out = set()
     tree = ast.parse(path.read_text())
-    type_only = {  # imports under `if TYPE_CHECKING:` are annotations, not dependencies
-        id(n) for node in ast.walk(tree)
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
-        for n in ast.walk(node)
-    }
-    for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
+    for node in ast.walk(tree):  # those under `if TYPE_CHECKING:` too: an annotation is a dependency as well
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = list(package[: len(package) - node.level + 1])

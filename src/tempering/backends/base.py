@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ..types import TrainConfig, TrainResult, TrajectoryGroup
 
-if TYPE_CHECKING:
-    from ..model import Model, TrainableModel
-
-__all__ = ["Backend", "report_nothing_learned"]
+__all__ = ["Backend", "ModelRef", "TrainableModelRef", "report_nothing_learned"]
 
 log = logging.getLogger("tempering")
 
@@ -27,37 +24,67 @@ def report_nothing_learned(result: TrainResult) -> None:
                     result.step - 1, result.num_groups)
 
 
+class ModelRef(Protocol):
+    """What a backend reads of the model it serves: `tempering.Model` and `TrainableModel` have it.
+
+    The backends depend on the client's models only through these names (they never import
+    model.py, which imports them). A backend also reads, where present, `trainable`,
+    `lora_config` and ART's `_internal_config` (with getattr: a plain `Model` has none of them).
+
+    Attributes:
+        name: the model's name (unique among a backend's models; what requests send as `model`).
+        project: the project whose directory holds the model's checkpoints and history.
+    """
+
+    name: str
+    project: str
+
+    def model_dump(self, *, mode: str = "python", exclude: Any = None) -> dict[str, Any]:
+        """The model's fields (pydantic's `model_dump`), stored beside its checkpoints."""
+        ...
+
+
+class TrainableModelRef(ModelRef, Protocol):
+    """A `ModelRef` that trains.
+
+    Attributes:
+        base_model: a built-in model name, a Hugging Face model id or a local model directory.
+    """
+
+    base_model: str
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Implemented by `LocalBackend` (everything in this process)."""
 
-    async def register(self, model: Model) -> None:
+    async def register(self, model: ModelRef) -> None:
         """Start serving (and, for a TrainableModel, training) `model`."""
 
-    async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
+    async def _prepare_backend_for_training(self, model: TrainableModelRef, config: Any = None) -> tuple[str, str]:
         """(OpenAI base_url, api_key) that `model.openai_client()` talks to."""
 
-    def _model_inference_name(self, model: Model, step: int | None = None) -> str:
+    def _model_inference_name(self, model: ModelRef, step: int | None = None) -> str:
         """The name to send as `model` in requests: `name` (latest) or `name@step`."""
 
-    async def _get_step(self, model: TrainableModel) -> int:
+    async def _get_step(self, model: TrainableModelRef) -> int:
         """The latest trained step (0 before any)."""
 
-    async def train(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
+    async def train(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
         """One training step (ART >= 0.5.18 keyword style)."""
 
-    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+    async def _train_model(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
         """One training step with a TrainConfig (what `model.train` calls)."""
 
     async def _log(
-        self, model: Model, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]
+        self, model: ModelRef, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]
     ) -> None:
         """Append a history row and store the groups' trajectories."""
 
-    async def _read_history(self, model: Model) -> list[dict[str, Any]]:
+    async def _read_history(self, model: ModelRef) -> list[dict[str, Any]]:
         """The model's history rows, oldest first."""
 
-    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> list[int]:
+    async def _delete_checkpoint_files(self, model: TrainableModelRef, steps_to_keep: list[int]) -> list[int]:
         """Delete every checkpoint not in `steps_to_keep`; returns the deleted steps."""
 
     async def close(self) -> None:

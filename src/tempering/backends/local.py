@@ -20,7 +20,7 @@ import asyncio
 import inspect
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -43,10 +43,7 @@ from .art_mapping import (
     resolve_internal_config,
     train_config_from_options,
 )
-from .base import report_nothing_learned
-
-if TYPE_CHECKING:
-    from ..model import Model, TrainableModel
+from .base import ModelRef, TrainableModelRef, report_nothing_learned
 
 __all__ = ["DEFAULT_ROOT", "LocalBackend", "check_local_options", "train_config_from_options"]
 
@@ -216,7 +213,7 @@ class LocalBackend:
 
     # ---- registration -------------------------------------------------------------------------
 
-    async def register(self, model: Model) -> None:
+    async def register(self, model: ModelRef) -> None:
         """Start serving `model` (loading its weights, resuming from its latest checkpoint).
 
         Raises:
@@ -252,13 +249,13 @@ class LocalBackend:
             server.start()
             self._server = server
 
-    async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
+    async def _prepare_backend_for_training(self, model: TrainableModelRef, config: Any = None) -> tuple[str, str]:
         self._check_open()
         self.hub.service(model.name)
         assert self._server is not None
         return f"{self._server.base_url}/v1", self._api_key
 
-    def _model_inference_name(self, model: Model, step: int | None = None) -> str:
+    def _model_inference_name(self, model: ModelRef, step: int | None = None) -> str:
         return model.name if step is None else f"{model.name}@{step}"
 
     @property
@@ -266,12 +263,12 @@ class LocalBackend:
         """The server's OpenAI base URL (None before a trainable model is registered)."""
         return f"{self._server.base_url}/v1" if self._server else None
 
-    async def _get_step(self, model: TrainableModel) -> int:
+    async def _get_step(self, model: TrainableModelRef) -> int:
         return self.hub.step(model.project, model.name)
 
     # ---- training -----------------------------------------------------------------------------
 
-    async def train(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
+    async def train(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
         """One RL step, ART >= 0.5.18 style: `await backend.train(model, groups, learning_rate=1e-5)`.
 
         Options are TrainConfig's fields plus ART's names: `normalize_advantages`/`scale_rewards`,
@@ -289,7 +286,7 @@ class LocalBackend:
         report_nothing_learned(result)
         return result
 
-    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
+    async def _train_model(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
                            on_event=None) -> TrainResult:
         self._check_open()
         config = apply_train_defaults(config, self._model_options.get(model.name, ModelOptions()).train)
@@ -300,7 +297,7 @@ class LocalBackend:
             self.hub.train_executor, self.hub.train, model.name, groups, config, on_event
         )
 
-    async def _train_sft(self, model: TrainableModel, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
+    async def _train_sft(self, model: TrainableModelRef, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
         self._check_open()
         return await asyncio.get_running_loop().run_in_executor(
             self.hub.train_executor, self.hub.train_sft, model.name, list(trajectories), config, on_event
@@ -308,20 +305,20 @@ class LocalBackend:
 
     # ---- logs and checkpoints -----------------------------------------------------------------
 
-    async def _log(self, model: Model, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
+    async def _log(self, model: ModelRef, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
         self.hub.log(model.project, model.name, split=split, step=step, metrics=metrics, groups=groups)
 
-    async def _read_history(self, model: Model) -> list[dict[str, Any]]:
+    async def _read_history(self, model: ModelRef) -> list[dict[str, Any]]:
         return self.hub.history(model.project, model.name)
 
-    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> list[int]:
+    async def _delete_checkpoint_files(self, model: TrainableModelRef, steps_to_keep: list[int]) -> list[int]:
         return self.hub.delete_checkpoints(model.project, model.name, list(steps_to_keep))
 
-    async def list_checkpoints(self, model: Model) -> list[dict[str, Any]]:
+    async def list_checkpoints(self, model: ModelRef) -> list[dict[str, Any]]:
         """Saved steps of `model` with the metrics logged for them."""
         return self.hub.checkpoints(model.project, model.name)
 
-    async def fork_checkpoint(self, model: Model, *, from_project: str, from_model: str, step: int | None = None,
+    async def fork_checkpoint(self, model: ModelRef, *, from_project: str, from_model: str, step: int | None = None,
                               not_after_step: int | None = None) -> int:
         """Copy a checkpoint of another model into `model` (before registering it); returns the step.
 
@@ -329,7 +326,7 @@ class LocalBackend:
         return await asyncio.to_thread(self.hub.fork, project=model.project, name=model.name, from_project=from_project,
                                        from_name=from_model, step=step, not_after_step=not_after_step)
 
-    async def _experimental_fork_checkpoint(self, model: Model, from_model: str, from_project: str | None = None,
+    async def _experimental_fork_checkpoint(self, model: ModelRef, from_model: str, from_project: str | None = None,
                                             not_after_step: int | None = None, verbose: bool = False) -> int:
         """ART's name: fork the latest checkpoint of `from_model` (at or before `not_after_step`)."""
         return await self.fork_checkpoint(model, from_project=from_project or model.project, from_model=from_model,

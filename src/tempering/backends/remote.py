@@ -14,7 +14,7 @@ import json
 import random
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -37,10 +37,7 @@ from .art_mapping import (
     resolve_internal_config,
     train_config_from_options,
 )
-from .base import report_nothing_learned
-
-if TYPE_CHECKING:
-    from ..model import Model, TrainableModel
+from .base import ModelRef, TrainableModelRef, report_nothing_learned
 
 __all__ = ["RemoteBackend"]
 
@@ -119,7 +116,7 @@ class RemoteBackend:
 
     # ---- the Backend interface ----------------------------------------------------------------
 
-    async def register(self, model: Model) -> None:
+    async def register(self, model: ModelRef) -> None:
         """Register `model` on the server (which loads it, or resumes it from its checkpoints).
 
         Of a model's ART `_internal_config`, the LoRA settings (`peft_args`), the step defaults
@@ -144,22 +141,22 @@ class RemoteBackend:
             **({"dedicated_gpus": options.num_gpus} if options.dedicated else {}),
         })
 
-    async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
+    async def _prepare_backend_for_training(self, model: TrainableModelRef, config: Any = None) -> tuple[str, str]:
         return f"{self.base_url}/v1", self._api_key
 
-    def _model_inference_name(self, model: Model, step: int | None = None) -> str:
+    def _model_inference_name(self, model: ModelRef, step: int | None = None) -> str:
         return model.name if step is None else f"{model.name}@{step}"
 
-    async def _get_step(self, model: TrainableModel) -> int:
+    async def _get_step(self, model: TrainableModelRef) -> int:
         return int((await self._request("GET", f"/v1/models/{model.name}/step"))["step"])
 
-    async def train(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
+    async def train(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
         """One RL step on the server, ART >= 0.5.18 style (options as LocalBackend.train)."""
         result = await self._train_model(model, trajectory_groups, train_config_from_options(options))
         report_nothing_learned(result)
         return result
 
-    async def _train_model(self, model: TrainableModel, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
+    async def _train_model(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
                            on_event=None) -> TrainResult:
         config = apply_train_defaults(config, self._model_options.get(model.name, ModelOptions()).train)
         groups = list(trajectory_groups)
@@ -172,7 +169,7 @@ class RemoteBackend:
         })
         return await self._follow(job["job_id"], on_event)
 
-    async def _train_sft(self, model: TrainableModel, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
+    async def _train_sft(self, model: TrainableModelRef, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
         job = await self._request("POST", f"/v1/models/{model.name}/train_sft", json={
             "request_id": uuid.uuid4().hex,
             "trajectories": [t.model_dump(mode="json") for t in trajectories],
@@ -209,23 +206,23 @@ class RemoteBackend:
                     raise BackendError(f"lost the training job {job_id} at {self.base_url}: {exc!r}") from exc
                 await asyncio.sleep(min(0.5 * 2**failures, 10.0))
 
-    async def _log(self, model: Model, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
+    async def _log(self, model: ModelRef, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
         await self._request("POST", f"/v1/models/{model.name}/log", json={
             "split": split, "step": step, "metrics": metrics, "groups": [g.model_dump(mode="json") for g in groups],
         })
 
-    async def _read_history(self, model: Model) -> list[dict[str, Any]]:
+    async def _read_history(self, model: ModelRef) -> list[dict[str, Any]]:
         return (await self._request("GET", f"/v1/models/{model.name}/history"))["rows"]
 
-    async def _delete_checkpoint_files(self, model: TrainableModel, steps_to_keep: list[int]) -> list[int]:
+    async def _delete_checkpoint_files(self, model: TrainableModelRef, steps_to_keep: list[int]) -> list[int]:
         response = await self._request("POST", f"/v1/models/{model.name}/checkpoints/delete", json={"keep_steps": list(steps_to_keep)})
         return response["deleted"]
 
-    async def list_checkpoints(self, model: Model) -> list[dict[str, Any]]:
+    async def list_checkpoints(self, model: ModelRef) -> list[dict[str, Any]]:
         """Saved steps of `model` with the metrics logged for them."""
         return (await self._request("GET", f"/v1/models/{model.name}/checkpoints"))["checkpoints"]
 
-    async def fork_checkpoint(self, model: Model, *, from_project: str, from_model: str, step: int | None = None,
+    async def fork_checkpoint(self, model: ModelRef, *, from_project: str, from_model: str, step: int | None = None,
                               not_after_step: int | None = None) -> int:
         """Copy a checkpoint of another model into `model` (before registering it); returns the step.
 
@@ -236,7 +233,7 @@ class RemoteBackend:
         })
         return int(response["step"])
 
-    async def _experimental_fork_checkpoint(self, model: Model, from_model: str, from_project: str | None = None,
+    async def _experimental_fork_checkpoint(self, model: ModelRef, from_model: str, from_project: str | None = None,
                                             not_after_step: int | None = None, verbose: bool = False) -> int:
         """ART's name: fork the latest checkpoint of `from_model` (at or before `not_after_step`)."""
         return await self.fork_checkpoint(model, from_project=from_project or model.project, from_model=from_model,
