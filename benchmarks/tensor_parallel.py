@@ -9,7 +9,9 @@ shards. Then:
 
 - rollouts: workload R (32 prompts x n=8, 128-token random prompts, 256 new tokens, EOS
   ignored, logprobs returned) with the live adapter, after a warm-up of the same shape and the
-  capture of every decode CUDA graph; tokens/s.
+  capture of every decode CUDA graph; tokens/s (`--workloads R,1024x1` adds 1024 prompts x 1).
+  With `--baseline`, rank 0 first runs the same workloads on the whole model alone (TP 1), and
+  each workload's `vs_tp1` is the fixed batch's speed-up from splitting the model over N GPUs.
 - a LoRA policy-gradient step (`Trainer.step`) on `--num-seqs` x `--seq-len` tokens (7/8 of them
   trained), after a warm-up step; tokens/s and MFU: 4 x matmul params x tokens (forward plus the
   backward to the inputs; recomputation not counted) over (989 TFLOP/s x N), H100 SXM dense bf16.
@@ -29,7 +31,7 @@ It starts its own ranks 1..N-1 (torchrun's variables, NCCL on GPUs, gloo on CPUs
 `torchrun --nproc-per-node N benchmarks/tensor_parallel.py ...`.
 
     python benchmarks/tensor_parallel.py --device cuda --tp 4 --model 72b
-    python benchmarks/tensor_parallel.py --device cuda --tp 2 --model 1.5b
+    python benchmarks/tensor_parallel.py --device cuda --tp 2 --model 1.5b --workloads R,1024x1 --baseline
     python benchmarks/tensor_parallel.py --device cuda --tp 2 --model 1.5b --check-greedy
     python benchmarks/tensor_parallel.py --device cpu --tp 2 --model tiny [--check-greedy]
 """
@@ -67,8 +69,12 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, max_position_embeddings=1024,
                  rms_norm_eps=1e-6),
 }
-WORKLOADS = {"gpu": dict(num_prompts=32, n=8, max_new=256, prompt_len=128),
-             "cpu": dict(num_prompts=4, n=2, max_new=16, prompt_len=16)}
+WORKLOADS = {  # rollout.py's R and 1024x1 on GPUs (128-token prompts); small twins on CPUs
+    "gpu": {"R": dict(num_prompts=32, n=8, max_new=256, prompt_len=128),
+            "1024x1": dict(num_prompts=1024, n=1, max_new=256, prompt_len=128)},
+    "cpu": {"R": dict(num_prompts=4, n=2, max_new=16, prompt_len=16),
+            "1024x1": dict(num_prompts=8, n=1, max_new=16, prompt_len=16)},
+}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 H100_BF16_FLOPS = 989e12
 
@@ -230,7 +236,7 @@ def prompts_for(count: int, length: int, vocab: int, seed: int = 0) -> list[list
 
 
 def time_rollouts(engine: Engine, prompts: list[list[int]], work: dict) -> dict:
-    """Workload R with the live adapter: seconds and tokens/s, after a full-length warm-up and the
+    """One workload with the live adapter: seconds and tokens/s, after a full-length warm-up and the
     capture of every decode graph bucket."""
     policy = _Policy()
     graphs = engine.runner.graphs
@@ -248,6 +254,22 @@ def time_rollouts(engine: Engine, prompts: list[list[int]], work: dict) -> dict:
     num_tokens = sum(len(c.token_ids) for r in results for c in r)
     assert num_tokens == len(prompts) * work["n"] * work["max_new"]
     return {"rollout_s": round(elapsed, 3), "rollout_tok_s": round(num_tokens / elapsed, 1)}
+
+
+def baseline_rollouts(args, device: torch.device, dtype: torch.dtype, workloads: dict[str, dict]) -> dict:
+    """The workloads on the whole model on this one device (TP 1), its memory freed afterwards."""
+    vocab = SHAPES[args.model]["vocab_size"]
+    model = build_sharded(args.model, None, device, dtype)
+    engine, trainer = engine_and_trainer(model, None, device, args)
+    try:
+        return {name: time_rollouts(engine, prompts_for(work["num_prompts"], work["prompt_len"], vocab), work)
+                for name, work in workloads.items()}
+    finally:
+        engine.close()
+        del engine, trainer, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def train_sequences(num_seqs: int, seq_len: int, vocab: int) -> list[TokenizedSequence]:
@@ -350,20 +372,28 @@ def run(args) -> None:
     # the ranks wait for each other on the host (gloo), never in a GPU kernel that would spin meanwhile
     waits = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    workloads = {name: WORKLOADS["gpu" if device.type == "cuda" else "cpu"][name] for name in args.workloads}
     if args.check_greedy:
         out = check_greedy(args, tp, device, dtype, waits)
     else:
+        out = {}
+        if args.baseline and tp.is_leader:  # the same shape whole on this GPU alone, first
+            out["tp1"] = baseline_rollouts(args, device, dtype, workloads)
+            progress("TP 1 baseline done", device)
+        dist.barrier(group=waits)
         vocab = SHAPES[args.model]["vocab_size"]
-        work = WORKLOADS["gpu" if device.type == "cuda" else "cpu"]
         start = time.perf_counter()
         model = build_sharded(args.model, tp, device, dtype)
         progress("model built", device)
         engine, trainer = engine_and_trainer(model, tp, device, args)
         sync(device)
         progress("engine and trainer built", device)
-        out = {"build_s": round(time.perf_counter() - start, 1)}
+        out["build_s"] = round(time.perf_counter() - start, 1)
         if tp.is_leader:
-            out.update(time_rollouts(engine, prompts_for(work["num_prompts"], work["prompt_len"], vocab), work))
+            for name, work in workloads.items():
+                out[name] = time_rollouts(engine, prompts_for(work["num_prompts"], work["prompt_len"], vocab), work)
+                if "tp1" in out:  # the fixed batch's speed-up over one GPU
+                    out[name]["vs_tp1"] = round(out[name]["rollout_tok_s"] / out["tp1"][name]["rollout_tok_s"], 3)
             out["kv_cache_tokens"] = engine.blocks.capacity_tokens
             print(f"rollouts: {json.dumps(out)}", file=sys.stderr, flush=True)  # kept if the train step fails
         dist.barrier(group=waits)  # the followers' engines ran the rollouts; now every rank trains
@@ -385,7 +415,7 @@ def run(args) -> None:
             "benchmark": "tensor_parallel", "model": args.model, "tp": args.tp, "device": device_type,
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "workload": None if args.check_greedy else
-            {**WORKLOADS["gpu" if device.type == "cuda" else "cpu"], "train_tokens": args.num_seqs * args.seq_len,
+            {**workloads, "train_tokens": args.num_seqs * args.seq_len,
              "micro_batch_tokens": args.micro_batch_tokens, "kv_fraction": args.kv_fraction},
             **out}), flush=True)
     dist.barrier(group=waits)
@@ -400,6 +430,10 @@ def main() -> None:
                         help="tensor_parallel_size: processes (GPUs) the model is split over")
     parser.add_argument("--model", choices=sorted(SHAPES), default=None, help="default: 72b on cuda, tiny on cpu")
     parser.add_argument("--check-greedy", action="store_true", help="compare greedy tokens at TP N with TP 1")
+    parser.add_argument("--workloads", default="R", help="comma-separated rollout workloads: R, 1024x1")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first time the workloads on the whole model on GPU 0 alone (TP 1; shapes that fit one "
+                             "GPU): the fixed batch's speed-up over one GPU, measured in the same run")
     parser.add_argument("--num-seqs", type=int, default=None,
                         help="sequences per train step (default 16 on cuda, 4 on cpu)")
     parser.add_argument("--seq-len", type=int, default=None,
@@ -411,12 +445,15 @@ def main() -> None:
                         help="write every thread's stack every N seconds (0: never) to --stack-dump-dir")
     parser.add_argument("--stack-dump-dir", default="tp-stacks", help="where each rank's stacks-rankR.txt goes")
     args = parser.parse_args()
+    args.workloads = args.workloads.split(",")
+    if unknown := set(args.workloads) - set(WORKLOADS["gpu"]):
+        parser.error(f"unknown workloads {sorted(unknown)}: choose from {sorted(WORKLOADS['gpu'])}")
     gpu = args.device == "cuda"
     args.model = args.model or ("72b" if gpu else "tiny")
     args.num_seqs = args.num_seqs or (16 if gpu else 4)
     args.seq_len = args.seq_len or (1024 if gpu else 64)
-    if args.check_greedy and args.model == "72b":
-        parser.error("--check-greedy draws the whole model on each device: use --model 1.5b or tiny")
+    if (args.check_greedy or args.baseline) and args.model == "72b":
+        parser.error("--check-greedy and --baseline put the whole model on one device: use --model 1.5b or tiny")
     procs = []
     if "RANK" not in os.environ:  # start ranks 1..N-1 as torchrun would, this process is rank 0
         with socket.socket() as s:
