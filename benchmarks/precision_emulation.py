@@ -134,7 +134,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch
 
 def stats(d: torch.Tensor) -> dict:
     d = d.abs()
-    return {"mean": round(float(d.mean()), 5), "p99": round(float(d.quantile(0.99)), 5), "max": round(float(d.max()), 4)}
+    return {"mean": round(float(d.mean()), 5), "p99": round(float(d.quantile(0.99)), 5),
+            "max": round(float(d.max()), 4)}
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tempering.engine import BasePolicy, Engine, EngineConfig, SamplingParams
+from tempering.engine import Engine, EngineConfig, SamplingParams
 from tempering.engine.models import LlamaFamilyModel
 from tempering.modeling.tensor_parallel import TensorParallel, shard_llama_
 from tempering.training import TokenizedSequence, Trainer

@@ -34,7 +34,8 @@ def run_ranks(script: Path, scenario: str, out: Path, *, device: str = "cpu", wo
         for p in procs:
             logs.append(p.communicate(timeout=timeout_s)[0])
     except subprocess.TimeoutExpired:
-        for p in procs:  # every thread's stack (the rank scripts register faulthandler on SIGUSR1), then the end of each rank's output
+        # every thread's stack (the rank scripts register faulthandler on SIGUSR1), then each rank's output
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGUSR1)
         tails = []

@@ -70,10 +70,12 @@ class Backend(Protocol):
     async def _get_step(self, model: TrainableModelRef) -> int:
         """The latest trained step (0 before any)."""
 
-    async def train(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
+    async def train(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup],
+                    **options: Any) -> TrainResult:
         """One training step (ART >= 0.5.18 keyword style)."""
 
-    async def _train_model(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+    async def _train_model(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup],
+                           config: TrainConfig) -> TrainResult:
         """One training step with a TrainConfig (what `model.train` calls)."""
 
     async def _log(
