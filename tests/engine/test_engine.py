@@ -233,3 +233,21 @@ def test_tiny_temperatures_are_greedy_and_top_p_zero_keeps_the_top_token(setup):
     assert SamplingParams(temperature=1e-300).logprob_temperature == 1.0
     with pytest.raises(ConfigError, match="top_k"):
         SamplingParams(top_k=2**70)
+
+
+def test_a_kv_cache_sized_from_memory_stops_at_max_kv_blocks(setup, monkeypatch):
+    """A small model in a large memory budget would otherwise count millions of blocks (an object
+    each in the block manager: tens of seconds to create for a tiny model on an 80 GB GPU)."""
+    from tempering.engine import model_runner
+
+    _, model, tokenizer, renderer, _ = setup
+    monkeypatch.setattr(model_runner, "MAX_KV_BLOCKS", 40)
+    capped = Engine(engine_model_for(model, 8192), tokenizer, stop_token_ids=renderer.stop_token_ids,
+                    lock=threading.RLock(), config=EngineConfig(cpu_kv_cache_bytes=1 << 30))
+    try:
+        assert capped.runner.num_blocks == 40  # 1 GiB would hold ~1,400 blocks of this model
+        out = capped.submit(prompt(renderer, QUESTIONS[0]), SamplingParams(max_tokens=4, temperature=0),
+                            policy=BasePolicy()).result(timeout=120)
+        assert len(out[0].token_ids) == 4
+    finally:
+        capped.close()
