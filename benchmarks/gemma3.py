@@ -25,6 +25,7 @@ Helpers are rollout.py's and train_step.py's (warm-ups, CUDA-graph capture, sync
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import threading
@@ -80,6 +81,10 @@ def rollouts(model, trainer, device: torch.device, work: dict, *, with_generate:
         elapsed, _ = time_engine(engine, prompts, work, policy, full_warm=True)
     finally:
         engine.close()
+        del engine  # and its KV cache: the train step's peak memory is the trainer's alone
+        gc.collect()  # (the engine's reference cycles)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     tokens = work["num_prompts"] * work["n"] * work["max_new"]
     out = {"shape": work, "engine_lora_tok_s": round(tokens / elapsed, 1)}
     if with_generate:

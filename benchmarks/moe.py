@@ -143,6 +143,10 @@ def rollout_part(args, model, trainer: Trainer, device: torch.device, record: di
                                                   / record["rollout"]["lora_tok_per_s"], 3)
     finally:
         engine.close()
+        del engine  # and its KV cache: a later train step's peak memory is the trainer's alone
+        gc.collect()  # (the engine's reference cycles)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def train_part(args, model, trainer: Trainer, device: torch.device, record: dict) -> None:
