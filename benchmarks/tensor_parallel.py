@@ -55,7 +55,9 @@ import torch.distributed as dist
 from tempering.engine import Engine, EngineConfig, SamplingParams
 from tempering.engine.models import LlamaFamilyModel
 from tempering.modeling.tensor_parallel import TensorParallel, shard_llama_
+from tempering.service.policies import AdapterPolicy
 from tempering.training import TokenizedSequence, Trainer
+from tempering.training.trainer import ADAPTER_NAME
 from tempering.types import LoRAConfig, TrainConfig
 
 SHAPES = {
@@ -94,17 +96,9 @@ def progress(what: str, device: torch.device) -> None:
     print(f"[rank {rank} {time.perf_counter() - _START:7.1f} s] {what}{memory}", file=sys.stderr, flush=True)
 
 
-class _Policy:
-    """The live adapter "default" (the trainer's), as the service's policy presents it."""
-
-    key = ("adapter", "default")
-    adapter_name = "default"
-    cache_version = version = 1
-
-    def activate(self):
-        import contextlib
-
-        return contextlib.nullcontext()
+def live_policy() -> AdapterPolicy:
+    """The trainer's live adapter, as the service presents it to the engine (activating it is a no-op)."""
+    return AdapterPolicy(None, ADAPTER_NAME, 1)
 
 
 def hf_config(shape: str):
@@ -238,7 +232,7 @@ def prompts_for(count: int, length: int, vocab: int, seed: int = 0) -> list[list
 def time_rollouts(engine: Engine, prompts: list[list[int]], work: dict) -> dict:
     """One workload with the live adapter: seconds and tokens/s, after a full-length warm-up and the
     capture of every decode graph bucket."""
-    policy = _Policy()
+    policy = live_policy()
     graphs = engine.runner.graphs
     for size in graphs.buckets if graphs is not None else []:
         engine.submit(prompts[0][:16], SamplingParams(max_tokens=3, ignore_eos=True), n=size, policy=policy).result()
@@ -313,7 +307,7 @@ def matmul_params(shape: str) -> int:
 
 def greedy(engine: Engine, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[float]]]:
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
-    futures = [engine.submit(p, params, policy=_Policy()) for p in prompts]
+    futures = [engine.submit(p, params, policy=live_policy()) for p in prompts]
     return [(c.token_ids, c.logprobs) for c in (f.result()[0] for f in futures)]
 
 

@@ -1,16 +1,23 @@
-"""Running a test's rank script as several processes with torchrun's variables (CPU gloo or GPU NCCL)."""
+"""Running a test's rank script as several processes with torchrun's variables (CPU gloo or GPU NCCL), the
+rank scripts' start, and the random training data the data-parallel and tensor-parallel tests share."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from tempering.training import TokenizedSequence
 
 
 def free_port() -> int:
@@ -60,3 +67,34 @@ def run_ranks(script: Path, scenario: str, out: Path, *, device: str = "cpu", wo
         assert path.is_file(), f"rank {rank} wrote no result:\n{logs[rank][-3000:]}"
         results.append(torch.load(path, weights_only=False))
     return results
+
+
+def start_rank(device_type: str, *, bind_device: bool = False, **init_kwargs: Any) -> tuple[int, torch.device]:
+    """In a rank script: join the process group (NCCL on cuda:RANK, gloo on the CPU) with
+    `init_process_group`'s `init_kwargs` (`bind_device`: its `device_id` on CUDA, NCCL set up at
+    once), one CPU thread, and every thread's stack written on SIGUSR1 (what `run_ranks` sends when
+    the ranks time out). Returns (rank, device)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if bind_device:
+            init_kwargs["device_id"] = device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **init_kwargs)
+    return rank, device
+
+
+def random_sequences(seed: int, n: int, vocab_size: int) -> list[TokenizedSequence]:
+    """`n` random RL sequences (12-40 tokens, the last 3-10 trained), groups of 4, mixed-sign advantages."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length, k = rng.randint(12, 40), rng.randint(3, 10)
+        out.append(TokenizedSequence(
+            [rng.randrange(vocab_size) for _ in range(length)], [False] * (length - k) + [True] * k,
+            [float("nan")] * (length - k) + [rng.uniform(-3, -0.5) for _ in range(k)],
+            advantage=rng.choice([-1.0, -0.5, 0.5, 1.0]), group_index=i // 4, trajectory_index=i % 4,
+        ))
+    return out

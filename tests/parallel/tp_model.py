@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import random
+import sys
 import threading
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from rank_processes import random_sequences
 
 from tempering.training import TokenizedSequence
 from tempering.types import TrainConfig
@@ -65,19 +69,6 @@ def wrap_with_adapter(model, state: dict[str, torch.Tensor], tp=None):
     return peft
 
 
-class LivePolicy:
-    """The PEFT adapter "default", as the service's policy presents it."""
-
-    key = ("adapter", "default")
-    adapter_name = "default"
-    cache_version = version = 1
-
-    def activate(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
 def engine_for(model, peft, tp=None):
     """The engine on `model` (its shards with `tp`); `peft`: the PEFT model, or a function returning it
     (an engine made before the trainer, as the service makes them)."""
@@ -100,10 +91,13 @@ class _IdsOnly:
 def generate(engine) -> dict:
     """Greedy completions of PROMPTS (24 tokens) with the base model and with the adapter."""
     from tempering.engine import BasePolicy, SamplingParams
+    from tempering.service.policies import AdapterPolicy
+    from tempering.training.trainer import ADAPTER_NAME
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     out = {}
-    for key, policy in (("base", BasePolicy()), ("lora", LivePolicy())):
+    live = AdapterPolicy(None, ADAPTER_NAME, 1)  # the trainer's live adapter (activating it is a no-op)
+    for key, policy in (("base", BasePolicy()), ("lora", live)):
         futures = [engine.submit(p, params, policy=policy) for p in PROMPTS]  # batched together
         completions = [f.result(120)[0] for f in futures]
         out[key] = ([c.token_ids for c in completions], [c.logprobs for c in completions])
@@ -111,16 +105,7 @@ def generate(engine) -> dict:
 
 
 def sequences(seed: int, n: int = 8) -> list[TokenizedSequence]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        length, k = rng.randint(12, 40), rng.randint(3, 10)
-        out.append(TokenizedSequence(
-            [rng.randrange(TINY["vocab_size"]) for _ in range(length)], [False] * (length - k) + [True] * k,
-            [float("nan")] * (length - k) + [rng.uniform(-3, -0.5) for _ in range(k)],
-            advantage=rng.choice([-1.0, -0.5, 0.5, 1.0]), group_index=i // 4, trajectory_index=i % 4,
-        ))
-    return out
+    return random_sequences(seed, n, TINY["vocab_size"])
 
 
 def config() -> TrainConfig:

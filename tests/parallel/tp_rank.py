@@ -16,9 +16,6 @@ computes on cuda:r and the ranks talk through NCCL; on "cpu" through gloo.
 
 from __future__ import annotations
 
-import faulthandler
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -26,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from rank_processes import start_rank
 from tp_model import engine_for, full_adapter, generate, tiny_llama, wrap_with_adapter
 
 from tempering.modeling.tensor_parallel import TensorParallel, shard_llama_
@@ -124,15 +123,8 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
 
 
 def main() -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks for the stacks of a hang
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    device_type = sys.argv[3] if len(sys.argv) > 3 else "cpu"
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, device = start_rank(sys.argv[3] if len(sys.argv) > 3 else "cpu")
     tp = TensorParallel()
     result: dict = {}
     {"engine": engine, "train": train}[scenario](tp, result, out, device)

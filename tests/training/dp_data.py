@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import random
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from rank_processes import random_sequences
 
 from tempering.training import TokenizedSequence, Trainer
 from tempering.types import LoRAConfig, TrainConfig
@@ -34,16 +37,7 @@ def make_trainer(*, seed: int, dp=None, adapter: Path | None = None, device: tor
 
 
 def sequences(seed: int, n: int = 12) -> list[TokenizedSequence]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        length, k = rng.randint(12, 40), rng.randint(3, 10)
-        out.append(TokenizedSequence(
-            [rng.randrange(TINY["vocab_size"]) for _ in range(length)], [False] * (length - k) + [True] * k,
-            [float("nan")] * (length - k) + [rng.uniform(-3, -0.5) for _ in range(k)],
-            advantage=rng.choice([-1.0, -0.5, 0.5, 1.0]), group_index=i // 4, trajectory_index=i % 4,
-        ))
-    return out
+    return random_sequences(seed, n, TINY["vocab_size"])
 
 
 def config() -> TrainConfig:

@@ -13,9 +13,7 @@ computes on cuda:r and the ranks talk through NCCL; on "cpu" through gloo.
 from __future__ import annotations
 
 import datetime
-import faulthandler
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -23,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from dp_data import config, make_trainer, sequences, sft_batches
+from rank_processes import start_rank
 
 from tempering.storage import write_atomically
 from tempering.training.data_parallel import DataParallel
@@ -83,16 +83,9 @@ def faults(rank: int, dp: DataParallel, out: Path, result: dict, device: torch.d
 
 
 def main() -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks for the stacks of a hang
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    device_type = sys.argv[3] if len(sys.argv) > 3 else "cpu"
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=30),
-                            device_id=device if device.type == "cuda" else None)
+    rank, device = start_rank(sys.argv[3] if len(sys.argv) > 3 else "cpu", bind_device=True,
+                              timeout=datetime.timedelta(seconds=30))
     result: dict = {}
     {"train": train, "faults": faults}[scenario](rank, DataParallel(), out, result, device)
     torch.save(result, out / f"rank{rank}.pt")
