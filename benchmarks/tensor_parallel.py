@@ -314,7 +314,7 @@ def greedy(engine: Engine, prompts: list[list[int]], max_new: int) -> list[tuple
 def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dtype, waits) -> dict:
     """Greedy tokens at TP N against TP 1 on rank 0 (the same weights and adapter)."""
     vocab = SHAPES[args.model]["vocab_size"]
-    work = WORKLOADS[device.type if device.type == "cpu" else "gpu"]
+    work = WORKLOADS[device.type if device.type == "cpu" else "gpu"]["R"]
     prompts = prompts_for(8, work["prompt_len"], vocab, seed=3)
     max_new = 64 if device.type == "cuda" else 16
     state = full_adapter_state(args.model)
