@@ -38,6 +38,7 @@ def main() -> None:
     device = torch.device("cuda")
     equal = {name: True for name in triton_matmul.CONFIGS}
     timings: dict = {}
+    buckets: dict = {}
     for shape, (K, N) in SHAPES.items():
         out_dtype = torch.float32 if shape.endswith("lm_head") else torch.bfloat16
         w = (torch.randn(N, K, device=device) / K ** 0.5).to(torch.bfloat16)
@@ -58,9 +59,22 @@ def main() -> None:
             best = min((k for k in row if k != "cublas"), key=row.__getitem__)
             timings[f"{shape}.M{m}"] = {**{k: round(v, 1) for k, v in row.items()}, "best": best,
                                         "best_vs_cublas": round(row[best] / row["cublas"], 2),
-                                        "default_vs_cublas": round(row[triton_matmul.DEFAULT_CONFIG] / row["cublas"], 2)}
+                                        "default_vs_cublas": round(row[triton_matmul.DEFAULT_CONFIG] / row["cublas"], 2),
+                                        "selected": triton_matmul.config_for(m, N),
+                                        "selected_vs_cublas": round(row[triton_matmul.config_for(m, N)] / row["cublas"], 2)}
+            ratios = buckets.setdefault(bucket(m, N), {})
+            for name in triton_matmul.CONFIGS:
+                ratios[name] = ratios.get(name, 0.0) + row[name] / row["cublas"]
+    # per SELECT bucket, the bitwise-equal config with the least summed time over cuBLAS's
+    suggested = {"/".join(b): min((c for c in r if equal[c]), key=r.__getitem__) for b, r in buckets.items()}
     print(json.dumps({"benchmark": "batch_invariant_matmul", "machine": torch.cuda.get_device_name(device),
-                      "torch": torch.__version__, "bitwise_equal_to_default": equal, "us": timings}))
+                      "torch": torch.__version__, "bitwise_equal_to_default": equal, "suggested_select": suggested,
+                      "us": timings}))
+
+
+def bucket(M: int, N: int) -> tuple[str, str]:
+    """The SELECT key of a product (triton_matmul.config_for)."""
+    return ("large" if M >= triton_matmul.LARGE_M else "small", "large" if N >= triton_matmul.LARGE_N else "small")
 
 
 if __name__ == "__main__":

@@ -229,6 +229,8 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
     rows = {r["step"]: r for r in await backend._read_history(model) if "train/reward" in r}
     piped_tokens = [rows[first_step + i]["data/step_completion_tokens"] for i in range(iterations + 1)]
     ages = [rows[first_step + i].get("offpolicy/policy_age_mean", 0.0) for i in range(iterations + 1)]
+    piped_train = [rows[first_step + i].get("time/step_trainer_s", 0.0) for i in range(1, iterations + 1)]
+    piped_rescore = [rows[first_step + i].get("time/step_rescore_s", 0.0) for i in range(1, iterations + 1)]
     await backend.close()
 
     seq_s = statistics.mean(it["s"] for it in sequential)
@@ -261,6 +263,8 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
         "pipelined_gpu_busy_fraction_per_gpu": busy.fractions,
         "pipelined_step_wall_s": [round(x, 3) for x in piped.step_wall_s],
         "pipelined_policy_age_mean": round(statistics.mean(ages[1:]), 3),
+        "pipelined_train_s": round(statistics.mean(piped_train), 3),  # the trainer's time per step
+        "pipelined_rescore_s": round(statistics.mean(piped_rescore), 3),  # of which exact mode's rescoring
         "pipelined_stale_groups_dropped": piped.num_stale_groups_dropped,
         "ratio_s_per_iteration": round(pipe_s / seq_s, 3),
         "ratio_trained_tokens_per_s": round(pipe_tps / seq_tps, 3),

@@ -44,6 +44,40 @@ def test_triton_paged_decode_matches_sdpa(heads, kv_heads, dim, window):
     assert (out.float() - ref.float()).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (9, 3, 64), (8, 8, 64), (32, 8, 128), (32, 2, 128)])
+def test_invariant_attention_prefills_each_query_bit_for_bit_as_it_decodes_it(heads, kv_heads, dim):
+    from tempering.engine.layers.triton_attention import invariant_attention, queries_per_block
+
+    torch.manual_seed(0)
+    device, page, num_blocks = "cuda", 16, 512
+    k_cache = torch.randn(num_blocks, page, kv_heads, dim, device=device, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    # three chunks: a whole prompt, a chunk extending a cached prefix of 60 keys, a one-token chunk
+    chunks = [(0, 130), (60, 75), (299, 1)]  # (cached keys, new queries)
+    tables = [torch.randperm(num_blocks - 1, device=device)[:40] + 1 for _ in chunks]
+    per_token_tables = torch.cat([t[None].expand(n, -1) for t, (_, n) in zip(tables, chunks)])
+    lens = torch.cat([torch.arange(c + 1, c + n + 1, device=device) for c, n in chunks])
+    per_block = queries_per_block(heads, kv_heads)
+    blocks, first = [], 0
+    for _, n in chunks:
+        blocks += [(first + s, min(per_block, n - s)) for s in range(0, n, per_block)]
+        first += n
+    blocks = torch.tensor(blocks, device=device, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, dim, device=device, dtype=torch.bfloat16)
+    scale = dim ** -0.5
+    prefilled = invariant_attention(q, k_cache, v_cache, per_token_tables, lens, scale, blocks)
+    decoded = invariant_attention(q, k_cache, v_cache, per_token_tables, lens, scale)  # one query per program
+    assert torch.equal(prefilled, decoded)
+    # the same queries decoded among other rows (a padding row of 0 keys included)
+    padded = torch.cat([q[:5], torch.zeros_like(q[:1]), q[5:]])
+    padded_lens = torch.cat([lens[:5], lens.new_zeros(1), lens[5:]])
+    padded_tables = torch.cat([per_token_tables[:5], per_token_tables[:1], per_token_tables[5:]])
+    crowd = invariant_attention(padded, k_cache, v_cache, padded_tables, padded_lens, scale)
+    assert torch.equal(torch.cat([crowd[:5], crowd[6:]]), decoded) and not crowd[5].any()
+    ref = reference_decode(q, k_cache, v_cache, per_token_tables, lens, scale)
+    assert (decoded.float() - ref.float()).abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("window", [None, 8], ids=["all-keys", "window-8"])
 def test_varlen_prefill_matches_per_sequence_sdpa(window):
     from tempering.engine.layers.triton_attention import HAS_VARLEN, varlen_prefill_attention

@@ -45,6 +45,9 @@ class StepContext:
         prefill_block_tables: [Np, max_blocks] int64, each prefill token's sequence's blocks, and
         prefill_context_lens: [Np] int64, its keys (its position + 1): batch-invariant mode, where
             every prefill query runs the decode kernel as if decoded (layers/attention.py).
+        prefill_query_blocks: [num_blocks, 2] int32, batch-invariant mode on GPU: (first prefill
+            token, count) of each block of consecutive queries of one chunk that share an
+            attention program; built by the first layer that needs it.
     """
 
     slot_mapping: torch.Tensor
@@ -59,3 +62,4 @@ class StepContext:
     max_k: int = 0
     prefill_block_tables: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
+    prefill_query_blocks: torch.Tensor | None = None

@@ -225,6 +225,7 @@ class Trainer:
         self._undo: _Undo | None = None  # what a failing step restores (see _undoable)
         self._updates_this_step = 0  # optimizer updates taken by the running step
         self._num_rescored: int | None = None  # the running step's trained tokens rescored (None: no scorer)
+        self._rescore_s = 0.0  # the running step's seconds in the scorer
 
     def _check_tensor_parallel(self, peft_model: Any) -> None:
         for name, _ in self.named_params:
@@ -423,6 +424,7 @@ class Trainer:
         if not self.model.training:  # .train() walks every module: milliseconds per step
             self.model.train()
         self._updates_this_step, self._num_rescored = 0, 0 if scorer is not None else None
+        self._rescore_s = 0.0
         totals = _Totals()
         try:
             with self._forward_mode(config.gradient_checkpointing):
@@ -539,8 +541,10 @@ class Trainer:
         try:
             if failure is None:
                 if scorer is not None:
+                    began = time.perf_counter()
                     self._num_rescored += _attach_exact_logprobs(sequences, scorer,
                                                                  weights_changed=self._updates_this_step > 0)
+                    self._rescore_s += time.perf_counter() - began
                 for micro in pack_sequences(sequences, max_tokens=max_tokens, weights=weights,
                                             share_prefixes=self.share_prompts):
                     if not micro.loss_mask[0, 1:].any():
@@ -740,6 +744,7 @@ class Trainer:
             metrics["offpolicy/bitwise_equal_fraction"] = t["first_bitwise_equal"] / t["first_trained"]
         if self._num_rescored is not None:  # exact on-policy: the share of trained tokens the engine recomputed
             metrics["offpolicy/rescored_fraction"] = self._num_rescored / n
+            metrics["time/step_rescore_s"] = self._rescore_s  # within time/step_trainer_s
         if config.kl_penalty_coef > 0:
             metrics["loss/kl"] = t["kl"] / n
         if config.truncated_importance_sampling is not None:

@@ -10,6 +10,8 @@ A token's K/V lives at slot `block_id * block_size + offset`. The flat batch hol
   queries aligned to the end of the keys (lower-right).
 - GPU: decode rows use the Triton paged kernel (no gather); prefill chunks use one packed
   `varlen_attn` call (see triton_attention.py).
+- GPU, batch-invariant mode: decode rows and prefill queries run one kernel
+  (`invariant_attention`), so that a query prefilled or scored equals it decoded, bit for bit.
 
 A sliding window (Mistral, Gemma 3's local layers) limits each query to its last `window` keys,
 as transformers' sliding-window mask: the query at position i sees the keys j with
@@ -18,6 +20,7 @@ i - window < j <= i. The cache still holds every key (all layers share one block
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,9 +29,9 @@ from ..context import StepContext
 __all__ = ["paged_attention", "store_kv"]
 
 try:  # the GPU kernels need Triton, which CPU builds of torch do not bring
-    from .triton_attention import paged_decode_attention, varlen_prefill_attention
+    from .triton_attention import invariant_attention, paged_decode_attention, queries_per_block, varlen_prefill_attention
 except ImportError:  # pragma: no cover - depends on the installation
-    paged_decode_attention = varlen_prefill_attention = None
+    invariant_attention = paged_decode_attention = queries_per_block = varlen_prefill_attention = None
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -53,30 +56,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ctx: where each row's keys are.
         scale: softmax scale (1/sqrt(D) for the Llama family).
         window: sliding attention window in tokens (see the module docstring); None: every key.
-        batch_invariant: (CUDA) every query, decode or prefill, in one pass of the decode kernel over
-            its keys in 64-key tiles from the first: its result depends on nothing but its own keys
+        batch_invariant: (CUDA) every query, decode or prefill, in one pass over its keys in 64-key
+            tiles from the first, by one kernel: its result depends on nothing but its own keys
             (needs ctx.prefill_block_tables / prefill_context_lens for prefill rows).
 
     Returns:
         [N, num_heads, D].
     """
     gpu = q.is_cuda and paged_decode_attention is not None
+    if gpu and batch_invariant:
+        if window is not None:
+            raise ValueError("batch-invariant attention has no sliding window (the Llama family has none)")
+        return _invariant(q, k_cache, v_cache, ctx, scale)
     B = ctx.num_decode
-    splits = 1 if batch_invariant else None  # one pass over the keys: a split count follows the batch size
     if gpu and not ctx.prefill:  # the CUDA-graph path: no host work, no extra copy
         return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale,
-                                      window=window, num_splits=splits)
+                                      window=window)
     out = torch.empty_like(q)
     if B and gpu:
         out[:B] = paged_decode_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
-                                         scale, window=window, num_splits=splits)
+                                         scale, window=window)
     elif B:
         out[:B] = _decode_sdpa(q[:B], k_cache, v_cache, ctx, scale, window)
     if ctx.prefill:
-        if gpu and batch_invariant:  # each prefill query exactly as it would be decoded (or scored)
-            out[B:] = paged_decode_attention(q[B:], k_cache, v_cache, ctx.prefill_block_tables,
-                                             ctx.prefill_context_lens, scale, window=window, num_splits=1)
-        elif gpu and ctx.prefill_key_slots is not None:
+        if gpu and ctx.prefill_key_slots is not None:
             num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
             keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx.prefill_key_slots)
             values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx.prefill_key_slots)
@@ -84,6 +87,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                window=window)
         else:
             _prefill_sdpa(q, k_cache, v_cache, ctx, scale, out, window)
+    return out
+
+
+def _invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+               scale: float) -> torch.Tensor:
+    B = ctx.num_decode
+    if not ctx.prefill:  # the CUDA-graph path
+        return invariant_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale)
+    out = torch.empty_like(q)
+    if B:
+        out[:B] = invariant_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale)
+    if ctx.prefill_query_blocks is None:  # once per step, for every layer
+        per_block = queries_per_block(q.shape[1], k_cache.shape[2])
+        firsts, counts = [], []
+        for span in ctx.prefill:
+            starts = np.arange(0, span.num_new, per_block)
+            firsts.append(span.start - B + starts)
+            counts.append(np.minimum(per_block, span.num_new - starts))
+        blocks = np.stack([np.concatenate(firsts), np.concatenate(counts)], axis=1).astype(np.int32)
+        ctx.prefill_query_blocks = torch.from_numpy(blocks).to(q.device)
+    out[B:] = invariant_attention(q[B:], k_cache, v_cache, ctx.prefill_block_tables, ctx.prefill_context_lens, scale,
+                                  ctx.prefill_query_blocks)
     return out
 
 

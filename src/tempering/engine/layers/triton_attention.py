@@ -9,6 +9,15 @@ once. The grid depends only on the batch bucket, so the kernel can be captured i
 Design after lightllm/SGLang's grouped decode kernels and vLLM's block-table addressing (see
 reference/ENGINE_NOTES.md, section 2); the code is ours.
 
+Batch-invariant mode (EngineConfig.batch_invariant) runs decode rows and prefill queries through
+one kernel, `invariant_attention`: a program holds a block of up to `queries_per_block` queries
+of one sequence (with every query head of one KV head each: 64 rows for the matrix unit), walks
+their keys in 64-key tiles from the first in one pass, and masks each query to its own keys. A
+query's arithmetic is the same whichever block and row hold it: the same compiled kernel, the
+same tiles in the same order, and tiles past a query's keys add exact zeros. So a prefill query
+equals, bit for bit, the same query decoded, while a block shares each key tile among its
+queries (the per-query decode kernel reloads every tile for every query).
+
 Prefill chunks gather their keys (cached prefix + new tokens) into one packed buffer and call
 `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 inside PyTorch >= 2.10), causal with
 queries aligned to the end of their keys.
@@ -20,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["HAS_VARLEN", "paged_decode_attention", "varlen_prefill_attention"]
+__all__ = ["HAS_VARLEN", "invariant_attention", "paged_decode_attention", "queries_per_block", "varlen_prefill_attention"]
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -189,3 +198,122 @@ def _merge_splits_kernel(OutPartial, LsePartial, Out, stride_ob, stride_oh, stri
     o = tl.load(OutPartial + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :])
     out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(Out + b * stride_yb + h * stride_yh + d, out.to(Out.dtype.element_ty))
+
+
+INVARIANT_ROWS = 64  # rows of a batch-invariant attention block: queries x padded query heads of one KV head
+
+
+def queries_per_block(num_heads: int, num_kv_heads: int) -> int:
+    """Queries of one sequence that share a batch-invariant attention block (`invariant_attention`).
+
+    The block's rows are these queries times the query heads of one KV head (padded to a power of
+    two), INVARIANT_ROWS in all (at least one query).
+    """
+    group = triton.next_power_of_2(num_heads // num_kv_heads)
+    return max(1, INVARIANT_ROWS // group)
+
+
+@triton.jit
+def _invariant_kernel(
+    Q, K, V, Out, BlockTables, ContextLens, QueryBlocks,
+    scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kp, stride_kh,
+    stride_vb, stride_vp, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERIES: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if DECODE:  # one decode row per program
+        first = pid
+        count = 1
+    else:  # QueryBlocks[pid] = (first query, number of queries), consecutive queries of one sequence
+        first = tl.load(QueryBlocks + 2 * pid)
+        count = tl.load(QueryBlocks + 2 * pid + 1)
+    r = tl.arange(0, QUERIES * GROUP_PAD)
+    query = r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_ok = (query < count) & (g < GROUP)
+    token = first + query
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, D)
+    q = tl.load(Q + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    context = tl.load(ContextLens + token, mask=row_ok, other=0)  # [rows]: each query's keys
+    num_keys = tl.max(context, 0)
+    qk_scale = scale * 1.4426950408889634  # log2(e) folded in: exp2 below
+
+    m_i = tl.full([QUERIES * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([QUERIES * GROUP_PAD], tl.float32)
+    acc = tl.zeros([QUERIES * GROUP_PAD, D], tl.float32)
+    offsets = tl.arange(0, BLOCK_N)
+    table = BlockTables + first * stride_bt  # the queries' shared sequence
+    for tile in range(0, tl.cdiv(num_keys, BLOCK_N)):
+        tokens = tile * BLOCK_N + offsets
+        loaded = tokens < num_keys
+        block = tl.load(table + tokens // PAGE, mask=loaded, other=0).to(tl.int64)
+        row = tokens % PAGE
+        k = tl.load(K + block[:, None] * stride_kb + row[:, None] * stride_kp + kv_head * stride_kh + d[None, :],
+                    mask=loaded[:, None], other=0.0)  # [BLOCK_N, D]
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [rows, BLOCK_N], in log2 units
+        scores = tl.where(tokens[None, :] < context[:, None], scores, float("-inf"))
+        # a tile wholly past a query's keys: m_new = m_i, alpha = 1, p = 0: its state is unchanged, bit for bit
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row (no keys at all) stays 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + block[:, None] * stride_vb + row[:, None] * stride_vp + kv_head * stride_vh + d[None, :],
+                    mask=loaded[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def invariant_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, query_blocks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Batch-invariant attention: each query over its own keys, in one pass of 64-key tiles.
+
+    A query's result depends only on its keys: decoded (`query_blocks=None`, one row per
+    program) or prefilled in a block of `queries_per_block` queries of its sequence, it is the
+    same bit for bit.
+
+    Args:
+        q: [T, Hq, D] bf16/fp16 queries.
+        k_cache, v_cache: [num_blocks, PAGE, Hkv, D].
+        block_tables: [T, max_blocks] int, each query's sequence's cache blocks (padding: 0).
+        context_lens: [T] int, each query's key count (its position + 1; 0 for a padding row,
+            whose output is 0).
+        scale: softmax scale.
+        query_blocks: [num_blocks, 2] int32 (first query, count) of the blocks of consecutive
+            queries of one sequence, at most `queries_per_block(Hq, Hkv)` each (None: decode).
+
+    Returns:
+        [T, Hq, D] in q's dtype.
+    """
+    T, Hq, D = q.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    group = Hq // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    queries = queries_per_block(Hq, num_kv_heads)
+    out = torch.empty_like(q)
+    decode = query_blocks is None
+    grid = (T if decode else query_blocks.shape[0], num_kv_heads)
+    _invariant_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, context_lens, q if decode else query_blocks,
+        scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, QUERIES=queries, D=D, PAGE=page, BLOCK_N=max(64, page), DECODE=decode,
+        num_warps=4,
+    )
+    return out

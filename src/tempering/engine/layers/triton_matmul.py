@@ -33,14 +33,20 @@ CONFIGS = {
     "128x128": (128, 128, 8, 3),
     "128x256": (128, 256, 8, 3),
     "64x256": (64, 256, 4, 3),
+    "64x32": (64, 32, 4, 6),
+    "64x64s6": (64, 64, 4, 6),
+    "128x64": (128, 64, 4, 4),
+    "256x128": (256, 128, 8, 3),
 }
 DEFAULT_CONFIG = "64x128"
 # The config of a product by its size: rows < LARGE_M (decode) or not, N < LARGE_N or not. Picked
-# from benchmarks/batch_invariant_matmul.py on an H100 (2026-11-26), where every config was
-# bitwise equal to the default at every M: 128x128 is 1.2-1.6x faster than 64x128 at prefill and
-# training sizes and on decode's wide products (gate/up, the LM head).
+# from benchmarks/batch_invariant_matmul.py on an H100 (2026-11-26; `suggested_select`: the least
+# summed time over cuBLAS's per bucket), where every config was bitwise equal to the default at
+# every M. At 256 rows the narrow products (q/k/v, o, down) take 1.14-1.34x cuBLAS's time with
+# 64x64 tiles in 6 stages against 1.43-1.97x with 64x128; 128x128 serves prefill, training and
+# decode's wide products (gate/up, the LM head).
 LARGE_M, LARGE_N = 512, 4096
-SELECT = {("small", "small"): "64x128", ("small", "large"): "128x128",
+SELECT = {("small", "small"): "64x64s6", ("small", "large"): "128x128",
           ("large", "small"): "128x128", ("large", "large"): "128x128"}
 
 
