@@ -334,6 +334,7 @@ def check_greedy(args, tp: TensorParallel, device: torch.device, dtype: torch.dt
     engine, trainer = engine_and_trainer(model, tp, device, args, state)
     if not tp.is_leader:
         engine._thread.join()  # follows the leader's steps until its engine closes
+        engine.close()  # frees its CUDA graphs (their all-reduces would block the teardown)
         return {}
     sharded = greedy(engine, prompts, max_new)
     engine.close()

@@ -19,6 +19,9 @@ import torch.distributed as dist
 
 from tempering.training import TokenizedSequence
 
+STACK_DUMP_ENV = "TEMPERING_TEST_STACK_DUMP_S"  # a rank writes every thread's stack after this many seconds
+NOISE = ("eartbeat", "ProcessGroupNCCL.cpp", "TCPStore.cpp", "frame #")  # NCCL/c10d lines that bury the stacks
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,7 +36,8 @@ def run_ranks(script: Path, scenario: str, out: Path, *, device: str = "cpu", wo
     procs = []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               STACK_DUMP_ENV: str(max(5.0, timeout_s - 15))}
         procs.append(subprocess.Popen([sys.executable, str(script), scenario, str(out), device], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
@@ -55,7 +59,8 @@ def run_ranks(script: Path, scenario: str, out: Path, *, device: str = "cpu", wo
                 except subprocess.TimeoutExpired:
                     p.kill()
                     output = p.communicate()[0]
-            tails.append(f"---- rank {rank} ----\n{output[-4000:]}")
+            lines = [line for line in output.splitlines() if not any(noise in line for noise in NOISE)]
+            tails.append(f"---- rank {rank} ----\n" + "\n".join(lines)[-8000:])
         pytest.fail(f"the ranks of {scenario!r} did not finish within {timeout_s} s (a hang):\n" + "\n".join(tails))
     finally:
         for p in procs:
@@ -75,6 +80,9 @@ def start_rank(device_type: str, *, bind_device: bool = False, **init_kwargs: An
     once), one CPU thread, and every thread's stack written on SIGUSR1 (what `run_ranks` sends when
     the ranks time out). Returns (rank, device)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if os.environ.get(STACK_DUMP_ENV):  # and once, unasked, shortly before run_ranks gives up: from a C
+        # watchdog thread, which needs no signal handler (a CUDA rank's SIGUSR1 handler was found replaced)
+        faulthandler.dump_traceback_later(float(os.environ[STACK_DUMP_ENV]))
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")

@@ -16,6 +16,7 @@ computes on cuda:r and the ranks talk through NCCL; on "cpu" through gloo.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -84,6 +85,20 @@ def engine(tp: TensorParallel, result: dict, out: Path, device: torch.device) ->
     result["logits"] = direct_logits(model, holder["peft"], tp)
 
 
+@contextlib.contextmanager
+def train_stream(device: torch.device):
+    """On CUDA, the trainer's work on a stream of its own, as the service runs it (Service._on_train_stream):
+    a follower's trainer then never queues its collectives on the stream its engine follows the leader on."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
 def save(trainer, tp: TensorParallel, directory: Path, step: int) -> None:
     from tempering.storage import write_atomically
 
@@ -105,12 +120,14 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
     e = engine_for(model, lambda: holder["trainer"].peft_model if holder else None, tp)
     trainer = holder["trainer"] = Trainer.from_adapter(model, out / "start", tp=tp)
     try:
-        result["metrics_1"] = trainer.step(sequences(1), config()).values
-        save(trainer, tp, out / "ckpt1", 1)
+        with train_stream(device):
+            result["metrics_1"] = trainer.step(sequences(1), config()).values
+            save(trainer, tp, out / "ckpt1", 1)
         if tp.is_leader:
             result["generated_1"] = generate(e)
-        trainer.step(sequences(2), config())
-        save(trainer, tp, out / "ckpt2", 2)
+        with train_stream(device):
+            trainer.step(sequences(2), config())
+            save(trainer, tp, out / "ckpt2", 2)
     finally:
         e.close()
     dist.barrier()
