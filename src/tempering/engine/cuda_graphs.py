@@ -218,12 +218,20 @@ class DecodeGraphs:
                 step()
         graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: CUDA work of other threads (the trainer, user code) cannot break the capture
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                out = step()
+            # capture_begin/end rather than `torch.cuda.graph`, whose entry synchronizes the whole device
+            # and empties the allocator's cache: that waits for the trainer's queued work too, and under
+            # tensor parallelism for its collectives, which may wait for another rank's engine, which
+            # waits for this capture (a deadlock). thread_local: CUDA work of other threads (the
+            # trainer, user code) cannot break the capture.
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    out = step()
+                finally:
+                    graph.capture_end()
         except RuntimeError as exc:  # includes torch.AcceleratorError
             log.warning("CUDA graph capture of %s failed (%s); running it eagerly", what, exc)
-            torch.cuda.synchronize()
+            self.stream.synchronize()
             self.last_tokens.copy_(saved)
             return None, None
         torch.cuda.current_stream().wait_stream(self.stream)
@@ -303,7 +311,9 @@ class DecodeGraphs:
         `torch.distributed.destroy_process_group`) blocks for as long as a graph that captured one
         of the communicator's operations is alive (pytorch/pytorch#115388): resetting them first
         lets the process group be destroyed."""
-        torch.cuda.synchronize(self.kv_cache.device)
+        # the replays' streams only: a device-wide sync would also wait for the trainer's queued work
+        torch.cuda.default_stream(self.kv_cache.device).synchronize()
+        self.stream.synchronize()
         for captured in self.graphs.values():
             if captured is not None:
                 captured.graph.reset()
