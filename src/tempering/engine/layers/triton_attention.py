@@ -13,8 +13,9 @@ Batch-invariant mode (EngineConfig.batch_invariant) runs decode rows and prefill
 one kernel, `invariant_attention`: a program holds a block of up to `queries_per_block` queries
 of one sequence (with every query head of one KV head each: 64 rows for the matrix unit), walks
 their keys in 64-key tiles from the first in one pass, and masks each query to its own keys. A
-query's arithmetic is the same whichever block and row hold it: the same compiled kernel, the
-same tiles in the same order, and tiles past a query's keys add exact zeros. So a prefill query
+query's arithmetic is the same whichever block and row hold it: the same block shape and
+instructions (decode and prefill differ only in how a program finds its queries), the same tiles
+in the same order, and tiles past a query's keys leave its state unchanged. So a prefill query
 equals, bit for bit, the same query decoded, while a block shares each key tile among its
 queries (the per-query decode kernel reloads every tile for every query).
 
