@@ -23,16 +23,26 @@ PROMPTS = [[5, 17, 42, 9, 100, 3], [7, 7, 120, 33], [200, 1, 2, 3, 4, 5, 6, 7, 8
 
 def tiny_llama(qwen2: bool = False, device: str | torch.device = "cpu"):
     """A tiny random Llama (or Qwen2: biased q/k/v), the same weights in every process, on `device`:
-    float32 on the CPU, bfloat16 on CUDA (the engine's GPU kernels serve bf16/fp16 only)."""
+    float32 on the CPU, bfloat16 on CUDA (the engine's GPU kernels serve bf16/fp16 only) and on
+    "cpu-bf16" (the CPU in bfloat16)."""
     import transformers
+
+    device, dtype = placement(device)
 
     torch.manual_seed(0)
     if qwen2:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype).requires_grad_(False)
+
+
+def placement(spec: str | torch.device) -> tuple[torch.device, torch.dtype]:
+    """(device, model dtype) of a test's device spec: "cpu" (float32), "cpu-bf16", "cuda[:N]" (bfloat16)."""
+    if str(spec) == "cpu-bf16":
+        return torch.device("cpu"), torch.bfloat16
+    device = torch.device(spec)
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def full_adapter(seed: int = 1) -> dict[str, torch.Tensor]:

@@ -141,7 +141,10 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
 
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    rank, device = start_rank(sys.argv[3] if len(sys.argv) > 3 else "cpu")
+    spec = sys.argv[3] if len(sys.argv) > 3 else "cpu"  # "cpu", "cpu-bf16" or "cuda"
+    rank, device = start_rank(spec.split("-")[0])
+    if spec == "cpu-bf16":
+        device = spec  # tiny_llama's spec for the CPU in bfloat16 (tp_model.placement)
     tp = TensorParallel()
     result: dict = {}
     {"engine": engine, "train": train}[scenario](tp, result, out, device)

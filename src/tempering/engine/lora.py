@@ -173,7 +173,8 @@ class SpareRows:
 
 
 def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor | None, num_out: int,
-                     g: LoRAGroup | None, defer: bool = False) -> tuple[torch.Tensor, "Deferred | None"]:
+                     g: LoRAGroup | None, defer: bool = False, out_dtype: torch.dtype | None = None,
+                     tp: Any = None) -> tuple[torch.Tensor, "Deferred | None"]:
     """x W^T (+ b) plus the bound adapter's delta of group `g`: x A^T comes from the spare rows.
 
     With an adapter the GEMM's output stays float32, so that the delta joins it before the one
@@ -183,21 +184,46 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
         x: [N, in]; full_w: [num_out + spare, in]; full_b: [num_out + spare] or None.
         defer: leave the delta to the kernel that reads the output next (`add_rms_norm_with_lora`,
             `rotary_and_store_with_lora`) when `g` has shadows of B^T; else add it here.
+        out_dtype: the output's dtype (default x's); float32 leaves base + delta unrounded (a
+            row-parallel layer's partial output, rounded after its all-reduce).
+        tp: a row-parallel layer's tensor-parallel group (`row_parallel_delta`), or None.
 
     Returns:
         (output [N, num_out], the delta still to add or None). The output is in x's dtype, except
         with a deferred delta: then it is the float32 GEMM output (a view with row stride
         num_out + spare_rows_for(S·r, num_out)), which the next kernel completes and rounds.
     """
+    out_dtype = out_dtype or x.dtype
     if g is None:
-        return F.linear(x, full_w[:num_out], full_b[:num_out] if full_b is not None else None), None
+        bias = full_b[:num_out] if full_b is not None else None
+        if out_dtype != x.dtype:
+            return linear_f32(x, full_w[:num_out], bias).to(out_dtype), None
+        return F.linear(x, full_w[:num_out], bias), None
     rows = num_out + spare_rows_for(g.num_rows, num_out)
     y = linear_f32(x, full_w[:rows], full_b[:rows] if full_b is not None else None)  # [N, rows] float32
     out = y[:, :num_out]
     t = y[:, num_out:num_out + g.num_rows]
     if defer and g.BT is not None:
         return out, Deferred(t, g)
-    return expand(out, t, g.B, g.columns, g.scales, x.dtype), None
+    if tp is not None:
+        t = row_parallel_delta(t, tp)
+        if t is None:
+            return out.to(out_dtype), None
+    return expand(out, t, g.B, g.columns, g.scales, out_dtype, round_dtype=x.dtype), None
+
+
+def row_parallel_delta(t: torch.Tensor, tp: Any) -> torch.Tensor | None:
+    """x A^T of a row-parallel layer under tensor parallelism: this rank's partial sum [N, S·r]
+    (float32, or the shrink's [splits, N, S·r]) summed over the group, returned on the leader; None
+    on the other ranks, which add no delta.
+
+    The whole x A^T is then rounded once, as one process rounds it, and the delta is added once,
+    on the leader's partial output: the ranks' partial outputs then sum (in float32) to what one
+    process computes, up to the order of float32 additions. The trainer does the same
+    (training/decoder.py)."""
+    t = (t.sum(0) if t.dim() == 3 else t).contiguous()
+    tp.all_reduce_(t)
+    return t if tp.is_leader else None
 
 
 @dataclass(slots=True)
@@ -268,28 +294,30 @@ def spare_rows_for(num_rows: int, num_out: int) -> int:
 
 
 def expand(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice], scales: list[float],
-           dtype: torch.dtype) -> torch.Tensor:
+           dtype: torch.dtype, *, round_dtype: torch.dtype | None = None) -> torch.Tensor:
     """round(y + round(s · t) @ B^T) over each slice's columns of y, the rest of y rounded: [N, M] in `dtype`.
 
     Args:
         y: [N, M] the base GEMM's float32 output (or `dtype`: then changed in place and returned).
         t: x A^T, [N, S·r] (any float dtype) or the shrink's [splits, N, S·r] float32 partial sums.
         B, columns, scales: per slice, B [cols_s, r], its output columns and alpha / r.
+        round_dtype: the model dtype, where s · t is rounded (default `dtype`).
     """
     if _kernels_for(y) and len(B) <= 3:
         out = y if y.dtype == dtype else torch.empty(y.shape, dtype=dtype, device=y.device)
-        return triton_lora.lora_expand_(y, t, B, columns, scales, out=out)
-    return _expand_reference(y, t.sum(0) if t.dim() == 3 else t, B, columns, scales, dtype)
+        return triton_lora.lora_expand_(y, t, B, columns, scales, out=out, round_dtype=round_dtype)
+    return _expand_reference(y, t.sum(0) if t.dim() == 3 else t, B, columns, scales, dtype, round_dtype=round_dtype)
 
 
 def _expand_reference(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
-                      scales: list[float], dtype: torch.dtype) -> torch.Tensor:
+                      scales: list[float], dtype: torch.dtype, *, round_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The PyTorch twin of `triton_lora.lora_expand_` (see `expand`), for x A^T given as [N, S·r]."""
+    round_dtype = round_dtype or dtype
     out = y if y.dtype == dtype else y.to(dtype)
     rank = B[0].shape[1]
     for s, (b, cols, scale) in enumerate(zip(B, columns, scales)):
-        ts = (t[:, s * rank:(s + 1) * rank].float() * scale).to(dtype).float()  # round(s · x A^T)
-        out[:, cols] = (y[:, cols].float() + ts @ b.to(dtype).float().T).to(dtype)
+        ts = (t[:, s * rank:(s + 1) * rank].float() * scale).to(round_dtype).float()  # round(s · x A^T)
+        out[:, cols] = (y[:, cols].float() + ts @ b.to(round_dtype).float().T).to(dtype)
     return out
 
 
@@ -326,27 +354,38 @@ def _kernels_for(y: torch.Tensor) -> bool:
 
 
 def linear_with_segments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         segments: list[LoRASegment], layer: int, group: str, ops: Any = TORCH_OPS) -> torch.Tensor:
-    """x W^T + b with each segment's LoRA delta of `group` in `layer`, rounded once: [N, in] → [N, out] in x's dtype.
+                         segments: list[LoRASegment], layer: int, group: str, ops: Any = TORCH_OPS,
+                         out_dtype: torch.dtype | None = None, tp: Any = None) -> torch.Tensor:
+    """x W^T + b with each segment's LoRA delta of `group` in `layer`, rounded once: [N, in] → [N, out].
 
     Rows of segments without this projection's LoRA get the plain GEMM, rounded. `ops`
     (layers.ops_for): its products, and with `batch_invariant` the LoRA kernels' fixed tiles.
+    `out_dtype`: the output's dtype (default x's); float32 leaves every row unrounded (a
+    row-parallel layer's partial output, rounded after its all-reduce). `tp`: a row-parallel
+    layer's tensor-parallel group: x A^T is summed over it first (`row_parallel_delta`).
     """
+    out_dtype = out_dtype or x.dtype
     active = [(seg, g) for seg in segments if seg.adapter is not None and (g := seg.adapter.layers[layer][group]) is not None]
     if not active:
-        return ops.linear(x, weight, bias)
+        return ops.linear(x, weight, bias) if out_dtype == x.dtype else ops.linear_f32(x, weight, bias).to(out_dtype)
     y = ops.linear_f32(x, weight, bias)  # [N, out] float32
-    out = y.to(x.dtype)
+    out = y if out_dtype == y.dtype else y.to(out_dtype)
     kernels = _kernels_for(y)
     fixed = ops.batch_invariant
     for seg, g in active:
         rows = slice(seg.start, seg.end)
         if kernels and g.use_kernels:
             t = triton_lora.lora_shrink(x[rows], g.A, fixed_tiles=fixed)
-            triton_lora.lora_expand_(y[rows], t, g.B, g.columns, g.scales, out=out[rows], fixed_tiles=fixed)
-            continue
-        t = torch.cat([linear_f32(x[rows], A.to(x.dtype)) for A in g.A], dim=1)  # x A^T, [n, S·r] float32
-        out[rows] = _expand_reference(y[rows], t, g.B, g.columns, g.scales, x.dtype)
+        else:
+            t = torch.cat([linear_f32(x[rows], A.to(x.dtype)) for A in g.A], dim=1)  # x A^T, [n, S·r] float32
+        if tp is not None and (t := row_parallel_delta(t, tp)) is None:
+            continue  # no delta on this rank: its partial output alone (out holds y already)
+        if kernels and g.use_kernels:
+            triton_lora.lora_expand_(y[rows], t, g.B, g.columns, g.scales, out=out[rows], fixed_tiles=fixed,
+                                     round_dtype=x.dtype)
+        else:
+            out[rows] = _expand_reference(y[rows], t.sum(0) if t.dim() == 3 else t, g.B, g.columns, g.scales,
+                                          out_dtype, round_dtype=x.dtype)
     return out
 
 

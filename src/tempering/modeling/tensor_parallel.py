@@ -15,12 +15,19 @@ full logits on every rank: at 72B that is 2 x 2.5 GB per GPU, against 34 GB of s
 
 LoRA on a sharded projection is sharded the same way: a column-parallel layer's A [r, in] is
 replicated and its B [out/P, r] holds the rank's rows; a row-parallel layer's A [r, in/P] holds the
-rank's input columns and its B [out, r] is replicated, its partial delta s (x_r A_r^T) B^T summed by
-the same all-reduce as the base output. PEFT builds exactly these shapes when it wraps the sharded
-nn.Linear modules (their in_features/out_features are the shard's). The gradient of a replicated
-part is a partial sum on each rank (a column layer's A sees only the rank's output rows; a row
-layer's B only the rank's input columns), so it is summed over the group (`all_reduce_replicated_grads`)
-before the identical optimizer step on every rank.
+rank's input columns and its B [out, r] is replicated. PEFT builds exactly these shapes when it
+wraps the sharded nn.Linear modules (their in_features/out_features are the shard's).
+
+A row-parallel layer rounds as one process does: x A^T is summed over the ranks (a small
+all-reduce, [tokens, r] float32) before round(s · x A^T), the delta is added to the leader's
+partial output alone, and the partial outputs x_r W_r^T (+ delta) are summed in float32 and then
+rounded once (engine/lora.row_parallel_delta, training/decoder.lora_linear). In bfloat16 on the CPU
+this makes the sharded forward bitwise the one-process forward; rounding each rank's partial
+output first changed 4 elements in 10 of a projection's output.
+
+The gradient of a replicated part is a partial sum on each rank (a column layer's A sees only the
+rank's output rows; a row layer's B is the leader's alone), so it is summed over the group
+(`all_reduce_replicated_grads`) before the identical optimizer step on every rank.
 
 Collectives: the engine's forward calls `all_reduce_` (in place; NCCL all-reduce is capturable in
 a CUDA graph). The trainer's forward calls `copy_to` before a column-parallel layer (identity;

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -121,23 +122,29 @@ class _LoRALinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, A, B, scales, x_lora, skip_output):
+    def forward(ctx, x, weight, bias, A, B, scales, x_lora, skip_output, out_dtype, tp):
         T, (out_features, in_features) = x.shape[0], weight.shape
-        t = (linear_f32(x_lora, A) * scales).to(x.dtype)  # [T, k r]: round(s ⊙ x A^T)
-        fold_input = in_features < out_features
+        xa = linear_f32(x_lora, A)  # [T, k r] float32
+        if tp is not None:  # a row-parallel layer: x A^T summed over the ranks, rounded once (as one process)
+            dist.all_reduce(xa, group=tp.group)
+        t = (xa * scales).to(x.dtype)  # [T, k r]: round(s ⊙ x A^T)
+        adds_delta = tp is None or tp.is_leader  # under TP the delta joins the leader's partial output only
+        fold_input = in_features < out_features and out_dtype == x.dtype and tp is None
         if skip_output:
-            y = x.new_empty(T, out_features)
+            y = x.new_empty(T, out_features, dtype=out_dtype)
         elif fold_input:
             y = F.linear(torch.cat([x, t], dim=1), torch.cat([weight, B], dim=1), bias)
         else:
-            y = (linear_f32(x, weight, bias) + linear_f32(t, B)).to(x.dtype)
+            y = linear_f32(x, weight, bias)
+            y = (y + linear_f32(t, B) if adds_delta else y).to(out_dtype)
         ctx.save_for_backward(x_lora, t, weight, A, B, scales)
-        ctx.same_input, ctx.fold_input = x_lora is x, fold_input
+        ctx.same_input, ctx.fold_input, ctx.adds_delta = x_lora is x, fold_input, adds_delta
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x_lora, t, weight, A, B, scales = ctx.saved_tensors
+        grad_y = grad_y.to(t.dtype)  # a float32 output's gradient, in the model dtype of the GEMMs below
         in_features = weight.shape[1]
         s = scales.to(B.dtype)
         # d/dx of x W^T + (s ⊙ x A^T) B^T is W + B diag(s) A (when the LoRA branch sees x itself)
@@ -147,16 +154,18 @@ class _LoRALinear(torch.autograd.Function):
             grad_x, grad_low = grad_cat[:, :in_features], grad_cat[:, in_features:] * s
         else:
             grad_x, grad_low = grad_y @ w_input, (grad_y @ B) * s  # [T, in], [T, k r]
-        grad_B = grad_y.T @ t  # [out, k r]
+        # [out, k r]; under TP B is replicated and its gradient summed over the ranks: the leader's alone
+        grad_B = grad_y.T @ t if ctx.adds_delta else torch.zeros_like(B)
         grad_A = grad_low.T @ x_lora  # [k r, in]
         if ctx.same_input:
-            return grad_x, None, None, grad_A, grad_B, None, None, None
-        return grad_x, None, None, grad_A, grad_B, None, grad_low @ A, None
+            return grad_x, None, None, grad_A, grad_B, None, None, None, None, None
+        return grad_x, None, None, grad_A, grad_B, None, grad_low @ A, None, None, None
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
                 scale: float | torch.Tensor, x_lora: torch.Tensor | None = None, *,
-                skip_output: bool = False) -> torch.Tensor:
+                skip_output: bool = False, out_dtype: torch.dtype | None = None,
+                tp: TensorParallel | None = None) -> torch.Tensor:
     """x W^T + b + (scale ⊙ x_lora A^T) B^T with a frozen W and b, rounded once (see _LoRALinear).
 
     Args:
@@ -164,6 +173,11 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         scale: alpha / r, one float or a [k r] tensor (a value per column of x A^T).
         x_lora: the LoRA branch's input (x after dropout); x when None.
         skip_output: return an uninitialized [T, out] (a recomputation that needs only the saved tensors).
+        out_dtype: the output's dtype (default x's). float32 leaves base + delta unrounded: a
+            row-parallel layer's partial output, rounded after its all-reduce.
+        tp: a row-parallel layer's tensor-parallel group (o, down of a sharded model): x A^T is
+            summed over the ranks before its rounding and the delta joins the leader's partial
+            output alone, as the engine does (engine/lora.row_parallel_delta).
 
     Returns:
         [T, out].
@@ -175,7 +189,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError("lora_linear trains only A and B; the base weight and bias must be frozen")
     if not torch.is_tensor(scale):
         scale = torch.full((A.shape[0],), float(scale), dtype=torch.float32, device=A.device)
-    return _LoRALinear.apply(x, weight, bias, A, B, scale, x if x_lora is None else x_lora, skip_output)
+    return _LoRALinear.apply(x, weight, bias, A, B, scale, x if x_lora is None else x_lora, skip_output,
+                             out_dtype or x.dtype, tp)
 
 
 def _group(entries: list[Any], module_dropouts: list[float]) -> _GroupLoRA | None:
@@ -201,8 +216,8 @@ class PackedDecoder:
     `tp`: this rank's tensor-parallel group when the model holds its shards (modeling/tensor_parallel.py):
     the layers run this rank's heads and MLP columns; `tp.copy_to` precedes q/k/v and gate/up
     (their input gradient is summed over the ranks in the backward pass) and `tp.reduce_from`
-    sums o's and down's partial outputs, LoRA deltas included, rounded to the model dtype on each
-    rank first, as the engine does.
+    sums o's and down's partial outputs, LoRA deltas included, in float32, rounded to the model
+    dtype once after the sum, as the engine does.
     """
 
     def __init__(self, peft_model: Any, adapter: str, tp: TensorParallel | None = None) -> None:
@@ -211,6 +226,7 @@ class PackedDecoder:
         inner = hf.model
         self.config = config
         self.tp = tp if tp is not None and tp.size > 1 else None
+        self.partial_dtype = torch.float32 if self.tp is not None else None  # o's and down's outputs under TP
         tp_size = self.tp.size if self.tp is not None else 1
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp_size  # this rank's heads
@@ -334,8 +350,10 @@ class PackedDecoder:
         k = ops.rotary(k, cos, sin)
         o = varlen_causal_attention(q, k, v, cu_seq_lens, max_seq_len, self.scale, window=layer.window, keys=keys)
         o = o.reshape(T, self.q_size)
-        attn_out = self._linear(o, layer.o, layer.o_bias, layer, "o", adapters)
-        x = x + (tp.reduce_from(attn_out) if tp is not None else attn_out)
+        # under TP the row-parallel partial outputs (o, down) stay float32 until their all-reduce, then
+        # round once, as the engine's (engine/models/llama.py) and the one-GPU product's
+        attn_out = self._linear(o, layer.o, layer.o_bias, layer, "o", adapters, out_dtype=self.partial_dtype)
+        x = x + (tp.reduce_from(attn_out).to(x.dtype) if tp is not None else attn_out)
         h = ops.rms_norm(x, layer.post_norm, self.eps)
         if tp is not None:
             h = tp.copy_to(h)
@@ -343,18 +361,38 @@ class PackedDecoder:
         act = ops.silu_and_mul(gate_up)
         # the layer's output is not needed when recomputing it for the backward: skip the down GEMM
         # (and its all-reduce: every rank recomputes alike)
-        down = self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing)
-        return x + (tp.reduce_from(down) if tp is not None and not recomputing else down)
+        down = self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing,
+                            out_dtype=self.partial_dtype)
+        return x + (tp.reduce_from(down) if tp is not None and not recomputing else down).to(x.dtype)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: _Layer, name: str,
-                adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, skip_output: bool = False) -> torch.Tensor:
-        """x W^T + b plus the group's LoRA deltas: [T, in] → [T, out]."""
+                adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, skip_output: bool = False,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x W^T + b plus the group's LoRA deltas: [T, in] → [T, out] (in `out_dtype`, default x's)."""
         if name not in adapters:
+            if out_dtype is not None and out_dtype != x.dtype:
+                return _FrozenLinearF32.apply(x, weight, bias).to(out_dtype)
             return F.linear(x, weight, bias)
         A, B, scales = adapters[name]
         lora = layer.lora[name]
         x_lora = x if lora.dropout == 0 else F.dropout(x, lora.dropout)  # this forward always trains
-        return lora_linear(x, weight, bias, A, B, scales, x_lora, skip_output=skip_output)
+        return lora_linear(x, weight, bias, A, B, scales, x_lora, skip_output=skip_output, out_dtype=out_dtype,
+                           tp=self.tp if name in ("o", "down") else None)
+
+
+class _FrozenLinearF32(torch.autograd.Function):
+    """x W^T + b with a frozen W and b, accumulated and returned in float32 (modeling/precision.py);
+    the input gradient in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        return linear_f32(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (weight,) = ctx.saved_tensors
+        return grad_y.to(weight.dtype) @ weight, None, None
 
 
 class _Recomputable:

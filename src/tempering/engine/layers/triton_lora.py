@@ -31,6 +31,9 @@ __all__ = ["add_rms_norm_lora", "lora_expand_", "lora_shrink", "rotary_and_store
 MAX_SLICES = 3
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot precision: exact float32 products for float32 models (TF32 would round them)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -141,6 +144,7 @@ def _expand_kernel(
     start0, end0, start1, end1, start2, end2, scale0, scale1, scale2,
     RANK: tl.constexpr, NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, COPY: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -157,7 +161,7 @@ def _expand_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     ptr = Y + rows[:, None] * stride_y + cols[None, :]
     out_ptr = Out + rows[:, None] * stride_o + cols[None, :]
-    like = tl.zeros([1], Out.dtype.element_ty)  # the model dtype, where t is rounded
+    like = tl.zeros([1], ROUND_DTYPE)  # the model dtype, where t is rounded
     if touches:
         y = tl.load(ptr, mask=mask, other=0.0)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -179,15 +183,18 @@ def _expand_kernel(
 
 
 def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], columns: list[slice],
-                 scales: list[float], out: torch.Tensor | None = None, *, fixed_tiles: bool = False) -> torch.Tensor:
+                 scales: list[float], out: torch.Tensor | None = None, *, fixed_tiles: bool = False,
+                 round_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out[:, columns[s]] = round(y + round(scales[s] · t[:, s·r:(s+1)·r]) @ B[s]^T) for each slice s.
 
     Args:
         y: [N, M] output of the base projection (float32, unrounded, or the model dtype; rows may
             be strided).
         out: [N, M] in the model dtype, where the sum is rounded to (y itself, in place, when
-            None); columns no slice covers are copied from y, rounded.
+            None); columns no slice covers are copied from y, rounded. A float32 `out` keeps the
+            sum unrounded (a tensor-parallel partial output, rounded after its all-reduce).
         fixed_tiles: one tiling for every N (batch-invariant mode).
+        round_dtype: the model dtype, where s · x A^T is rounded (default: out's dtype).
         t: x A^T: [splits, N, S·r] float32 partial sums from `lora_shrink`, or [N, S·r] in any
             float dtype (the spare rows of the base GEMM; rows may be strided).
         B: 1-3 LoRA B matrices [cols_s, r], contiguous.
@@ -199,6 +206,7 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
     """
     N, M = y.shape
     out = y if out is None else out
+    round_dtype = round_dtype or out.dtype
     S, rank = len(B), B[0].shape[1]
     bounds = [(c.start, c.stop) for c in columns] + [(0, 0)] * (MAX_SLICES - S)
     b = B + [B[0]] * (MAX_SLICES - S)
@@ -209,7 +217,8 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
         bounds[0][0], bounds[0][1], bounds[1][0], bounds[1][1], bounds[2][0], bounds[2][1],
         float(sc[0]), float(sc[1]), float(sc[2]),
         RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)), NUM_SPLITS=_num_splits(t),
-        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, PRECISION=_precision(out.dtype), COPY=out is not y, num_warps=num_warps,
+        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, PRECISION=_precision(round_dtype), COPY=out is not y,
+        ROUND_DTYPE=_TL_DTYPES[round_dtype], num_warps=num_warps,
     )
     return out
 

@@ -84,6 +84,10 @@ class LlamaFamilyModel:
         inner = hf_model.model
         self.hf_layers = list(inner.layers)
         self.tp = tp if tp is not None and tp.size > 1 else None
+        # a row-parallel layer's partial output under TP: float32, its x A^T summed over the ranks first
+        # and its LoRA delta added on the leader alone (engine/lora.row_parallel_delta), all-reduced, then
+        # rounded once, as the one-GPU product rounds its whole sum once (the trainer's decoder does the same)
+        self.partial_dtype = torch.float32 if self.tp is not None else None
         tp_size = self.tp.size if self.tp is not None else 1
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # this rank's heads (all of them without tensor parallelism)
@@ -213,14 +217,16 @@ class LlamaFamilyModel:
             ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale,
                                 batch_invariant=self.batch_invariant).reshape(N, self.q_size)  # [N, Hq D]
-            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops)
-            if tp is not None:  # the heads' partial sums (and partial LoRA deltas) of every rank
-                tp.all_reduce_(attn_out)
+            attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops, out_dtype=self.partial_dtype,
+                                            tp=tp)
+            if tp is not None:  # the heads' partial sums (and partial LoRA deltas) of every rank, in float32
+                attn_out = tp.all_reduce_(attn_out).to(self.dtype)
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
             act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops)  # [N, I / P]
-            x = linear_with_segments(act, layer.down, None, lora, i, "down", ops)
+            x = linear_with_segments(act, layer.down, None, lora, i, "down", ops, out_dtype=self.partial_dtype,
+                                     tp=tp)
             if tp is not None:
-                tp.all_reduce_(x)
+                x = tp.all_reduce_(x).to(self.dtype)
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def _forward_spare_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
@@ -255,16 +261,16 @@ class LlamaFamilyModel:
                                            ops.rotary_and_store_)
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
             attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"],
-                                                  defer=defer)
+                                                  defer=defer, out_dtype=self.partial_dtype, tp=tp)
             if tp is not None:
-                tp.all_reduce_(attn_out)
+                attn_out = tp.all_reduce_(attn_out.contiguous()).to(self.dtype)
             h, residual = add_rms_norm_with_lora(attn_out, deferred, residual, layer.post_norm, self.eps, ops.add_rms_norm)
             act = silu_and_mul_with_lora(h, full_rows(layer.gate_up), 2 * self.intermediate_size, groups["gate_up"],
                                          ops.silu_and_mul)
             x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"],
-                                           defer=defer)
+                                           defer=defer, out_dtype=self.partial_dtype, tp=tp)
             if tp is not None:
-                tp.all_reduce_(x)
+                x = tp.all_reduce_(x.contiguous()).to(self.dtype)
         return add_rms_norm_with_lora(x, deferred, residual, self.norm, self.eps, ops.add_rms_norm)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
