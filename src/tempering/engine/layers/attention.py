@@ -29,9 +29,11 @@ from ..context import StepContext
 __all__ = ["paged_attention", "store_kv"]
 
 try:  # the GPU kernels need Triton, which CPU builds of torch do not bring
-    from .triton_attention import invariant_attention, paged_decode_attention, queries_per_block, varlen_prefill_attention
+    from .triton_attention import (
+        invariant_attention, num_splits, paged_decode_attention, queries_per_block, varlen_prefill_attention,
+    )
 except ImportError:  # pragma: no cover - depends on the installation
-    invariant_attention = paged_decode_attention = queries_per_block = varlen_prefill_attention = None
+    invariant_attention = num_splits = paged_decode_attention = queries_per_block = varlen_prefill_attention = None
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -47,7 +49,8 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float,
-                    window: int | None = None, *, batch_invariant: bool = False) -> torch.Tensor:
+                    window: int | None = None, *, batch_invariant: bool = False,
+                    split_kv_heads: int | None = None) -> torch.Tensor:
     """Softmax attention of the batch's queries over the cache.
 
     Args:
@@ -59,6 +62,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         batch_invariant: (CUDA) every query, decode or prefill, in one pass over its keys in 64-key
             tiles from the first, by one kernel: its result depends on nothing but its own keys
             (needs ctx.prefill_block_tables / prefill_context_lens for prefill rows).
+        split_kv_heads: the KV-head count that sets the GPU decode kernel's split of each row's keys
+            (default: this cache's). Under tensor parallelism the model's whole count, so that each
+            head's sums run in the order one GPU would run them.
 
     Returns:
         [N, num_heads, D].
@@ -69,13 +75,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise ValueError("batch-invariant attention has no sliding window (the Llama family has none)")
         return _invariant(q, k_cache, v_cache, ctx, scale)
     B = ctx.num_decode
+    splits = num_splits(B, split_kv_heads) if gpu and split_kv_heads is not None else None
     if gpu and not ctx.prefill:  # the CUDA-graph path: no host work, no extra copy
         return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale,
-                                      window=window)
+                                      window=window, num_splits=splits)
     out = torch.empty_like(q)
     if B and gpu:
         out[:B] = paged_decode_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
-                                         scale, window=window)
+                                         scale, window=window, num_splits=splits)
     elif B:
         out[:B] = _decode_sdpa(q[:B], k_cache, v_cache, ctx, scale, window)
     if ctx.prefill:

@@ -93,6 +93,8 @@ class LlamaFamilyModel:
         # this rank's heads (all of them without tensor parallelism)
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp_size
+        # decode attention splits each row's keys by the whole model's KV heads: a head's sums as on one GPU
+        self.split_kv_heads = self.num_kv_heads * tp_size if self.tp is not None else None
         q_rows = base_layer(self.hf_layers[0].self_attn.q_proj).weight.shape[0]
         if q_rows != self.num_heads * self.head_dim:
             raise ConfigError(f"q_proj has {q_rows} rows but {self.num_heads} heads of {self.head_dim} need "
@@ -215,8 +217,8 @@ class LlamaFamilyModel:
                 k = ops.rms_norm(k, layer.k_norm, self.eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, ctx, self.scale,
-                                batch_invariant=self.batch_invariant).reshape(N, self.q_size)  # [N, Hq D]
+            o = paged_attention(q, k_cache, v_cache, ctx, self.scale, batch_invariant=self.batch_invariant,
+                                split_kv_heads=self.split_kv_heads).reshape(N, self.q_size)  # [N, Hq D]
             attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops, out_dtype=self.partial_dtype,
                                             tp=tp)
             if tp is not None:  # the heads' partial sums (and partial LoRA deltas) of every rank, in float32
@@ -259,7 +261,8 @@ class LlamaFamilyModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             q = rotary_and_store_with_lora(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, deferred, qkv,
                                            ops.rotary_and_store_)
-            o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)
+            o = paged_attention(q, k_cache, v_cache, ctx, self.scale,
+                                split_kv_heads=self.split_kv_heads).reshape(N, self.q_size)
             attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"],
                                                   defer=defer, out_dtype=self.partial_dtype, tp=tp)
             if tp is not None:
