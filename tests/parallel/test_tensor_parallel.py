@@ -285,6 +285,23 @@ def test_a_float32_partial_output_has_the_gradients_of_the_rounded_one():
         assert torch.equal(rounded, unrounded)
 
 
+def test_a_row_parallel_projection_without_lora_keeps_its_float32_sum_and_the_input_gradient():
+    """Under TP a row-parallel projection that the adapter does not target (the trainer's
+    _FrozenLinearF32): float32 output, the one-process product's sum; the input gradient of F.linear."""
+    from tempering.modeling.precision import linear_f32
+    from tempering.training.decoder import _FrozenLinearF32
+
+    x, W, _, _, _ = _row_parallel_case()
+    grad = torch.randn(48, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    xs = x.clone().requires_grad_(True)
+    y = _FrozenLinearF32.apply(xs, W, None)
+    assert y.dtype == torch.float32 and torch.equal(y, linear_f32(x, W))
+    y.backward(grad.float())
+    xr = x.clone().requires_grad_(True)
+    torch.nn.functional.linear(xr, W).backward(grad)
+    assert torch.equal(xs.grad, xr.grad)
+
+
 # ---- the whole loop through LocalBackend ------------------------------------------------------
 
 
