@@ -1,6 +1,7 @@
 """Tensor parallelism (modeling/tensor_parallel.py) over two ranks against one process on the same model:
 two CPU processes through gloo (float32, and the engine also in bfloat16, where the sharded forward
-must be bitwise the one-process forward), and (skipped without two GPUs) two GPU processes through NCCL.
+must be bitwise the one-process forward, through its segments LoRA path and, as on GPUs, its
+spare-rows path), and (skipped without two GPUs) two GPU processes through NCCL.
 
 A tiny random Llama (4 query heads, 2 KV heads: one KV head per rank) with a non-zero LoRA on every
 projection. What is checked: each rank holds only its shard; the sharded forward's logits and the
@@ -44,7 +45,7 @@ def tolerance(device: str) -> float:
     """Logits' absolute tolerance: float32 on the CPU; none in bfloat16 on the CPU, where the ranks' float32
     partial sums round as one process's sum does; bfloat16 on CUDA, whose kernels pick their summation
     order by shape (the shards' GEMMs are narrower)."""
-    return {"cpu": 1e-5, "cpu-bf16": 0.0}.get(device, 3e-2)
+    return {"cpu": 1e-5, "cpu-bf16": 0.0, "cpu-bf16-spare": 0.0}.get(device, 3e-2)
 
 
 def assert_same_greedy(got: tuple[list, list], want: tuple[list, list], device: str, logprob_tol: float) -> None:
@@ -63,7 +64,7 @@ def assert_same_greedy(got: tuple[list, list], want: tuple[list, list], device: 
         assert max((abs(a - b) for a, b in zip(logprobs[:same], ref_logprobs[:same])), default=0.0) <= logprob_tol
 
 
-@pytest.fixture(scope="module", params=["cpu-bf16", *DEVICES])
+@pytest.fixture(scope="module", params=["cpu-bf16", "cpu-bf16-spare", *DEVICES])
 def served(request, tmp_path_factory):
     """The engine scenario on two ranks, and the same on one process."""
     device = request.param
@@ -71,7 +72,7 @@ def served(request, tmp_path_factory):
     model = tiny_llama(device=device)
     peft = wrap_with_adapter(model, full_adapter())
     reference = {"logits": direct_logits(model, peft, None)}
-    engine = engine_for(model, peft)
+    engine = engine_for(model, peft, spare_rows=True if device.endswith("-spare") else None)
     try:
         reference["generated"] = generate(engine)
     finally:

@@ -24,7 +24,7 @@ PROMPTS = [[5, 17, 42, 9, 100, 3], [7, 7, 120, 33], [200, 1, 2, 3, 4, 5, 6, 7, 8
 def tiny_llama(qwen2: bool = False, device: str | torch.device = "cpu"):
     """A tiny random Llama (or Qwen2: biased q/k/v), the same weights in every process, on `device`:
     float32 on the CPU, bfloat16 on CUDA (the engine's GPU kernels serve bf16/fp16 only) and on
-    "cpu-bf16" (the CPU in bfloat16)."""
+    "cpu-bf16" or "cpu-bf16-spare" (the CPU in bfloat16)."""
     import transformers
 
     device, dtype = placement(device)
@@ -38,8 +38,9 @@ def tiny_llama(qwen2: bool = False, device: str | torch.device = "cpu"):
 
 
 def placement(spec: str | torch.device) -> tuple[torch.device, torch.dtype]:
-    """(device, model dtype) of a test's device spec: "cpu" (float32), "cpu-bf16", "cuda[:N]" (bfloat16)."""
-    if str(spec) == "cpu-bf16":
+    """(device, model dtype) of a test's device spec: "cpu" (float32), "cpu-bf16", "cpu-bf16-spare"
+    (the engine's spare-rows LoRA path, its default on GPUs), "cuda[:N]" (bfloat16)."""
+    if str(spec).startswith("cpu-bf16"):
         return torch.device("cpu"), torch.bfloat16
     device = torch.device(spec)
     return device, torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -79,15 +80,17 @@ def wrap_with_adapter(model, state: dict[str, torch.Tensor], tp=None):
     return peft
 
 
-def engine_for(model, peft, tp=None):
+def engine_for(model, peft, tp=None, spare_rows=None):
     """The engine on `model` (its shards with `tp`); `peft`: the PEFT model, or a function returning it
-    (an engine made before the trainer, as the service makes them)."""
+    (an engine made before the trainer, as the service makes them); `spare_rows`: LlamaFamilyModel's
+    (None: its default, on GPUs only)."""
     from tempering.engine import Engine, EngineConfig
     from tempering.engine.models import LlamaFamilyModel
 
     config = EngineConfig(cpu_kv_cache_bytes=4 << 20, num_kv_blocks=256, max_num_seqs=8,
                           tensor_parallel_size=tp.size if tp else 1)
-    return Engine(LlamaFamilyModel(model, 256, tp=tp), _IdsOnly(), stop_token_ids=[], lock=threading.RLock(),
+    return Engine(LlamaFamilyModel(model, 256, tp=tp, spare_rows=spare_rows), _IdsOnly(), stop_token_ids=[],
+                  lock=threading.RLock(),
                   config=config, peft_model=(lambda: peft) if isinstance(peft, torch.nn.Module) else peft)
 
 

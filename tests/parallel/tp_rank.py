@@ -31,6 +31,9 @@ from tp_model import engine_for, full_adapter, generate, tiny_llama, wrap_with_a
 from tempering.modeling.tensor_parallel import TensorParallel, shard_llama_
 
 
+SPARE_ROWS = None  # the engine scenario's LlamaFamilyModel(spare_rows=...): "cpu-bf16-spare" sets True
+
+
 def to_cpu(value):
     if torch.is_tensor(value):
         return value.cpu()
@@ -73,7 +76,7 @@ def engine(tp: TensorParallel, result: dict, out: Path, device: torch.device) ->
     shard_llama_(model, tp)
     result["q_rows"] = model.model.layers[0].self_attn.q_proj.weight.shape[0]
     holder: dict = {}
-    e = engine_for(model, lambda: holder.get("peft"), tp)
+    e = engine_for(model, lambda: holder.get("peft"), tp, spare_rows=SPARE_ROWS)
     try:
         if not tp.is_leader:  # the follower gets its adapter late: the leader's first LoRA steps wait for it
             time.sleep(3)
@@ -141,10 +144,12 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
 
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    spec = sys.argv[3] if len(sys.argv) > 3 else "cpu"  # "cpu", "cpu-bf16" or "cuda"
+    global SPARE_ROWS
+    spec = sys.argv[3] if len(sys.argv) > 3 else "cpu"  # "cpu", "cpu-bf16", "cpu-bf16-spare" or "cuda"
     rank, device = start_rank(spec.split("-")[0])
-    if spec == "cpu-bf16":
+    if spec.startswith("cpu-bf16"):
         device = spec  # tiny_llama's spec for the CPU in bfloat16 (tp_model.placement)
+        SPARE_ROWS = True if spec.endswith("-spare") else None
     tp = TensorParallel()
     result: dict = {}
     {"engine": engine, "train": train}[scenario](tp, result, out, device)
