@@ -384,8 +384,7 @@ def linear_with_segments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             triton_lora.lora_expand_(y[rows], t, g.B, g.columns, g.scales, out=out[rows], fixed_tiles=fixed,
                                      round_dtype=x.dtype)
         else:
-            out[rows] = _expand_reference(y[rows], t.sum(0) if t.dim() == 3 else t, g.B, g.columns, g.scales,
-                                          out_dtype, round_dtype=x.dtype)
+            out[rows] = _expand_reference(y[rows], t, g.B, g.columns, g.scales, out_dtype, round_dtype=x.dtype)
     return out
 
 

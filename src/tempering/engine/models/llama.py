@@ -221,14 +221,12 @@ class LlamaFamilyModel:
                                 split_kv_heads=self.split_kv_heads).reshape(N, self.q_size)  # [N, Hq D]
             attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops, out_dtype=self.partial_dtype,
                                             tp=tp)
-            if tp is not None:  # the heads' partial sums (and partial LoRA deltas) of every rank, in float32
-                attn_out = tp.all_reduce_(attn_out).to(self.dtype)
+            attn_out = self._sum_partials(attn_out)
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
             act = lora_silu_and_mul(h, layer.gate_up, lora, i, ops)  # [N, I / P]
             x = linear_with_segments(act, layer.down, None, lora, i, "down", ops, out_dtype=self.partial_dtype,
                                      tp=tp)
-            if tp is not None:
-                x = tp.all_reduce_(x).to(self.dtype)
+            x = self._sum_partials(x)
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def _forward_spare_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
@@ -265,16 +263,22 @@ class LlamaFamilyModel:
                                 split_kv_heads=self.split_kv_heads).reshape(N, self.q_size)
             attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"],
                                                   defer=defer, out_dtype=self.partial_dtype, tp=tp)
-            if tp is not None:
-                attn_out = tp.all_reduce_(attn_out.contiguous()).to(self.dtype)
+            attn_out = self._sum_partials(attn_out)
             h, residual = add_rms_norm_with_lora(attn_out, deferred, residual, layer.post_norm, self.eps, ops.add_rms_norm)
             act = silu_and_mul_with_lora(h, full_rows(layer.gate_up), 2 * self.intermediate_size, groups["gate_up"],
                                          ops.silu_and_mul)
             x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"],
                                            defer=defer, out_dtype=self.partial_dtype, tp=tp)
-            if tp is not None:
-                x = tp.all_reduce_(x.contiguous()).to(self.dtype)
+            x = self._sum_partials(x)
         return add_rms_norm_with_lora(x, deferred, residual, self.norm, self.eps, ops.add_rms_norm)[0]
+
+    def _sum_partials(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output: under TP this rank's float32 partial sum (its heads' or MLP
+        columns' share, LoRA delta included on the leader) summed over the ranks and rounded once to
+        the model dtype; without TP, x itself."""
+        if self.tp is None:
+            return x
+        return self.tp.all_reduce_(x.contiguous()).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, H] → [S, V] float32 logits, unrounded (modeling/precision.py): the trainer's, bit for bit
