@@ -15,6 +15,10 @@ shards. Then:
 - a LoRA policy-gradient step (`Trainer.step`) on `--num-seqs` x `--seq-len` tokens (7/8 of them
   trained), after a warm-up step; tokens/s and MFU: 4 x matmul params x tokens (forward plus the
   backward to the inputs; recomputation not counted) over (989 TFLOP/s x N), H100 SXM dense bf16.
+- a checkpoint (`Trainer.save`: the shards gathered, the full PEFT adapter and optimizer state written
+  once, by rank 0) and an exact resume: a step is taken, the checkpoint is loaded back into the same
+  shards (each rank its slices, `Trainer.load_state` for the optimizer and RNG), and the same step
+  taken again must give the same adapter bit for bit on every rank.
 - peak memory allocated on every GPU (engine, KV cache and trainer together). At 72B and TP 4 a
   GPU holds ~40 GB of weights (35 GB of shards, 5 GB of replicated embedding and LM head), the KV
   cache (`--kv-fraction` of what is left) and a micro-batch's activations (`--micro-batch-tokens`).
@@ -48,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -297,6 +302,51 @@ def time_train_step(trainer: Trainer, args, vocab: int, device: torch.device) ->
             "train_tok_s": round(args.num_seqs * args.seq_len / elapsed, 1)}
 
 
+def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int, device: torch.device,
+                          waits) -> dict:
+    """Save a checkpoint, take a step, resume from the checkpoint into the same shards and take the
+    same step again: seconds to save and load, the checkpoint's size, and whether the two steps left
+    the same adapter on every rank (and moved it: a step that changed nothing would prove nothing)."""
+    from safetensors.torch import load_file
+
+    from tempering.modeling.tensor_parallel import lora_shard_dim
+
+    directory = Path(args.checkpoint_dir)  # one host: every rank reads what rank 0 wrote
+    if tp.is_leader:
+        directory.mkdir(parents=True, exist_ok=True)
+    sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
+    config = TrainConfig(learning_rate=1e-4, micro_batch_tokens=args.micro_batch_tokens)
+    sync(device)
+    start = time.perf_counter()
+    trainer.save(directory if tp.is_leader else None, step=1)
+    dist.barrier(group=waits)
+    save_s = time.perf_counter() - start
+    saved = {n: p.detach().clone() for n, p in trainer.named_params}
+    trainer.step(sequences, config)
+    after = {n: p.detach().clone() for n, p in trainer.named_params}
+    start = time.perf_counter()
+    full = load_file(str(directory / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for name, p in trainer.named_params:
+            p.copy_(tp.slice(full[name.replace(".default", "")], lora_shard_dim(name)))
+    trainer.load_state(directory)
+    sync(device)
+    load_s = time.perf_counter() - start
+    restored = all(torch.equal(p, saved[n]) for n, p in trainer.named_params)
+    trainer.step(sequences, config)
+    moved = max(float((after[n] - saved[n]).abs().max()) for n in saved)
+    differ = max(float((p.detach() - after[n]).abs().max()) for n, p in trainer.named_params)
+    results = [None] * tp.size
+    dist.all_gather_object(results, (restored, moved, differ))
+    size = sum(f.stat().st_size for f in directory.iterdir()) if tp.is_leader else 0
+    return {"checkpoint_save_s": round(save_s, 2), "checkpoint_load_s": round(load_s, 2),
+            "checkpoint_gib": round(size / 2**30, 3),
+            "resume_restores_adapter": all(r[0] for r in results),
+            "resume_step_moves_adapter_max": float(f"{max(r[1] for r in results):.3g}"),
+            "resume_exact": all(r[0] and r[1] > 0 and r[2] == 0 for r in results),
+            "resume_max_diff": max(r[2] for r in results)}
+
+
 def matmul_params(shape: str) -> int:
     c = SHAPES[shape]
     H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
@@ -395,6 +445,8 @@ def run(args) -> None:
         progress("rollouts done", device)
         # the engine stays up (as in training), idle: its followers wait for the leader's next step
         out.update(time_train_step(trainer, args, vocab, device))
+        out.update(checkpoint_and_resume(trainer, tp, args, vocab, device, waits))
+        progress("checkpoint and resume done", device)
         if device.type == "cuda":
             out["mfu"] = round(4 * matmul_params(args.model) * args.num_seqs * args.seq_len
                                / out["train_step_s"] / (H100_BF16_FLOPS * tp.size), 4)
@@ -436,6 +488,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed train steps")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="EngineConfig.gpu_memory_fraction")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="TrainConfig.micro_batch_tokens")
+    parser.add_argument("--checkpoint-dir", default="tp-checkpoint", help="where the checkpoint is written")
     parser.add_argument("--stack-dump-s", type=float, default=0,
                         help="write every thread's stack every N seconds (0: never) to --stack-dump-dir")
     parser.add_argument("--stack-dump-dir", default="tp-stacks", help="where each rank's stacks-rankR.txt goes")
