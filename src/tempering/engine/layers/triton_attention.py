@@ -46,7 +46,7 @@ def num_splits(batch_size: int, num_kv_heads: int) -> int:
     The count depends only on the batch bucket (a CUDA graph fixes the grid); a split with no
     keys exits at once.
     """
-    programs = batch_size * num_kv_heads
+    programs = max(1, batch_size * num_kv_heads)  # a prefill-only step has no decode rows
     return max(1, min(16, triton.next_power_of_2(max(1, 1024 // programs))))
 
 
