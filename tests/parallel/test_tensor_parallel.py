@@ -172,6 +172,14 @@ def test_a_sharded_lora_step_equals_the_unsharded_step(trained):
     assert moved > 1e-3  # the step changed the adapter
 
 
+def test_a_followers_training_step_starts_after_every_engine_step_its_leader_took_before(trained):
+    """NCCL needs the engine's collectives and the trainer's in one order on every rank: the
+    follower's step 2 waited for the leader's pause, having run the leader's generation first."""
+    ranks, *_ = trained
+    assert ranks[0]["engine_steps_before_step_2"] > 0
+    assert ranks[1]["engine_steps_before_step_2"] == ranks[0]["engine_steps_before_step_2"]
+
+
 def test_the_engine_serves_the_trained_shards(trained):
     ranks, reference, _, device = trained
     assert_same_greedy(ranks[0]["generated_1"]["lora"], reference["generated_1"]["lora"], device,

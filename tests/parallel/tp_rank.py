@@ -102,6 +102,18 @@ def train_stream(device: torch.device):
     torch.cuda.current_stream(device).wait_stream(stream)
 
 
+@contextlib.contextmanager
+def training(e, device: torch.device):
+    """A training call as the service makes it under tensor parallelism (Service._training): the
+    trainer's stream; a follower first waits for its leader's pause; the engine's lock for the whole
+    call; the leader then tells its followers it has paused."""
+    with train_stream(device):
+        e.wait_for_leader_pause(timeout_s=60)
+        with e.lock:
+            e.pause_followers()
+            yield
+
+
 def save(trainer, tp: TensorParallel, directory: Path, step: int) -> None:
     from tempering.storage import write_atomically
 
@@ -123,12 +135,13 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
     e = engine_for(model, lambda: holder["trainer"].peft_model if holder else None, tp)
     trainer = holder["trainer"] = Trainer.from_adapter(model, out / "start", tp=tp)
     try:
-        with train_stream(device):
+        with training(e, device):
             result["metrics_1"] = trainer.step(sequences(1), config()).values
             save(trainer, tp, out / "ckpt1", 1)
-        if tp.is_leader:
+        if tp.is_leader:  # the follower goes on to step 2 at once: its call waits for the leader's pause
             result["generated_1"] = generate(e)
-        with train_stream(device):
+        with training(e, device):
+            result["engine_steps_before_step_2"] = e.stats.num_steps  # a follower: the leader's steps it ran
             trainer.step(sequences(2), config())
             save(trainer, tp, out / "ckpt2", 2)
     finally:

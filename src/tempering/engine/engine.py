@@ -56,7 +56,7 @@ from .scheduler import Scheduler
 from .scoring import score_sequences
 from .sequence import PENDING, Sequence
 from .stopping import completion_of, finish_reason_at
-from .tensor_parallel import STOP, StepLink
+from .tensor_parallel import PAUSE, STEP, STOP, StepLink
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -69,7 +69,7 @@ _NO_TOP: tuple = ()  # the top logprobs of a token when none were asked for: one
 class EngineStats:
     """Counters since the engine started."""
 
-    num_steps: int = 0
+    num_steps: int = 0  # forwards launched (a tensor-parallel follower: the leader's steps it has run)
     num_prefill_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     num_decode_tokens: int = 0
@@ -130,6 +130,7 @@ class Engine:
         self._awaiting: list[list[Sequence]] = []  # finished requests whose routed experts are still being copied
         self._cond = threading.Condition()
         self._closed = False
+        self._pauses = self._pauses_taken = 0  # a follower's PAUSE messages received / waited for
         self._rng = random.Random()
         self._in_flight: LaunchedStep | None = None  # the newest launched step
         self._to_collect: LaunchedStep | None = None  # the step launched before it, not yet collected
@@ -208,6 +209,47 @@ class Engine:
         for seqs in self._pending.values():
             if not seqs[0].request.future.done():
                 seqs[0].request.future.set_exception(error)
+
+    # ---- tensor parallelism: a training step between two engine steps -------------------------
+
+    def pause_followers(self) -> None:
+        """A tensor-parallel leader, as a training call on its shards begins, holding `lock` (so that
+        no engine step launches until the call ends): tell the followers that every step is sent.
+        A no-op without tensor parallelism.
+
+        NCCL orders nothing between two communicators: every rank must issue the engine's
+        collectives and the trainer's in the same order, or a rank's training all-reduce can spin
+        on the GPU while the engine all-reduce another rank waits for sits behind it (and any
+        device-wide synchronization, such as loading a kernel, then hangs both). So under tensor
+        parallelism a training call pauses the replica's engine: the leader holds `lock` for the
+        whole call and sends this; each follower's call starts once its engine has launched every
+        step sent before it (`wait_for_leader_pause`).
+        """
+        if self.link is not None and not self.is_follower:
+            self.link.send_pause()
+
+    def wait_for_leader_pause(self, timeout_s: float = 600.0) -> None:
+        """A tensor-parallel follower, before a training call on its shards (and before taking
+        `lock`, which its engine needs to launch the leader's last steps): wait until its engine
+        has received the leader's next `pause_followers`, having launched every step sent before
+        it. A no-op without tensor parallelism.
+
+        Raises:
+            EngineError: if the leader sends no pause within `timeout_s` seconds (its training call
+                did not start, or its process died), or this engine is closed.
+        """
+        if not self.is_follower:
+            return
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pauses <= self._pauses_taken:
+                left = deadline - time.monotonic()
+                if self._closed or not self._thread.is_alive() or left <= 0:
+                    raise EngineError(
+                        f"this tensor-parallel follower waited {timeout_s:.0f} s for its leader (TP rank 0) to pause "
+                        "its engine for the training step; the leader's process is stuck or gone: see its log")
+                self._cond.wait(min(left, 1.0))
+            self._pauses_taken += 1
 
     # ---- adapters -------------------------------------------------------------------------------
 
@@ -296,7 +338,14 @@ class Engine:
                 message = self.link.recv()
                 if message.kind == STOP:
                     return
+                if message.kind == PAUSE:
+                    with self._cond:
+                        self._pauses += 1
+                        self._cond.notify_all()
+                    continue
                 self._follow_one(message)
+                if message.kind == STEP:  # the leader's steps this follower has launched
+                    self.stats.num_steps += 1
         except BaseException:
             log.exception("the tensor-parallel follower engine failed: the group's leader will wait for it")
             raise

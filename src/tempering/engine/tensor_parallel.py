@@ -17,7 +17,8 @@ follower waits in its thread on the host, not in a device kernel.
 Kinds: STEP (a forward: eager, or a decode step that the leader replays from a CUDA graph, which
 the follower replays from its own), CAPTURE (the leader is about to capture a decode graph: its
 two warm-up forwards run collectives, so the follower warms up and captures the same graph at
-the same time), STOP (the leader's engine is closing).
+the same time), PAUSE (the leader's engine has stopped for a training step: see
+`Engine.pause_followers`), STOP (the leader's engine is closing).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from .context import PrefillSpan, StepContext
 if TYPE_CHECKING:
     from ..modeling.tensor_parallel import TensorParallel
 
-__all__ = ["CAPTURE", "STEP", "STOP", "StepLink", "StepMessage"]
+__all__ = ["CAPTURE", "PAUSE", "STEP", "STOP", "StepLink", "StepMessage"]
 
-STEP, CAPTURE, STOP = 1, 2, 3
+STEP, CAPTURE, STOP, PAUSE = 1, 2, 3, 4
 
 # optional StepContext tensors, in message order, with the dtype they are rebuilt in
 _FIELDS = (("decode_block_tables", torch.long), ("decode_context_lens", torch.long),
@@ -48,7 +49,7 @@ class StepMessage:
     """What a follower received.
 
     Attributes:
-        kind: STEP, CAPTURE or STOP.
+        kind: STEP, CAPTURE, PAUSE or STOP.
         segments: (start, end, adapter name) of the batch's rows that use an adapter.
         ids, positions: [T] int64 (STEP).
         ctx: the attention metadata (STEP).
@@ -108,6 +109,9 @@ class StepLink:
     def send_stop(self) -> None:
         self._send([STOP], None)
 
+    def send_pause(self) -> None:
+        self._send([PAUSE], None)
+
     def _send(self, meta: list[int], data: torch.Tensor | None) -> None:
         host = torch.tensor([data.shape[0] if data is not None else 0, *meta], dtype=torch.long)
         src = self.tp.leader
@@ -131,8 +135,8 @@ class StepLink:
             data = torch.empty(num_data, dtype=torch.long, device=self.device)
             dist.broadcast(data, src=src, group=self.tp.engine_group)
         kind = meta[0]
-        if kind == STOP:
-            return StepMessage(STOP, [])
+        if kind in (STOP, PAUSE):
+            return StepMessage(kind, [])
         if kind == CAPTURE:
             return StepMessage(CAPTURE, _decode_segments(meta, 3)[0], graph=(meta[1], bool(meta[2])))
         T, num_decode, max_q, max_k, bucket, sample = meta[1:7]

@@ -24,7 +24,8 @@ Tensor parallelism (`EngineConfig.tensor_parallel_size` = P > 1): the model is s
 ranks (modeling/tensor_parallel.py). Every rank loads only its shards (parallel/shard_load.py), its engine
 and trainer share them; the engine of the group's first rank leads (it schedules, samples and
 takes the requests) and the others' follow it; every rank takes the same training step on its
-shards, and rank 0 writes the full adapter. With GPUs = replicas x P, ranks [kP, (k+1)P) hold
+shards, and rank 0 writes the full adapter. A training call pauses the replica's engine (its
+collectives and the engine's must come in one order on every rank: `Engine.pause_followers`). With GPUs = replicas x P, ranks [kP, (k+1)P) hold
 replica k, rank 0 routes requests to the replicas' leaders, and the ranks that hold the same
 shard in every replica train data-parallel.
 
@@ -506,8 +507,10 @@ class ModelService:
             if sequences:
                 with self._training(trainer):
                     trainer.step(sequences, config, commit=commit, version=new_step, scorer=self._exact_scorer())
-            elif commit is not None:
-                commit()
+            elif self.tp is not None:  # the leader's call pauses the engine all the same
+                with self._training(trainer):
+                    if commit is not None:  # the checkpoint gathers the shards: collectives
+                        commit()
             self._publish(new_step)
         release_free_memory()
 
@@ -659,14 +662,23 @@ class ModelService:
             yield
 
     @contextlib.contextmanager
-    def _training(self, trainer: Trainer):
+    def _training(self, trainer: Trainer | None):
         """The context of a training call: on CUDA the trainer's own stream; the gate for the whole
-        call when the engine and the trainer cannot overlap (a transformers fallback on either side:
-        they share module state, such as train/eval mode and PEFT's active adapter)."""
+        call when the engine and the trainer cannot overlap: a transformers fallback on either side
+        (they share module state, such as train/eval mode and PEFT's active adapter), or tensor
+        parallelism, where the engine's collectives and the trainer's must come in the same order on
+        every rank of the group (see `Engine.pause_followers`): the leader pauses its engine and
+        tells its followers, which start once they have run every engine step sent before."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._on_train_stream())
-            if not (isinstance(self.engine, Engine) and trainer.decoder is not None):
+            tensor_parallel = self.tp is not None and isinstance(self.engine, Engine)
+            if tensor_parallel:
+                self.engine.wait_for_leader_pause()  # a follower; before the gate, which its engine needs
+            if tensor_parallel or not (isinstance(self.engine, Engine) and trainer is not None
+                                       and trainer.decoder is not None):
                 stack.enter_context(self.gate)  # entered with the trainer's stream current
+            if tensor_parallel:
+                self.engine.pause_followers()  # the leader
             yield
 
     def _exact_scorer(self):
