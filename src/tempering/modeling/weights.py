@@ -20,17 +20,29 @@ from torch import nn
 __all__ = ["base_layer", "extend_linear", "full_rows", "fuse_linears"]
 
 
+_ALLOCATION = "_tempering_fused_allocation"  # on a Parameter that fuse_linears made: its whole allocation
+
+
 def _shared_base(tensors: list[torch.Tensor], num_rows: int) -> torch.Tensor | None:
-    """The tensor that `tensors` are consecutive leading-row views of, if they are."""
-    shared = tensors[0]._base
-    if shared is None or shared.shape[0] < num_rows or shared.dim() != tensors[0].dim():
+    """The allocation of an earlier `fuse_linears` that `tensors` are consecutive leading rows of,
+    if they are. (The Parameters it binds are views whose `_base` is not kept, so each carries its
+    allocation as an attribute.)"""
+    shared = getattr(tensors[0], _ALLOCATION, None)
+    if shared is None or shared.shape[0] < num_rows:
         return None
     offset = 0
     for t in tensors:
-        if t._base is not shared or t.storage_offset() != shared.storage_offset() + offset * shared.stride(0):
+        if getattr(t, _ALLOCATION, None) is not shared or t.data_ptr() != shared[offset].data_ptr():
             return None
         offset += t.shape[0]
     return shared
+
+
+def _bind(module: nn.Module, attr: str, full: torch.Tensor, rows: slice) -> None:
+    """Rebind `module.attr` (weight or bias) as a frozen Parameter over `rows` of `full`."""
+    param = nn.Parameter(full[rows], requires_grad=False)
+    setattr(param, _ALLOCATION, full)
+    setattr(module, attr, param)
 
 
 def fuse_linears(modules: list[nn.Linear], names: list[str], *, extra_rows: int = 0
@@ -45,7 +57,8 @@ def fuse_linears(modules: list[nn.Linear], names: list[str], *, extra_rows: int 
     Returns:
         (weight [sum(out), in], bias [sum(out)] or None, {name: output slice}); the weight and
         bias are views of the first rows of the allocation (see `full_rows`). Calling it again on
-        already-fused modules returns the existing fused tensors.
+        already-fused modules (the trainer after the engine, on one model) returns views of the
+        existing allocation: the base weights are never held twice.
 
     Raises:
         ValueError: if only some of the modules have a bias.
@@ -63,7 +76,7 @@ def fuse_linears(modules: list[nn.Linear], names: list[str], *, extra_rows: int 
         torch.cat([w.detach() for w in weights], dim=0, out=full[:start])
         fused_w = full[:start]
         for m, name in zip(modules, names):
-            m.weight = nn.Parameter(full[slices[name]], requires_grad=False)
+            _bind(m, "weight", full, slices[name])
     biases = [m.bias for m in modules]
     fused_b = None
     if any(b is not None for b in biases):
@@ -77,7 +90,7 @@ def fuse_linears(modules: list[nn.Linear], names: list[str], *, extra_rows: int 
             torch.cat([b.detach() for b in biases], dim=0, out=full_b[:start])
             fused_b = full_b[:start]
             for m, name in zip(modules, names):
-                m.bias = nn.Parameter(full_b[slices[name]], requires_grad=False)
+                _bind(m, "bias", full_b, slices[name])
     return fused_w, fused_b, slices
 
 
