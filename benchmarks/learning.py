@@ -17,6 +17,7 @@ and the largest ratio of a step's gradient norm to its run's median.
     python benchmarks/learning.py                            # CPU, float32, seeds 0-4
     python benchmarks/learning.py --device cuda --seeds 0 1 2 3 4
     python benchmarks/learning.py --device cuda --batch-invariant     # exact on-policy
+    python benchmarks/learning.py --device cuda --dtype float32       # the float32 reference on a GPU
 """
 
 from __future__ import annotations
@@ -43,14 +44,15 @@ def _value(text: str):
         return text
 
 
-async def one_seed(seed: int, root: Path, device: str | None, train_options: dict, batch_invariant: bool) -> dict:
+async def one_seed(seed: int, root: Path, device: str | None, train_options: dict, batch_invariant: bool,
+                   dtype: str | None = None) -> dict:
     from tempering.demo.run import run_demo_async
     from tempering.storage import read_history
 
     start = time.perf_counter()
     result = await run_demo_async(path=root, seed=seed, name=f"learning-{seed}", device=device,
                                   train_options=train_options or None, echo=lambda line: None,
-                                  engine_config={"batch_invariant": True} if batch_invariant else None)
+                                  engine_config={"batch_invariant": True} if batch_invariant else None, dtype=dtype)
     rows = [r for r in read_history(result.history_path) if "loss/grad_norm" in r or "offpolicy/mismatch_abs_logprob" in r]
     mismatch = [r["offpolicy/mismatch_abs_logprob"] for r in rows if r.get("offpolicy/mismatch_abs_logprob") is not None]
     p99 = [r["offpolicy/mismatch_abs_logprob_p99"] for r in rows
@@ -77,13 +79,17 @@ def main() -> None:
                         help="a TrainConfig field for every step, e.g. loss_fn=cispo (repeatable)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="exact on-policy: the engine's batch-invariant mode (EngineConfig.batch_invariant)")
+    parser.add_argument("--dtype", default=None,
+                        help="the model's dtype (default: bfloat16 on a GPU, float32 on a CPU); float32 on a GPU: "
+                             "the exact reference")
     args = parser.parse_args()
     options = dict((k, _value(v)) for k, v in (o.split("=", 1) for o in args.train_option))
     runs = []
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                runs.append(asyncio.run(one_seed(seed, Path(tmp), args.device, options, args.batch_invariant)))
+                runs.append(asyncio.run(one_seed(seed, Path(tmp), args.device, options, args.batch_invariant,
+                                                 args.dtype)))
             except Exception as exc:  # a failed seed is a result too
                 runs.append({"seed": seed, "error": f"{type(exc).__name__}: {exc}"})
     done = [r for r in runs if "error" not in r]
@@ -92,7 +98,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "learning", "device": device,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "train_options": options, "batch_invariant": args.batch_invariant, "seeds": args.seeds,
+        "train_options": options, "batch_invariant": args.batch_invariant, "dtype": args.dtype, "seeds": args.seeds,
         "mean_gain": statistics.mean(gains) if gains else None, "min_gain": min(gains, default=None),
         "num_failed": len(runs) - len(done),
         "max_mismatch_mean": max((m for r in done for m in r["mismatch_mean"]), default=None),

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from openai.types.chat.chat_completion import Choice
 
 import tempering as art
@@ -197,6 +198,18 @@ def test_internal_config_maps_engine_init_peft_and_trainer_args():
     assert options.max_seq_len == 512
     assert options.lora == {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     assert options.train == {"max_grad_norm": 0.1, "weight_decay": 0.1}
+
+
+def test_the_models_dtype_maps_from_vllms_and_unsloths_names_and_auto_keeps_the_default():
+    assert resolve_internal_config({"engine_args": {"dtype": "float32"}}).dtype == "float32"
+    assert resolve_internal_config({"engine_args": {"dtype": "half"}}).dtype == "float16"
+    assert resolve_internal_config({"init_args": {"dtype": torch.bfloat16}}).dtype == "bfloat16"
+    assert resolve_internal_config({"engine_args": {"dtype": "auto"}, "init_args": {"dtype": None}}).dtype is None
+    # engine_args (vLLM's, which samples) wins over init_args (Unsloth's)
+    assert resolve_internal_config({"init_args": {"dtype": "bfloat16"}, "engine_args": {"dtype": "float32"}}).dtype == \
+        "float32"
+    with pytest.raises(UnsupportedOptionError, match=r"dtype='float64' is not supported; use 'auto', 'bfloat16'"):
+        resolve_internal_config({"engine_args": {"dtype": "float64"}})
 
 
 def test_ignored_options_get_one_warning_that_names_each_of_them():

@@ -5,12 +5,38 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tempering.engine import EngineConfig
 from tempering.errors import ConfigError
-from tempering.service.service import ModelService
+from tempering.service.service import CUDA_DTYPES, ModelService
 from tempering.storage import ModelPaths
 
 
-def test_float32_on_a_gpu_is_refused_at_startup_with_the_dtypes_that_work(tmp_path):
-    with pytest.raises(ConfigError, match=r"torch\.bfloat16 \(the default\) or torch\.float16"):
-        ModelService(ModelPaths(tmp_path, "p", "m"), "no-such-model", device="cuda", dtype=torch.float32)
+def test_a_dtype_the_gpu_path_does_not_serve_is_refused_at_startup_with_the_dtypes_that_work(tmp_path):
+    with pytest.raises(ConfigError, match=r"torch\.bfloat16 \(the default\), torch\.float16 or torch\.float32"):
+        ModelService(ModelPaths(tmp_path, "p", "m"), "no-such-model", device="cuda", dtype=torch.float64)
     assert not any(tmp_path.iterdir())  # refused before resolving or writing anything
+
+
+def test_float32_on_a_gpu_is_served_but_not_with_the_half_precision_exact_mode(tmp_path):
+    assert torch.float32 in CUDA_DTYPES  # the exact reference: IEEE float32 on both sides
+    with pytest.raises(ConfigError, match=r"batch_invariant=True\) runs half-precision kernels"):
+        ModelService(ModelPaths(tmp_path, "p", "m"), "no-such-model", device="cuda", dtype=torch.float32,
+                     engine_config=EngineConfig(batch_invariant=True))
+    assert not any(tmp_path.iterdir())
+
+
+def test_arts_dtype_option_sets_the_models_dtype(tiny_model_dir, tmp_path):
+    import asyncio
+
+    import tempering as art
+
+    async def register() -> torch.dtype:
+        async with art.LocalBackend(path=tmp_path, device="cpu") as backend:
+            model = art.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+            model._internal_config = art.dev.InternalModelConfig(engine_args=art.dev.EngineArgs(dtype="bfloat16"))
+            await model.register(backend)
+            service = backend.hub.service("m")
+            assert service.model.model.embed_tokens.weight.dtype == torch.bfloat16
+            return service.dtype
+
+    assert asyncio.run(register()) == torch.bfloat16  # the CPU's default is float32

@@ -46,6 +46,7 @@ class ModelOptions:
         lora: LoRAConfig fields.
         train: TrainConfig fields used as the default of every step (a step's own value wins).
         max_seq_len: the model's max sequence length in tokens (None: the model's context length).
+        dtype: the model's dtype name ("bfloat16", "float16", "float32"; None: the device's default).
         placement: ART's `trainer_gpu_ids` / `inference_gpu_ids`, as given.
         num_gpus: with both ids given (dedicated mode: rank 0 trains, the others serve), the
             GPUs the backend must run on; None otherwise.
@@ -55,6 +56,7 @@ class ModelOptions:
     lora: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     max_seq_len: int | None = None
+    dtype: str | None = None
     placement: dict[str, Any] = field(default_factory=dict)
     num_gpus: int | None = None
 
@@ -89,9 +91,14 @@ def _apply_section(section: str, values: Mapping[str, Any], out: ModelOptions, i
                 continue
             bucket, convert = option.to
             updates = convert(value)
-            if bucket == "model":  # init_args.max_seq_length and engine_args.max_model_len: the smaller wins
+            if bucket == "model" and "dtype" in updates:  # engine_args.dtype wins over init_args.dtype (read later)
+                out.dtype = updates["dtype"]
+            elif bucket == "model" and "max_seq_len" in updates:
+                # init_args.max_seq_length and engine_args.max_model_len: the smaller wins
                 given = int(updates["max_seq_len"])
                 out.max_seq_len = given if out.max_seq_len is None else min(out.max_seq_len, given)
+            elif bucket == "model":  # dtype "auto"
+                pass
             else:
                 getattr(out, bucket).update(updates)
         elif option.status == "ignored":

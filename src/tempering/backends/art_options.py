@@ -79,6 +79,21 @@ def _set(bucket: str, name: str, convert: Callable[[Any], Any] = lambda v: v) ->
     return bucket, lambda value: {name: convert(value)}
 
 
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16",
+           "float32": "float32", "float": "float32", "fp32": "float32"}
+
+
+def _dtype(value: Any) -> Updates:
+    """vLLM's `dtype` ("auto", "bfloat16", "half", "float32", ...) or Unsloth's (a torch.dtype or None)
+    as the model's dtype name; "auto" and None: the device's default."""
+    name = str(value).removeprefix("torch.").lower()
+    if name in ("auto", "none"):
+        return {}
+    if name not in _DTYPES:
+        raise UnsupportedOptionError(f"dtype={value!r} is not supported; use 'auto', 'bfloat16', 'float16' or 'float32'")
+    return {"dtype": _DTYPES[name]}
+
+
 def _importance_sampling_level(value: Any) -> Updates:
     if value == "sequence":
         return {"loss_fn": "gspo"}
@@ -213,7 +228,9 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
               "the model is split over that many GPUs of the backend's run (LocalBackend(gpus=N), N a multiple of "
               "it); the Llama family", to=_set("engine", "tensor_parallel_size", int)),
     ArtOption("engine_args", "pipeline_parallel_size", "ignored", note="tempering does not split layers over GPUs"),
-    ArtOption("engine_args", "dtype", "ignored", note="tempering serves in bfloat16 on GPU, float32 on CPU"),
+    ArtOption("engine_args", "dtype", "mapped", "the model's dtype (engine and trainer)",
+              "'auto' (the default): bfloat16 on a GPU, float32 on a CPU; float32 on a GPU is an exact reference "
+              "(slower)", to=("model", _dtype)),
     ArtOption("engine_args", "seed", "ignored", note="pass `seed` per request (tempering's sampling is "
               "seeded per request, whatever shares the batch)"),
     ArtOption("engine_args", "rope_scaling", "refused", note="the model's own rotary settings are used",
@@ -233,7 +250,8 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
               "weights (ART's Unsloth path uses 4-bit QLoRA)"),
     ArtOption("init_args", "load_in_8bit", "ignored", note="tempering trains LoRA on the unquantized base weights"),
     ArtOption("init_args", "load_in_16bit", "ignored", note="tempering trains LoRA on the unquantized base weights"),
-    ArtOption("init_args", "dtype", "ignored", note="tempering uses bfloat16 on GPU, float32 on CPU"),
+    ArtOption("init_args", "dtype", "mapped", "the model's dtype (engine and trainer)", "as engine_args.dtype",
+              to=("model", _dtype)),
     *(ArtOption("init_args", name, "ignored", note=_UNSLOTH) for name in (
         "fast_inference", "max_lora_rank", "random_state", "disable_log_stats", "float8_kv_cache", "use_async",
         "token", "device_map", "fix_tokenizer", "trust_remote_code", "use_exact_model_name", "revision")),

@@ -238,6 +238,7 @@ class LocalBackend:
             lora=lora,
             engine_config=engine_config_with(self.hub.engine_config, options.engine),
             max_seq_len=options.max_seq_len,
+            dtype=options.dtype,
             dedicated=True if options.dedicated else None,
         )
         if trainable:

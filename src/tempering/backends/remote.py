@@ -126,10 +126,10 @@ class RemoteBackend:
         """
         trainable = getattr(model, "trainable", False)
         options = resolve_internal_config(getattr(model, "_internal_config", None))
-        if options.engine or options.max_seq_len is not None:
+        if options.engine or options.max_seq_len is not None or options.dtype is not None:
             warnings.warn("RemoteBackend: the server's engine settings apply; the engine_args/init_args of "
-                          f"{model.name!r} (engine {sorted(options.engine)}, max_seq_len {options.max_seq_len}) "
-                          "are ignored", ArtOptionWarning, stacklevel=2)
+                          f"{model.name!r} (engine {sorted(options.engine)}, max_seq_len {options.max_seq_len}, "
+                          f"dtype {options.dtype}) are ignored", ArtOptionWarning, stacklevel=2)
         self._model_options[model.name] = options
         lora = merge_lora(getattr(model, "lora_config", None), options)
         await self._request("POST", "/v1/register", json={

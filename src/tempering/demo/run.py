@@ -76,6 +76,7 @@ async def run_demo_async(
     task: str = "addition",
     device: str | None = None,
     engine_config: dict[str, Any] | None = None,
+    dtype: str | None = None,
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
     """Train on `steps` × `groups_per_step` addition problems (`group_size` rollouts each).
@@ -88,12 +89,15 @@ async def run_demo_async(
     `task`: "addition", or "repeat-word" (task.py) for a pretrained model that cannot follow the addition prompt.
     `device`: "cpu" or "cuda" (default: CUDA when available).
     `engine_config`: EngineConfig fields (e.g. {"batch_invariant": True}: exact on-policy).
+    `dtype`: the model's dtype ("bfloat16", "float32", ...; None: bfloat16 on a GPU, float32 on a CPU).
     """
     start = time.perf_counter()
     task_name, task = task, TASKS[task]()
     val_scenarios = task.scenarios(num_val, seed=seed + 10_000)
     name = name or "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     model = TrainableModel(name=name, project="tempering-demo", base_model=base_model)
+    if dtype is not None:  # ART's option, as a user sets it
+        model._internal_config = {"engine_args": {"dtype": dtype}}
     async with LocalBackend(path=path, device=device, engine_config=engine_config) as backend:
         echo(f"loading {base_model} (a built-in model is converted from GGUF on its first run) ...")
         await model.register(backend)

@@ -179,7 +179,8 @@ class ModelRunner:
         # a mixture of experts records each cached token's experts beside its K/V (routing.py)
         allocate_routing = getattr(model, "allocate_routing", None)
         self.routing = allocate_routing(self.num_blocks * self.block_size) if allocate_routing is not None else None
-        self.use_varlen = self.is_cuda and HAS_VARLEN
+        # FlashAttention takes half precision; a float32 model's prefill runs SDPA over its block tables
+        self.use_varlen = self.is_cuda and HAS_VARLEN and model.dtype in (torch.bfloat16, torch.float16)
         self.batch_invariant = config.batch_invariant and self.is_cuda  # prefill queries run the decode kernel
         self.max_blocks_per_seq = -(-max_seq_len // self.block_size)
         self.tables = np.zeros((64, self.max_blocks_per_seq), dtype=np.int32)  # row per live sequence

@@ -107,12 +107,12 @@ class ModelHub:
 
     def register(self, *, name: str, project: str, model_json: dict[str, Any], base_model: str | None = None,
                  lora: LoRAConfig | None = None, engine_config: EngineConfig | None = None,
-                 max_seq_len: int | None = None, dedicated: bool | None = None) -> int:
+                 max_seq_len: int | None = None, dtype: str | None = None, dedicated: bool | None = None) -> int:
         """Record the model and, when `base_model` is given (a trainable model), load its service.
 
         `engine_config` (default: the hub's), `max_seq_len` (default: the model's context
-        length) and `dedicated` (default: the hub's) apply to this model only, when its service
-        is created.
+        length), `dtype` (a torch dtype's name; default: the device's) and `dedicated` (default:
+        the hub's) apply to this model only, when its service is created.
 
         Returns:
             the model's latest step.
@@ -135,7 +135,7 @@ class ModelHub:
             service = self.registry.get(name)
             if base_model is not None and service is None:  # loads the weights: fails for an unknown base model
                 service = self._load(paths, base_model, lora=lora, engine_config=engine_config or self.engine_config,
-                                     max_seq_len=max_seq_len, dedicated=dedicated)
+                                     max_seq_len=max_seq_len, dtype=dtype, dedicated=dedicated)
             _write_json_atomically(paths.model_json, model_json)
         except BaseException:
             # leave nothing behind: no model.json (nor directories) for a model that does not exist
@@ -158,7 +158,9 @@ class ModelHub:
                              base_model=base_model, **options) for link in links]
         service = None
         try:
-            service = ModelService(paths, base_model, device=self.device, dp=self.dp, workers=links, **options)
+            dtype = options.pop("dtype", None)
+            service = ModelService(paths, base_model, device=self.device, dp=self.dp, workers=links,
+                                   dtype=getattr(torch, dtype) if dtype else None, **options)
         finally:
             concurrent.futures.wait(futures)
             errors = [f.exception() for f in futures if f.exception() is not None]

@@ -84,7 +84,10 @@ __all__ = ["ModelService"]
 
 log = logging.getLogger("tempering")
 
-CUDA_DTYPES = (torch.bfloat16, torch.float16)  # what the engine's GPU attention kernels take
+# what the GPU path serves: half precision at full speed; float32 as an exact reference (IEEE float32
+# products on both sides, no TF32; prefill and training attention by SDPA per sequence, no CUDA
+# graphs in training), for a small model whose engine and trainer should agree as on a CPU
+CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def default_device() -> torch.device:
@@ -100,7 +103,8 @@ class ModelService:
         lora: the adapter's LoRA config (defaults to `LoRAConfig()`); a checkpoint's own config wins.
         device: defaults to CUDA when available, else CPU.
         dtype: defaults to bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs); on
-            CUDA only the dtypes of CUDA_DTYPES.
+            CUDA the dtypes of CUDA_DTYPES (float32: a slower exact reference, not with
+            `EngineConfig.batch_invariant`).
         max_batch_size: most samples the engine decodes together.
         engine_config: batching and KV-cache settings of the engine.
         max_seq_len: longest sequence (prompt + completion) served and trained, in tokens;
@@ -113,8 +117,9 @@ class ModelService:
     Raises:
         UnknownModelError: if `base_model` cannot be resolved.
         ConfigError: if the weights (this GPU's shards of them) do not fit the GPU, `dedicated`
-            without a multi-GPU run, a `dtype` the GPU path does not serve (float32 on CUDA), or a
-            tensor_parallel_size other than the run's number of processes.
+            without a multi-GPU run, a `dtype` the GPU path does not serve (float64, or float32 with
+            `EngineConfig.batch_invariant` on CUDA), or a tensor_parallel_size other than the run's
+            number of processes.
     """
 
     def __init__(
@@ -143,13 +148,15 @@ class ModelService:
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.device.type == "cuda" and self.dtype not in CUDA_DTYPES:
-            raise ConfigError(f"dtype {self.dtype} is not served on a GPU: the engine's attention (FlashAttention "
-                              "prefill, Triton decode) takes torch.bfloat16 (the default) or torch.float16; "
-                              "float32 runs on the CPU (device='cpu')")
+            raise ConfigError(f"dtype {self.dtype} is not served on a GPU: use torch.bfloat16 (the default), "
+                              "torch.float16 or torch.float32 (an exact reference, slower)")
         if dedicated and (dp is None or dp.world_size < 2):
             raise ConfigError("dedicated mode (a training GPU and serving GPUs) needs a multi-GPU run: "
                               "LocalBackend(gpus=N) or `tempering serve --gpus N` with N >= 2")
         engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
+        if self.device.type == "cuda" and self.dtype == torch.float32 and engine_config.batch_invariant:
+            raise ConfigError("EngineConfig(batch_invariant=True) runs half-precision kernels on a GPU; with dtype "
+                              "torch.float32 the engine and the trainer already sum in float32 throughout: drop one of the two")
         self.tp = None
         if engine_config.tensor_parallel_size > 1:  # replicas of P ranks; dp: the same shard's ranks across them
             self.tp, dp = self._tensor_parallel(engine_config.tensor_parallel_size, dp, dedicated)

@@ -60,12 +60,14 @@ class WorkerHub:
         self._helpers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tempering-submit")
 
     def register(self, *, root: str, project: str, name: str, base_model: str, lora: LoRAConfig | None,
-                 engine_config: EngineConfig | None, max_seq_len: int | None, dedicated: bool = False) -> int:
+                 engine_config: EngineConfig | None, max_seq_len: int | None, dtype: str | None = None,
+                 dedicated: bool = False) -> int:
         """Load this rank's service of a model rank 0 registers (same arguments); its step."""
         if name not in self.services:
             self.services[name] = ModelService(ModelPaths(Path(root), project, name), base_model, lora=lora,
                                                device=self.info.device, engine_config=engine_config,
-                                               max_seq_len=max_seq_len, dp=self.dp, dedicated=dedicated)
+                                               max_seq_len=max_seq_len, dtype=getattr(torch, dtype) if dtype else None,
+                                               dp=self.dp, dedicated=dedicated)
         return self.services[name].step
 
     def sees_file(self, *, path: str, text: str) -> bool:

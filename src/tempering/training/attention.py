@@ -6,9 +6,9 @@ sequences, and on CPU and for masked GQA it falls to the slow SDPA kernels. Inst
 registers one attention function with transformers' `AttentionInterface` (its documented
 extension point) and switches the model to it for the duration of a step:
 
-- on CUDA with PyTorch's `varlen_attn` (FlashAttention-2 inside torch >= 2.10): one call for
-  the whole row, given the cumulative sequence lengths;
-- elsewhere: one causal SDPA call per sequence.
+- on CUDA with PyTorch's `varlen_attn` (FlashAttention-2 inside torch >= 2.10) in bfloat16 or
+  float16: one call for the whole row, given the cumulative sequence lengths;
+- elsewhere (the CPU, a float32 model on CUDA): one causal SDPA call per sequence.
 
 Either way the cost is Σ len² and a token never sees another sequence.
 """
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKED_ATTENTION", "gather_keys", "packed_attention", "use_packed_attention", "varlen_causal_attention"]
+__all__ = ["PACKED_ATTENTION", "gather_keys", "packed_attention", "use_packed_attention", "uses_varlen",
+           "varlen_causal_attention"]
 
 PACKED_ATTENTION = "tempering_packed"
 
@@ -57,6 +58,12 @@ def packed_attention(
     return out[None], None
 
 
+def uses_varlen(q: torch.Tensor) -> bool:
+    """Whether `varlen_causal_attention` runs FlashAttention (one call, graph-safe) for `q`: on CUDA,
+    torch >= 2.10, half precision. Otherwise it loops over the sequences on the host."""
+    return q.is_cuda and varlen_attn is not None and q.dtype in (torch.bfloat16, torch.float16)
+
+
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
                             max_seq_len: int | None, scale: float | None, *, window: int | None = None,
                             keys: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
@@ -82,7 +89,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         k, v = gather_keys(k, key_index, cu_keys[-1]), gather_keys(v, key_index, cu_keys[-1])
     else:
         cu_keys, max_keys = cu_seq_lens, None
-    if q.is_cuda and varlen_attn is not None:
+    if uses_varlen(q):
         max_len = int(max_seq_len or int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()))
         max_keys = max_keys or max_len
         left = window - 1 if window is not None and window < max_keys else -1

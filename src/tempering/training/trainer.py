@@ -570,10 +570,13 @@ class Trainer:
 
     def _can_capture(self, config: TrainConfig) -> bool:
         """CUDA graphs for the rows: on CUDA, with tempering's own forward, PyTorch's varlen attention
-        (torch >= 2.10; the fallback loops over sequences on the host) and no LoRA dropout."""
+        (torch >= 2.10, half precision; the fallback loops over sequences on the host) and no LoRA
+        dropout."""
         # not under tensor parallelism: its collectives in captured rows are not validated yet
         return (config.cuda_graphs and self.params[0].device.type == "cuda" and self.decoder is not None
-                and not self.decoder.has_dropout and varlen_attn is not None and self.tp is None)
+                and not self.decoder.has_dropout and varlen_attn is not None
+                and self.tp is None
+                and self.peft_model.get_base_model().get_input_embeddings().weight.dtype in (torch.bfloat16, torch.float16))
 
     def sft_step(
         self,

@@ -61,7 +61,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,7 +93,7 @@ def _decode_split_kernel(
         row = tokens % PAGE
         k = tl.load(K + block[:, None] * stride_kb + row[:, None] * stride_kp + kv_head * stride_kh + d[None, :],
                     mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], in log2 units
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], in log2 units
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -101,7 +101,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + block[:, None] * stride_vb + row[:, None] * stride_vp + kv_head * stride_vh + d[None, :],
                     mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0
@@ -153,7 +153,8 @@ def paged_decode_attention(
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, NUM_SPLITS=S,
-        BLOCK_N=block_n, STAGES=num_stages, num_warps=num_warps,
+        BLOCK_N=block_n, STAGES=num_stages, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     _merge_splits_kernel[(B, Hq)](  # the splits, weighted by their log-sum-exp
