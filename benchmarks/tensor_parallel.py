@@ -14,7 +14,8 @@ shards. Then:
   each workload's `vs_tp1` is the fixed batch's speed-up from splitting the model over N GPUs.
 - a LoRA policy-gradient step (`Trainer.step`) on `--num-seqs` x `--seq-len` tokens (7/8 of them
   trained), after a warm-up step; tokens/s and MFU: 4 x matmul params x tokens (forward plus the
-  backward to the inputs; recomputation not counted) over (989 TFLOP/s x N), H100 SXM dense bf16.
+  backward to the inputs; recomputation not counted) over (989 TFLOP/s x N), H100 SXM dense bf16
+  (an H200 has the same peak). `--no-recompute` keeps the activations instead of recomputing them.
 - a checkpoint (`Trainer.save`: the shards gathered, the full PEFT adapter and optimizer state written
   once, by rank 0) and a resume: a step is taken, the checkpoint is loaded back into the same shards
   (each rank its slices, `Trainer.load_state` for the optimizer and RNG), the loaded state compared
@@ -287,7 +288,8 @@ def train_sequences(num_seqs: int, seq_len: int, vocab: int) -> list[TokenizedSe
 
 def time_train_step(trainer: Trainer, args, vocab: int, device: torch.device) -> dict:
     sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
-    config = TrainConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens)
+    config = TrainConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens,
+                         gradient_checkpointing=not args.no_recompute)
     start = time.perf_counter()
     trainer.step(sequences, config)  # warm-up
     sync(device)
@@ -318,7 +320,8 @@ def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int
     if tp.is_leader:
         directory.mkdir(parents=True, exist_ok=True)
     sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
-    config = TrainConfig(learning_rate=1e-4, micro_batch_tokens=args.micro_batch_tokens)
+    config = TrainConfig(learning_rate=1e-4, micro_batch_tokens=args.micro_batch_tokens,
+                         gradient_checkpointing=not args.no_recompute)
     def snapshot() -> dict[str, torch.Tensor]:  # this rank's adapter slices and optimizer state
         state = {n: p.detach().clone() for n, p in trainer.named_params}
         for i, (_, p) in enumerate(trainer.named_params):
@@ -491,7 +494,8 @@ def run(args) -> None:
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "workload": None if args.check_greedy else
             {**workloads, "train_tokens": args.num_seqs * args.seq_len,
-             "micro_batch_tokens": args.micro_batch_tokens, "kv_fraction": args.kv_fraction},
+             "micro_batch_tokens": args.micro_batch_tokens, "kv_fraction": args.kv_fraction,
+             "recompute": not args.no_recompute},
             **out}), flush=True)
     dist.barrier(group=waits)
     progress("destroying the process groups", device)
@@ -516,6 +520,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed train steps")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="EngineConfig.gpu_memory_fraction")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="TrainConfig.micro_batch_tokens")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="TrainConfig(gradient_checkpointing=False): keep each layer's activations instead of "
+                             "recomputing them in the backward pass (more memory, ~1/3 fewer forward FLOPs)")
     parser.add_argument("--memory-cap-gib", type=float, default=0,
                         help="cap each process's GPU allocations (0: none); 79 holds an H200 to an H100's memory")
     parser.add_argument("--checkpoint-dir", default="tp-checkpoint", help="where the checkpoint is written")
