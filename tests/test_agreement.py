@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tempering.engine import SamplingParams
@@ -79,6 +80,40 @@ def test_in_bfloat16_the_engine_keeps_the_small_adapter_the_trainer_scores(defau
     mismatch = (engine_lp - trainer_lp).abs().mean().item()
     assert engine_error < 1.15 * trainer_error, (engine_error, trainer_error)
     assert mismatch < 0.035, (mismatch, engine_error, trainer_error)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (float32 on a CPU is the default)")
+def test_in_float32_on_a_gpu_the_engine_and_the_trainer_agree_as_on_a_cpu(default_model_dir, tmp_path):
+    """dtype float32 on CUDA: IEEE float32 in the engine's kernels (decode attention, LoRA) and the
+    trainer's (SDPA per sequence, no CUDA graphs); a step runs and the adapter it trains is served."""
+    service = ModelService(ModelPaths(tmp_path, "agreement", "f32"), str(default_model_dir), device="cuda",
+                           dtype=torch.float32)
+    try:
+        trainer = service._ensure_trainer(TrainConfig())
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad(), service.gate:
+            for name, p in trainer.peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_((torch.randn(p.shape, generator=g) * 4e-3).to(p.device))
+        prompts = [service.renderer.render_prompt([{"role": "user", "content": f"What is {a}+{b}?"}])
+                   for a, b in ((3, 4), (12, 9), (40, 2))]
+        futures = [service.submit(p, SamplingParams(max_tokens=24, temperature=1.0, seed=i), n=8)
+                   for i, p in enumerate(prompts)]
+        samples = [(p, c) for p, f in zip(prompts, futures) for c in f.result()]
+        sequences = [TokenizedSequence(p + c.token_ids, [False] * len(p) + [True] * len(c.token_ids),
+                                       [math.nan] * len(p) + list(c.logprobs), advantage=1.0 if i % 2 else -1.0,
+                                       trajectory_index=i)
+                     for i, (p, c) in enumerate(samples)]
+        engine_lp = torch.tensor([x for _, c in samples for x in c.logprobs])
+        trainer_lp = torch.tensor(_trainer_logprobs(trainer, sequences))
+        mismatch = (engine_lp - trainer_lp).abs()
+        assert mismatch.mean().item() < 1e-4 and mismatch.max().item() < 1e-3, (mismatch.mean(), mismatch.max())
+        metrics = trainer.step(sequences, TrainConfig(learning_rate=1e-3)).values
+        assert math.isfinite(metrics["loss/grad_norm"]) and metrics["loss/grad_norm"] > 0
+        after = service.submit(prompts[0], SamplingParams(max_tokens=8, temperature=0.0), n=1).result()[0]
+        assert len(after.token_ids) > 0
+    finally:
+        service.close()
 
 
 def test_exact_on_policy_mode_trains_on_policy_tokens_at_their_sampled_values_through_art_code(tmp_path):
