@@ -38,7 +38,7 @@ It starts its own ranks 1..N-1 (torchrun's variables, NCCL on GPUs, gloo on CPUs
 
     python benchmarks/tensor_parallel.py --device cuda --tp 4 --model 72b
     python benchmarks/tensor_parallel.py --device cuda --tp 2 --model 1.5b --workloads R,1024x1 --baseline
-    python benchmarks/tensor_parallel.py --device cuda --tp 2 --model 1.5b --check-greedy
+    python benchmarks/tensor_parallel.py --device cuda --tp 2 --model 1.5b --check-greedy [--dtype float32]
     python benchmarks/tensor_parallel.py --device cpu --tp 2 --model tiny [--check-greedy]
 """
 
@@ -447,7 +447,7 @@ def run(args) -> None:
     tp = TensorParallel(timeout_s=7200)
     # the ranks wait for each other on the host (gloo), never in a GPU kernel that would spin meanwhile
     waits = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     workloads = {name: WORKLOADS["gpu" if device.type == "cuda" else "cpu"][name] for name in args.workloads}
     if args.check_greedy:
         out = check_greedy(args, tp, device, dtype, waits)
@@ -520,6 +520,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed train steps")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="EngineConfig.gpu_memory_fraction")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="TrainConfig.micro_batch_tokens")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                        help="default: bfloat16 on cuda, float32 on cpu; float32 on cuda: IEEE float32 throughout, "
+                             "where greedy tokens at TP N should equal TP 1's (no bf16 rounding of near ties)")
     parser.add_argument("--no-recompute", action="store_true",
                         help="TrainConfig(gradient_checkpointing=False): keep each layer's activations instead of "
                              "recomputing them in the backward pass (more memory, ~1/3 fewer forward FLOPs)")
