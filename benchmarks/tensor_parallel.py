@@ -1,9 +1,10 @@
 """Tensor-parallel serving and training (modeling/tensor_parallel.py) of one model split over N GPUs.
 
-Prints one JSON line. Each rank builds its shards of a random model directly on its device (the
-model is created on the meta device and `shard_llama_` draws every shard where it lives: a
-72B model never exists whole on one device or in host memory; the replicated embedding, LM head
-and norms are drawn on each device), wraps them with a live rank-8 LoRA on every projection (A and
+Prints one JSON line. Each rank builds its shards of a random model directly on its device
+(`parallel.shard_load.dummy_model`, as `EngineConfig(load_format="dummy")` does: the model is
+created on the meta device and `shard_llama_` draws every shard where it lives, so a 72B model
+never exists whole on one device or in host memory; the replicated embedding, LM head and norms
+are drawn on each device), wraps them with a live rank-8 LoRA on every projection (A and
 B non-zero), and starts its engine (rank 0 leads, the others follow) and its trainer on the same
 shards. Then:
 
@@ -62,6 +63,7 @@ import torch.distributed as dist
 from tempering.engine import Engine, EngineConfig, SamplingParams
 from tempering.engine.models import LlamaFamilyModel
 from tempering.modeling.tensor_parallel import TensorParallel, shard_llama_
+from tempering.parallel.shard_load import dummy_model
 from tempering.service.policies import AdapterPolicy
 from tempering.training import TokenizedSequence, Trainer
 from tempering.training.trainer import ADAPTER_NAME
@@ -116,42 +118,8 @@ def hf_config(shape: str):
 
 def build_sharded(shape: str, tp: TensorParallel | None, device: torch.device, dtype: torch.dtype):
     """A random model of `shape` holding this rank's shards, drawn on `device` without the whole model
-    ever existing (see the module docstring); with `tp` None, the whole model (for TP 1)."""
-    from transformers import AutoModelForCausalLM
-
-    config = hf_config(shape)
-    torch.manual_seed(1 + (tp.rank if tp is not None else 0))  # the shards' values: any will do for speed
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-    def init(shape_: tuple[int, ...], dtype_: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape_, dtype=dtype_, device=device).normal_(0.0, 0.02)
-
-    if tp is not None:
-        shard_llama_(model, tp, init=init)
-    _materialize_(model, config, device, init)
-    return model.eval().requires_grad_(False)
-
-
-def _materialize_(model, config, device: torch.device, init) -> None:
-    """Draw every tensor still on the meta device (replicated ones; all of them at TP 1) on `device`."""
-    with torch.no_grad():
-        for module in model.modules():
-            for name, p in list(module.named_parameters(recurse=False)):
-                if p.is_meta:
-                    if "norm" in type(module).__name__.lower():
-                        value = torch.ones(p.shape, dtype=p.dtype, device=device)
-                    elif p.dim() > 1:
-                        value = init(tuple(p.shape), p.dtype)
-                    else:
-                        value = torch.zeros(p.shape, dtype=p.dtype, device=device)
-                    setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        with torch.device(device):  # its inverse frequencies, a buffer computed at construction
-            model.model.rotary_emb = type(model.model.rotary_emb)(config)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    assert not left, f"still on the meta device: {left}"
+    ever existing (`EngineConfig(load_format="dummy")`'s builder); with `tp` None, the whole model (for TP 1)."""
+    return dummy_model(hf_config(shape), device, dtype, tp=tp, seed=1)
 
 
 def build_full_then_shard(shape: str, tp: TensorParallel | None, device: torch.device, dtype: torch.dtype):

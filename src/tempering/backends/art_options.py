@@ -94,6 +94,13 @@ def _dtype(value: Any) -> Updates:
     return {"dtype": _DTYPES[name]}
 
 
+def _load_format(value: Any) -> Updates:
+    if value not in ("auto", "dummy"):
+        raise UnsupportedOptionError(f"load_format={value!r} is not supported; use 'auto' (the checkpoint's weights, "
+                                     "from safetensors) or 'dummy' (random weights)")
+    return {"load_format": value}
+
+
 def _importance_sampling_level(value: Any) -> Updates:
     if value == "sequence":
         return {"loss_fn": "gspo"}
@@ -201,6 +208,9 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
               "an external vLLM server cannot be attached", accepts=(None,)),
     # ---- engine_args (vLLM EngineArgs) ------------------------------------------------------------------
     ArtOption("engine_args", "max_num_seqs", "mapped", "EngineConfig.max_num_seqs", to=_set("engine", "max_num_seqs")),
+    ArtOption("engine_args", "load_format", "mapped", "EngineConfig.load_format",
+              "'auto' or 'dummy' (random weights from the config, for benchmarks); other formats are refused",
+              to=("engine", _load_format)),
     ArtOption("engine_args", "max_num_batched_tokens", "mapped", "EngineConfig.max_num_batched_tokens",
               to=_set("engine", "max_num_batched_tokens")),
     ArtOption("engine_args", "enable_prefix_caching", "mapped", "EngineConfig.enable_prefix_caching",

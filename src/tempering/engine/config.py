@@ -33,6 +33,10 @@ class EngineConfig:
         tensor_parallel_size: ranks (GPUs) that one model is split over (modeling/tensor_parallel.py), the
             name vLLM and SGLang use; 1: the whole model on one device. The engine checks it
             against the model's shards.
+        load_format: "auto": the base model's weights from its checkpoint; "dummy" (vLLM's name):
+            random weights drawn on each device from the model's config alone (normal, std 0.02,
+            norms 1; the same draws for the same layout and seed), for measuring a model shape
+            whose checkpoint you do not have. A model trained on them learns nothing useful.
     """
 
     max_num_seqs: int = 256
@@ -46,8 +50,12 @@ class EngineConfig:
     max_graph_batch_size: int = 256
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be 'auto' (the checkpoint's weights) or 'dummy' (random weights), "
+                              f"got {self.load_format!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.batch_invariant:

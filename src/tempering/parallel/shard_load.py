@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..modeling.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL, TensorParallel, _check_config
 
-__all__ = ["load_llama_shards"]
+__all__ = ["dummy_model", "load_llama_shards"]
 
 
 def _shard_dim(name: str) -> int | None:
@@ -90,5 +90,60 @@ def load_llama_shards(model_dir: str | Path, tp: TensorParallel, device: torch.d
         raise ConfigError(f"tensor-parallel loading does not know how to build {left[:3]} of {type(model).__name__}: "
                           "run this model with tensor_parallel_size 1")
     if (model_dir / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model.eval().requires_grad_(False)
+
+
+def dummy_model(model_dir: str | Path | Any, device: torch.device, dtype: torch.dtype, *,
+                tp: TensorParallel | None = None, seed: int = 0) -> Any:
+    """A model of `model_dir`'s config (no weights read; or a `PretrainedConfig` itself) with random weights drawn on `device`
+    (`EngineConfig(load_format="dummy")`): this rank's shards under `tp`, drawn shard by shard so
+    the whole model never exists anywhere; every matrix normal with std 0.02, norms 1, biases 0.
+    The replicated tensors (embedding, LM head) are the same on every rank; the draws depend only
+    on `seed`, the rank and the layout.
+
+    Raises:
+        ConfigError: under `tp`, if the sizes do not divide by `tp.size`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if isinstance(model_dir, (str, Path)):
+        model_dir = Path(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+    else:
+        model_dir, config = None, model_dir
+    # replicated tensors (embedding, LM head) the same on every rank; each rank's shards its own
+    replicated = torch.Generator(device=device).manual_seed(seed)
+    shards = torch.Generator(device=device).manual_seed(seed + 1 + (tp.rank if tp is not None else 0))
+
+    def init(shape: tuple[int, ...], dtype_: torch.dtype, generator: torch.Generator = shards) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype_, device=device).normal_(0.0, 0.02, generator=generator)
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if tp is not None:
+        from ..modeling.tensor_parallel import shard_llama_
+
+        shard_llama_(model, tp, init=init)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_meta:
+                    if "norm" in type(module).__name__.lower():
+                        value = torch.ones(p.shape, dtype=p.dtype, device=device)
+                    elif p.dim() > 1:
+                        value = init(tuple(p.shape), p.dtype, replicated)
+                    else:
+                        value = torch.zeros(p.shape, dtype=p.dtype, device=device)
+                    setattr(module, name, nn.Parameter(value, requires_grad=False))
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.device(device):  # buffers computed at construction (rotary inverse frequencies)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ConfigError(f"random weights (load_format='dummy') do not know how to build {left[:3]} of "
+                          f"{type(model).__name__}: use load_format='auto'")
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     return model.eval().requires_grad_(False)

@@ -59,7 +59,7 @@ from ..engine.memory import release_free_memory
 from ..engine.models import fallback_reason
 from ..errors import ConfigError, DistributedError, TrajectoryError, UnknownModelError
 from ..parallel import Router, WorkerLink
-from ..parallel.shard_load import load_llama_shards
+from ..parallel.shard_load import dummy_model, load_llama_shards
 from ..modeling.tensor_parallel import TensorParallel
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
@@ -172,7 +172,9 @@ class ModelService:
         check_fits_device(resolved.model_ref, self.dtype, self.device,
                           tensor_parallel_size=engine_config.tensor_parallel_size)
         self.tokenizer = AutoTokenizer.from_pretrained(resolved.model_ref)
-        if self.tp is not None:  # this rank's shards only, read slice by slice
+        if engine_config.load_format == "dummy":  # random weights from the config (a shape's benchmark)
+            self.model = dummy_model(resolved.model_ref, self.device, self.dtype, tp=self.tp)
+        elif self.tp is not None:  # this rank's shards only, read slice by slice
             self.model = load_llama_shards(resolved.model_ref, self.tp, self.device, self.dtype)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(resolved.model_ref, dtype=self.dtype).to(self.device)
