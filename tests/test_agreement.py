@@ -35,28 +35,35 @@ def _trainer_logprobs(trainer: Trainer, sequences: list[TokenizedSequence]) -> l
     return [x for xs in out for x in xs]
 
 
+def _sample_with_a_random_adapter(service, pairs, *, n: int, max_tokens: int):
+    """Give the service's adapter a small random B, sample `n` completions of "What is a+b?" for each
+    pair, and return (trainer, sequences with alternating advantages, engine logprobs, trainer logprobs)."""
+    trainer = service._ensure_trainer(TrainConfig())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad(), service.gate:
+        for name, p in trainer.peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_((torch.randn(p.shape, generator=g) * 4e-3).to(p.device))
+    prompts = [service.renderer.render_prompt([{"role": "user", "content": f"What is {a}+{b}?"}]) for a, b in pairs]
+    futures = [service.submit(p, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i), n=n)
+               for i, p in enumerate(prompts)]
+    samples = [(p, c) for p, f in zip(prompts, futures) for c in f.result()]
+    sequences = [TokenizedSequence(p + c.token_ids, [False] * len(p) + [True] * len(c.token_ids),
+                                   [math.nan] * len(p) + list(c.logprobs), advantage=1.0 if i % 2 else -1.0,
+                                   trajectory_index=i)
+                 for i, (p, c) in enumerate(samples)]
+    engine_lp = torch.tensor([x for _, c in samples for x in c.logprobs])
+    return trainer, sequences, engine_lp, torch.tensor(_trainer_logprobs(trainer, sequences))
+
+
 def test_in_bfloat16_the_engine_keeps_the_small_adapter_the_trainer_scores(default_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     service = ModelService(ModelPaths(tmp_path, "agreement", "bf16"), str(default_model_dir), device="cpu",
                            dtype=torch.bfloat16)
     try:
-        trainer = service._ensure_trainer(TrainConfig())
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad(), service.gate:
-            for name, p in trainer.peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 4e-3)
-        prompts = [service.renderer.render_prompt([{"role": "user", "content": f"What is {a}+{b}?"}])
-                   for a, b in ((3, 4), (12, 9))]
-        futures = [service.submit(p, SamplingParams(max_tokens=16, temperature=1.0, seed=i), n=4)
-                   for i, p in enumerate(prompts)]
-        samples = [(p, c) for p, f in zip(prompts, futures) for c in f.result()]
-        sequences = [TokenizedSequence(p + c.token_ids, [False] * len(p) + [True] * len(c.token_ids),
-                                       [math.nan] * len(p) + list(c.logprobs), advantage=1.0, trajectory_index=i)
-                     for i, (p, c) in enumerate(samples)]
-        engine_lp = torch.tensor([x for _, c in samples for x in c.logprobs])
-        trainer_lp = torch.tensor(_trainer_logprobs(trainer, sequences))
+        trainer, sequences, engine_lp, trainer_lp = _sample_with_a_random_adapter(service, ((3, 4), (12, 9)), n=4,
+                                                                                  max_tokens=16)
         adapter = {k: v.float() for k, v in trainer.peft_model.state_dict().items() if "lora_" in k}
     finally:
         service.close()
@@ -89,28 +96,13 @@ def test_in_float32_on_a_gpu_the_engine_and_the_trainer_agree_as_on_a_cpu(defaul
     service = ModelService(ModelPaths(tmp_path, "agreement", "f32"), str(default_model_dir), device="cuda",
                            dtype=torch.float32)
     try:
-        trainer = service._ensure_trainer(TrainConfig())
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad(), service.gate:
-            for name, p in trainer.peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_((torch.randn(p.shape, generator=g) * 4e-3).to(p.device))
-        prompts = [service.renderer.render_prompt([{"role": "user", "content": f"What is {a}+{b}?"}])
-                   for a, b in ((3, 4), (12, 9), (40, 2))]
-        futures = [service.submit(p, SamplingParams(max_tokens=24, temperature=1.0, seed=i), n=8)
-                   for i, p in enumerate(prompts)]
-        samples = [(p, c) for p, f in zip(prompts, futures) for c in f.result()]
-        sequences = [TokenizedSequence(p + c.token_ids, [False] * len(p) + [True] * len(c.token_ids),
-                                       [math.nan] * len(p) + list(c.logprobs), advantage=1.0 if i % 2 else -1.0,
-                                       trajectory_index=i)
-                     for i, (p, c) in enumerate(samples)]
-        engine_lp = torch.tensor([x for _, c in samples for x in c.logprobs])
-        trainer_lp = torch.tensor(_trainer_logprobs(trainer, sequences))
+        trainer, sequences, engine_lp, trainer_lp = _sample_with_a_random_adapter(
+            service, ((3, 4), (12, 9), (40, 2)), n=8, max_tokens=24)
         mismatch = (engine_lp - trainer_lp).abs()
         assert mismatch.mean().item() < 1e-4 and mismatch.max().item() < 1e-3, (mismatch.mean(), mismatch.max())
         metrics = trainer.step(sequences, TrainConfig(learning_rate=1e-3)).values
         assert math.isfinite(metrics["loss/grad_norm"]) and metrics["loss/grad_norm"] > 0
-        after = service.submit(prompts[0], SamplingParams(max_tokens=8, temperature=0.0), n=1).result()[0]
+        after = service.submit(sequences[0].token_ids[:8], SamplingParams(max_tokens=8, temperature=0.0), n=1).result()[0]
         assert len(after.token_ids) > 0
     finally:
         service.close()
