@@ -89,6 +89,9 @@ def serve(
                                             "dedicated mode), for every trainable model")] = False,
     tensor_parallel_size: Annotated[int, typer.Option(min=1, help="split each model over this many GPUs "
                                                       "(tensor parallelism; = --gpus for now)")] = 1,
+    dtype: Annotated[str | None, typer.Option(help="the models' dtype: bfloat16, float16 or float32 (default: "
+                                              "bfloat16 on a GPU, float32 on a CPU; float32 on a GPU is an "
+                                              "exact reference, slower)")] = None,
 ) -> None:
     """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port.
 
@@ -140,12 +143,13 @@ def serve(
     elif gpus > 1:
         driver = Driver.start(gpus, device_type=device_type, command=worker_command(device_type, 600.0))
     try:
-        hub = ModelHub(root, device=device, driver=driver, engine_config=engine, dedicated=dedicated)
+        hub = ModelHub(root, device=device, driver=driver, engine_config=engine, dedicated=dedicated, dtype=dtype)
     except BaseException as exc:
         if driver is not None:
             driver.close()
         if isinstance(exc, ConfigError):  # a device this machine lacks, --dedicated on one GPU, an unshared --root
-            hint = "--dedicated" if "dedicated" in str(exc) else "--root" if "storage root" in str(exc) else "--device"
+            hint = ("--dedicated" if "dedicated" in str(exc) else "--root" if "storage root" in str(exc)
+                    else "--dtype" if "dtype" in str(exc) else "--device")
             raise typer.BadParameter(str(exc), param_hint=hint) from None
         raise
     application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)

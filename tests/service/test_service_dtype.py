@@ -40,3 +40,18 @@ def test_arts_dtype_option_sets_the_models_dtype(tiny_model_dir, tmp_path):
             return service.dtype
 
     assert asyncio.run(register()) == torch.bfloat16  # the CPU's default is float32
+
+
+def test_a_hubs_dtype_is_every_models_unless_its_registration_names_one(tiny_model_dir, tmp_path):
+    from tempering.service.hub import ModelHub
+
+    with pytest.raises(ConfigError, match=r"dtype 'float65' is not a torch dtype"):
+        ModelHub(tmp_path, device="cpu", dtype="float65")
+    hub = ModelHub(tmp_path, device="cpu", dtype="bfloat16")  # `tempering serve --dtype bfloat16`
+    try:
+        hub.register(name="a", project="p", model_json={"name": "a", "project": "p"}, base_model=str(tiny_model_dir))
+        hub.register(name="b", project="p", model_json={"name": "b", "project": "p"}, base_model=str(tiny_model_dir),
+                     dtype="float32")
+        assert (hub.service("a").dtype, hub.service("b").dtype) == (torch.bfloat16, torch.float32)
+    finally:
+        hub.close()

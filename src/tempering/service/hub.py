@@ -57,14 +57,17 @@ class ModelHub:
             rank, and `device` is the driver's.
         dedicated: in a multi-GPU run, the default placement of trainable models: rank 0 trains,
             the other ranks serve (ModelService); False: every rank does both.
+        dtype: the models' dtype by name ("bfloat16", "float16", "float32"; None: bfloat16 on a
+            GPU, float32 on a CPU), unless a model's registration names its own.
 
     Raises:
-        ConfigError: for a device this machine does not have, `dedicated` on one GPU, or, in a
+        ConfigError: for a device this machine does not have, a `dtype` that is not a torch
+            dtype's name, `dedicated` on one GPU, or, in a
             run over several machines, a `root` that the other nodes do not see.
     """
 
     def __init__(self, root: Path, *, device: str | None = None, engine_config: EngineConfig | None = None,
-                 driver: Driver | None = None, dedicated: bool = False) -> None:
+                 driver: Driver | None = None, dedicated: bool = False, dtype: str | None = None) -> None:
         if device is not None and driver is None:
             _check_device(device)
         self.root = Path(root)
@@ -72,6 +75,9 @@ class ModelHub:
         self.dp = DataParallel() if driver is not None else None
         self.device = str(driver.device) if driver is not None else device
         self.engine_config = engine_config or EngineConfig()
+        if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ConfigError(f"dtype {dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
+        self.dtype = dtype  # every model's unless its registration names one
         if dedicated:
             self._check_dedicated()
         self.dedicated = dedicated
@@ -122,6 +128,7 @@ class ModelHub:
             UnknownModelError: if the base model cannot be found.
         """
         dedicated = self.dedicated if dedicated is None else dedicated  # ModelService refuses it without workers
+        dtype = dtype or self.dtype
         paths = self.paths(project, name)
         with self._lock:
             other = self._projects.get(name)
