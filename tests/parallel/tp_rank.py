@@ -105,13 +105,9 @@ def train_stream(device: torch.device):
 @contextlib.contextmanager
 def training(e, device: torch.device):
     """A training call as the service makes it under tensor parallelism (Service._training): the
-    trainer's stream; a follower first waits for its leader's pause; the engine's lock for the whole
-    call; the leader then tells its followers it has paused."""
-    with train_stream(device):
-        e.wait_for_leader_pause(timeout_s=60)
-        with e.lock:
-            e.pause_followers()
-            yield
+    trainer's stream, and the engine paused for it (`Engine.paused_for_training`)."""
+    with train_stream(device), e.paused_for_training(timeout_s=60):
+        yield
 
 
 def save(trainer, tp: TensorParallel, directory: Path, step: int) -> None:

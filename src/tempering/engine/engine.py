@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,6 +212,22 @@ class Engine:
                 seqs[0].request.future.set_exception(error)
 
     # ---- tensor parallelism: a training step between two engine steps -------------------------
+
+    @contextlib.contextmanager
+    def paused_for_training(self, timeout_s: float = 600.0) -> Iterator[None]:
+        """Around a training call on this rank's weights (with the trainer's stream current): holds
+        `lock` throughout, so no engine step runs meanwhile. Under tensor parallelism a follower
+        first waits for its leader's pause (`wait_for_leader_pause`), and the leader, once it holds
+        `lock`, sends it (`pause_followers`): every rank then issues the trainer's collectives after
+        the same engine steps.
+
+        Raises:
+            EngineError: as `wait_for_leader_pause`.
+        """
+        self.wait_for_leader_pause(timeout_s)
+        with self.lock:
+            self.pause_followers()
+            yield
 
     def pause_followers(self) -> None:
         """A tensor-parallel leader, as a training call on its shards begins, holding `lock` (so that

@@ -25,9 +25,9 @@ ranks (modeling/tensor_parallel.py). Every rank loads only its shards (parallel/
 and trainer share them; the engine of the group's first rank leads (it schedules, samples and
 takes the requests) and the others' follow it; every rank takes the same training step on its
 shards, and rank 0 writes the full adapter. A training call pauses the replica's engine (its
-collectives and the engine's must come in one order on every rank: `Engine.pause_followers`). With GPUs = replicas x P, ranks [kP, (k+1)P) hold
-replica k, rank 0 routes requests to the replicas' leaders, and the ranks that hold the same
-shard in every replica train data-parallel.
+collectives and the engine's must come in one order on every rank: `Engine.pause_followers`).
+With GPUs = replicas x P, ranks [kP, (k+1)P) hold replica k, rank 0 routes requests to the
+replicas' leaders, and the ranks that hold the same shard in every replica train data-parallel.
 
 Dedicated mode (ART's `trainer_gpu_ids=[0]`, `inference_gpu_ids=[1, ...]`; `dedicated=True`) splits
 the roles instead: rank 0 trains alone (its engine serves nothing) and the other ranks serve alone,
@@ -88,6 +88,20 @@ log = logging.getLogger("tempering")
 # products on both sides, no TF32; prefill and training attention by SDPA per sequence, no CUDA
 # graphs in training), for a small model whose engine and trainer should agree as on a CPU
 CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def dtype_named(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a model dtype's name, as a hub or a registration takes it ("bfloat16",
+    "float16", "float32"); None for None (the device's default).
+
+    Raises:
+        ConfigError: for any other name.
+    """
+    if name is None:
+        return None
+    if name not in ("bfloat16", "float16", "float32"):
+        raise ConfigError(f"dtype {name!r} is not a torch dtype a model runs in; use bfloat16, float16 or float32")
+    return getattr(torch, name)
 
 
 def default_device() -> torch.device:
@@ -156,7 +170,8 @@ class ModelService:
         engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
         if self.device.type == "cuda" and self.dtype == torch.float32 and engine_config.batch_invariant:
             raise ConfigError("EngineConfig(batch_invariant=True) runs half-precision kernels on a GPU; with dtype "
-                              "torch.float32 the engine and the trainer already sum in float32 throughout: drop one of the two")
+                              "torch.float32 the engine and the trainer already sum in float32 throughout: "
+                              "drop one of the two")
         self.tp = None
         if engine_config.tensor_parallel_size > 1:  # replicas of P ranks; dp: the same shard's ranks across them
             self.tp, dp = self._tensor_parallel(engine_config.tensor_parallel_size, dp, dedicated)
@@ -671,7 +686,7 @@ class ModelService:
             yield
 
     @contextlib.contextmanager
-    def _training(self, trainer: Trainer | None):
+    def _training(self, trainer: Trainer):
         """The context of a training call: on CUDA the trainer's own stream; the gate for the whole
         call when the engine and the trainer cannot overlap: a transformers fallback on either side
         (they share module state, such as train/eval mode and PEFT's active adapter), or tensor
@@ -680,14 +695,10 @@ class ModelService:
         tells its followers, which start once they have run every engine step sent before."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._on_train_stream())
-            tensor_parallel = self.tp is not None and isinstance(self.engine, Engine)
-            if tensor_parallel:
-                self.engine.wait_for_leader_pause()  # a follower; before the gate, which its engine needs
-            if tensor_parallel or not (isinstance(self.engine, Engine) and trainer is not None
-                                       and trainer.decoder is not None):
+            if self.tp is not None and isinstance(self.engine, Engine):
+                stack.enter_context(self.engine.paused_for_training())  # its lock is the gate
+            elif not (isinstance(self.engine, Engine) and trainer.decoder is not None):
                 stack.enter_context(self.gate)  # entered with the trainer's stream current
-            if tensor_parallel:
-                self.engine.pause_followers()  # the leader
             yield
 
     def _exact_scorer(self):
