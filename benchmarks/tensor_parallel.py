@@ -161,21 +161,28 @@ def full_adapter_state(shape: str, rank: int = 8) -> dict[str, torch.Tensor]:
     return state
 
 
+def copy_adapter_(trainer: Trainer, tp: TensorParallel | None, state: dict[str, torch.Tensor]) -> None:
+    """Put a full adapter (`state`, PEFT's saved names) into the trainer's LoRA tensors, this rank's slices."""
+    from tempering.modeling.tensor_parallel import lora_shard_dim
+
+    with torch.no_grad():
+        for name, p in trainer.named_params:
+            full = state[name.replace(".default", "")]
+            p.copy_(tp.slice(full, lora_shard_dim(name)) if tp is not None else full)
+
+
 def live_trainer(model, tp: TensorParallel | None, state: dict[str, torch.Tensor] | None = None) -> Trainer:
     """The trainer (rank-8 LoRA on every projection, alpha 16) on `model`'s shards, its A and B non-zero:
     `state` sliced for this rank, or drawn on the device (the same draws on every rank)."""
-    from tempering.modeling.tensor_parallel import lora_shard_dim
-
     trainer = Trainer.new(model, LoRAConfig(rank=8, alpha=16, target_modules=TARGETS), tp=tp)
+    if state is not None:
+        copy_adapter_(trainer, tp, state)
+        return trainer
     g = torch.Generator(device=trainer.params[0].device).manual_seed(1)
     with torch.no_grad():
         for name, p in trainer.named_params:
-            if state is not None:
-                full = state[name.replace(".default", "")]
-                p.copy_(tp.slice(full, lora_shard_dim(name)) if tp is not None else full)
-            else:
-                scale = 0.01 if "lora_A" in name else 0.02
-                p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * scale)
+            scale = 0.01 if "lora_A" in name else 0.02
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * scale)
     return trainer
 
 
@@ -278,11 +285,9 @@ def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int
     """Save a checkpoint, take a step, resume from the checkpoint into the same shards and take the
     same step again, then once more: seconds to save and load, the checkpoint's size, whether the
     loaded state equals the saved one bit for bit on every rank, and how far the resumed step lands
-    from the first one and from its own repetition (GPU kernels with atomic adds, FlashAttention's
-    backward among them, do not repeat a step bit for bit; CPUs do)."""
+    from the first one and from its own repetition (GPU kernels that add atomically, the loss's
+    index_add among them, do not repeat a step bit for bit; CPUs do)."""
     from safetensors.torch import load_file
-
-    from tempering.modeling.tensor_parallel import lora_shard_dim
 
     directory = Path(args.checkpoint_dir)  # one host: every rank reads what rank 0 wrote
     if tp.is_leader:
@@ -290,22 +295,19 @@ def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int
     sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
     config = TrainConfig(learning_rate=1e-4, micro_batch_tokens=args.micro_batch_tokens,
                          gradient_checkpointing=not args.no_recompute)
-    def snapshot() -> dict[str, torch.Tensor]:  # this rank's adapter slices and optimizer state
-        state = {n: p.detach().clone() for n, p in trainer.named_params}
+    def adapter() -> dict[str, torch.Tensor]:  # this rank's adapter slices
+        return {n: p.detach().clone() for n, p in trainer.named_params}
+
+    def snapshot() -> dict[str, torch.Tensor]:  # and its optimizer state
+        state = adapter()
         for i, (_, p) in enumerate(trainer.named_params):
             for key, value in trainer.optimizer.state.get(p, {}).items():
                 state[f"optimizer.{i}.{key}"] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
         return state
 
     def resume() -> None:
-        full = load_file(str(directory / "adapter_model.safetensors"))
-        with torch.no_grad():
-            for name, p in trainer.named_params:
-                p.copy_(tp.slice(full[name.replace(".default", "")], lora_shard_dim(name)))
+        copy_adapter_(trainer, tp, load_file(str(directory / "adapter_model.safetensors")))
         trainer.load_state(directory)
-
-    def adapter() -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in trainer.named_params}
 
     def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
         return max(float((a[n].float() - b[n].float()).abs().max()) for n in a)
@@ -330,7 +332,7 @@ def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int
     trainer.step(sequences, config)
     again = adapter()
     results = [None] * tp.size
-    dist.all_gather_object(results, (exact_state, max_diff(first, {n: saved[n] for n in first}),
+    dist.all_gather_object(results, (exact_state, max_diff(first, saved),
                                      max_diff(resumed, first), max_diff(again, resumed)))
     size = sum(f.stat().st_size for f in directory.iterdir()) if tp.is_leader else 0
     return {"checkpoint_save_s": round(save_s, 2), "checkpoint_load_s": round(load_s, 2),

@@ -91,14 +91,12 @@ def _apply_section(section: str, values: Mapping[str, Any], out: ModelOptions, i
                 continue
             bucket, convert = option.to
             updates = convert(value)
-            if bucket == "model" and "dtype" in updates:  # engine_args.dtype wins over init_args.dtype (read later)
-                out.dtype = updates["dtype"]
-            elif bucket == "model" and "max_seq_len" in updates:
-                # init_args.max_seq_length and engine_args.max_model_len: the smaller wins
-                given = int(updates["max_seq_len"])
-                out.max_seq_len = given if out.max_seq_len is None else min(out.max_seq_len, given)
-            elif bucket == "model":  # dtype "auto"
-                pass
+            if bucket == "model":
+                if "dtype" in updates:  # engine_args.dtype wins over init_args.dtype (read later); "auto": none
+                    out.dtype = updates["dtype"]
+                if "max_seq_len" in updates:  # init_args.max_seq_length and engine_args.max_model_len: the smaller wins
+                    given = int(updates["max_seq_len"])
+                    out.max_seq_len = given if out.max_seq_len is None else min(out.max_seq_len, given)
             else:
                 getattr(out, bucket).update(updates)
         elif option.status == "ignored":

@@ -46,7 +46,7 @@ def load_llama_shards(model_dir: str | Path, tp: TensorParallel, device: torch.d
             divide by `tp.size`, or a tensor the model needs is missing.
     """
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
@@ -83,21 +83,33 @@ def load_llama_shards(model_dir: str | Path, tp: TensorParallel, device: torch.d
         wanted.discard("lm_head.weight")
     if wanted:
         raise ConfigError(f"{model_dir} lacks {len(wanted)} tensors of the model, e.g. {sorted(wanted)[:3]}")
-    with torch.device(device):  # buffers computed at construction (rotary inverse frequencies)
+    return _finish(model, config, device, model_dir, "tensor-parallel loading",
+                   "run this model with tensor_parallel_size 1")
+
+
+def _finish(model: Any, config: Any, device: torch.device, model_dir: Path | None, what: str, fix: str) -> Any:
+    """A model built on the meta device whose tensors are now all on `device`: its buffers computed at
+    construction (rotary inverse frequencies) made there, its generation config read, frozen.
+
+    Raises:
+        ConfigError: if a tensor is still on the meta device (`what` did not build it; `fix` says what to do).
+    """
+    from transformers import GenerationConfig
+
+    with torch.device(device):
         model.model.rotary_emb = type(model.model.rotary_emb)(config)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
-        raise ConfigError(f"tensor-parallel loading does not know how to build {left[:3]} of {type(model).__name__}: "
-                          "run this model with tensor_parallel_size 1")
-    if (model_dir / "generation_config.json").is_file():
+        raise ConfigError(f"{what} does not know how to build {left[:3]} of {type(model).__name__}: {fix}")
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     return model.eval().requires_grad_(False)
 
 
 def dummy_model(model_dir: str | Path | Any, device: torch.device, dtype: torch.dtype, *,
                 tp: TensorParallel | None = None, seed: int = 0) -> Any:
-    """A model of `model_dir`'s config (no weights read; or a `PretrainedConfig` itself) with random weights drawn on `device`
-    (`EngineConfig(load_format="dummy")`): this rank's shards under `tp`, drawn shard by shard so
+    """A model of `model_dir`'s config (no weights read; or a `PretrainedConfig` itself) with random
+    weights drawn on `device` (`EngineConfig(load_format="dummy")`): this rank's shards under `tp`, drawn shard by shard so
     the whole model never exists anywhere; every matrix normal with std 0.02, norms 1, biases 0.
     The replicated tensors (embedding, LM head) are the same on every rank; the draws depend only
     on `seed`, the rank and the layout.
@@ -105,7 +117,7 @@ def dummy_model(model_dir: str | Path | Any, device: torch.device, dtype: torch.
     Raises:
         ConfigError: under `tp`, if the sizes do not divide by `tp.size`.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if isinstance(model_dir, (str, Path)):
         model_dir = Path(model_dir)
@@ -138,12 +150,5 @@ def dummy_model(model_dir: str | Path | Any, device: torch.device, dtype: torch.
                     setattr(module, name, nn.Parameter(value, requires_grad=False))
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
-    with torch.device(device):  # buffers computed at construction (rotary inverse frequencies)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config)
-    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise ConfigError(f"random weights (load_format='dummy') do not know how to build {left[:3]} of "
-                          f"{type(model).__name__}: use load_format='auto'")
-    if model_dir is not None and (model_dir / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(model_dir)
-    return model.eval().requires_grad_(False)
+    return _finish(model, config, device, model_dir, "drawing random weights (load_format='dummy')",
+                   "use load_format='auto'")

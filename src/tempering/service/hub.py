@@ -41,7 +41,7 @@ from ..storage import (
 from ..training.data_parallel import DataParallel
 from ..types import LoRAConfig, TrainConfig, TrainResult, TrajectoryGroup
 from .registry import ServiceRegistry
-from .service import ModelService
+from .service import ModelService, dtype_named
 
 __all__ = ["ModelHub"]
 
@@ -61,8 +61,8 @@ class ModelHub:
             GPU, float32 on a CPU), unless a model's registration names its own.
 
     Raises:
-        ConfigError: for a device this machine does not have, a `dtype` that is not a torch
-            dtype's name, `dedicated` on one GPU, or, in a
+        ConfigError: for a device this machine does not have, a `dtype` other than those three,
+            `dedicated` on one GPU, or, in a
             run over several machines, a `root` that the other nodes do not see.
     """
 
@@ -75,8 +75,7 @@ class ModelHub:
         self.dp = DataParallel() if driver is not None else None
         self.device = str(driver.device) if driver is not None else device
         self.engine_config = engine_config or EngineConfig()
-        if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ConfigError(f"dtype {dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
+        dtype_named(dtype)  # a name it does not know fails here, at startup
         self.dtype = dtype  # every model's unless its registration names one
         if dedicated:
             self._check_dedicated()
@@ -165,9 +164,8 @@ class ModelHub:
                              base_model=base_model, **options) for link in links]
         service = None
         try:
-            dtype = options.pop("dtype", None)
             service = ModelService(paths, base_model, device=self.device, dp=self.dp, workers=links,
-                                   dtype=getattr(torch, dtype) if dtype else None, **options)
+                                   dtype=dtype_named(options.pop("dtype", None)), **options)
         finally:
             concurrent.futures.wait(futures)
             errors = [f.exception() for f in futures if f.exception() is not None]

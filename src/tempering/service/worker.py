@@ -29,7 +29,7 @@ from ..parallel import RankInfo, join, serve
 from ..storage import ModelPaths
 from ..training.data_parallel import DataParallel
 from ..types import LoRAConfig, TrainConfig, TrainSFTConfig
-from .service import ModelService
+from .service import ModelService, dtype_named
 
 __all__ = ["WorkerHub", "main", "worker_command"]
 
@@ -66,7 +66,7 @@ class WorkerHub:
         if name not in self.services:
             self.services[name] = ModelService(ModelPaths(Path(root), project, name), base_model, lora=lora,
                                                device=self.info.device, engine_config=engine_config,
-                                               max_seq_len=max_seq_len, dtype=getattr(torch, dtype) if dtype else None,
+                                               max_seq_len=max_seq_len, dtype=dtype_named(dtype),
                                                dp=self.dp, dedicated=dedicated)
         return self.services[name].step
 

@@ -58,10 +58,11 @@ def packed_attention(
     return out[None], None
 
 
-def uses_varlen(q: torch.Tensor) -> bool:
-    """Whether `varlen_causal_attention` runs FlashAttention (one call, graph-safe) for `q`: on CUDA,
-    torch >= 2.10, half precision. Otherwise it loops over the sequences on the host."""
-    return q.is_cuda and varlen_attn is not None and q.dtype in (torch.bfloat16, torch.float16)
+def uses_varlen(t: torch.Tensor) -> bool:
+    """Whether `varlen_causal_attention` runs FlashAttention (one call, graph-safe) for queries of
+    `t`'s device and dtype: on CUDA, torch >= 2.10, half precision. Otherwise it loops over the
+    sequences on the host."""
+    return t.is_cuda and varlen_attn is not None and t.dtype in (torch.bfloat16, torch.float16)
 
 
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,

@@ -51,7 +51,7 @@ from torch.autograd.graph import increment_version
 from ..errors import CheckpointError, ConfigError, DistributedError
 from ..modeling.tensor_parallel import TensorParallel, init_row_parallel_lora_A_, lora_shard_dim
 from ..types import LoRAConfig, TrainConfig
-from .attention import use_packed_attention, varlen_attn
+from .attention import use_packed_attention, uses_varlen
 from .batching import MicroBatch, Row, pack_sequences
 from .cuda_graphs import RowGraphs
 from .data_parallel import DataParallel
@@ -573,10 +573,8 @@ class Trainer:
         (torch >= 2.10, half precision; the fallback loops over sequences on the host) and no LoRA
         dropout."""
         # not under tensor parallelism: its collectives in captured rows are not validated yet
-        return (config.cuda_graphs and self.params[0].device.type == "cuda" and self.decoder is not None
-                and not self.decoder.has_dropout and varlen_attn is not None
-                and self.tp is None
-                and self.peft_model.get_base_model().get_input_embeddings().weight.dtype in (torch.bfloat16, torch.float16))
+        return (config.cuda_graphs and self.decoder is not None and not self.decoder.has_dropout and self.tp is None
+                and uses_varlen(self.model.get_input_embeddings().weight))
 
     def sft_step(
         self,

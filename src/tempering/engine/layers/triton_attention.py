@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_ops import dot_precision
+
 __all__ = ["HAS_VARLEN", "invariant_attention", "paged_decode_attention", "queries_per_block", "varlen_prefill_attention"]
 
 try:
@@ -153,7 +155,7 @@ def paged_decode_attention(
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, NUM_SPLITS=S,
-        BLOCK_N=block_n, STAGES=num_stages, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_N=block_n, STAGES=num_stages, PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
     )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)

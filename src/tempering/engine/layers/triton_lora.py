@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _cos_sin_halves, _rotate_halves, _store_halves, _store_rms_norm
+from .triton_ops import _cos_sin_halves, _rotate_halves, _store_halves, _store_rms_norm, dot_precision
 
 __all__ = ["add_rms_norm_lora", "lora_expand_", "lora_shrink", "rotary_and_store_lora_", "silu_and_mul_lora"]
 
@@ -32,11 +32,6 @@ MAX_SLICES = 3
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot precision: exact float32 products for float32 models (TF32 would round them)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit(do_not_specialize=["N"])  # the row count varies step to step: one compile
@@ -116,7 +111,7 @@ def lora_shrink(x: torch.Tensor, A: list[torch.Tensor], *, fixed_tiles: bool = F
     _shrink_kernel[(triton.cdiv(N, BLOCK_N), splits)](
         x, a[0], a[1], a[2], t, N, K, x.stride(0), t.stride(0), t.stride(1), k_per_split,
         RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)),
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=_precision(x.dtype),
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=dot_precision(x.dtype),
     )
     return t
 
@@ -217,7 +212,7 @@ def lora_expand_(y: torch.Tensor, t: torch.Tensor, B: list[torch.Tensor], column
         bounds[0][0], bounds[0][1], bounds[1][0], bounds[1][1], bounds[2][0], bounds[2][1],
         float(sc[0]), float(sc[1]), float(sc[2]),
         RANK=rank, NUM_SLICES=S, R_PAD=max(16, triton.next_power_of_2(rank)), NUM_SPLITS=_num_splits(t),
-        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, PRECISION=_precision(round_dtype), COPY=out is not y,
+        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, PRECISION=dot_precision(round_dtype), COPY=out is not y,
         ROUND_DTYPE=_TL_DTYPES[round_dtype], num_warps=num_warps,
     )
     return out
@@ -285,7 +280,7 @@ def silu_and_mul_lora(gate_up: torch.Tensor, t: torch.Tensor, B_gate: torch.Tens
         0, rank if B_gate is not None else 0, float(scale_gate), float(scale_up),
         HAS_G=B_gate is not None, HAS_U=B_up is not None, RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
         NUM_SPLITS=_num_splits(t),
-        BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, PRECISION=_precision(y.dtype), num_warps=num_warps,
+        BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, PRECISION=dot_precision(y.dtype), num_warps=num_warps,
     )
     return y
 

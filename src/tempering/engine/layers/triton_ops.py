@@ -18,7 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["add_rms_norm", "rms_norm", "rotary_", "rotary_and_store_", "silu_and_mul"]
+__all__ = ["add_rms_norm", "dot_precision", "rms_norm", "rotary_", "rotary_and_store_", "silu_and_mul"]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input_precision for operands of `dtype`: exact float32 products for float32 models
+    (TF32 would round them), the tensor cores' own for half precision."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
