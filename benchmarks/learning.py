@@ -80,9 +80,13 @@ def main() -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="exact on-policy: the engine's batch-invariant mode (EngineConfig.batch_invariant)")
     parser.add_argument("--dtype", default=None,
-                        help="the model's dtype (default: bfloat16 on a GPU, float32 on a CPU); float32 on a GPU: "
-                             "the exact reference")
+                        help="the model's dtype (default: the service's, float32 for this 135M model; bfloat16: "
+                             "the half-precision path larger models take)")
+    parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
+                        help="torch.set_float32_matmul_precision for a float32 model: highest = exact float32 "
+                             "products, high = TF32 tensor cores (cuBLAS and the engine's Triton kernels alike)")
     args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.matmul_precision)
     options = dict((k, _value(v)) for k, v in (o.split("=", 1) for o in args.train_option))
     runs = []
     for seed in args.seeds:
@@ -98,7 +102,8 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "learning", "device": device,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "train_options": options, "batch_invariant": args.batch_invariant, "dtype": args.dtype, "seeds": args.seeds,
+        "train_options": options, "batch_invariant": args.batch_invariant, "dtype": args.dtype,
+        "matmul_precision": args.matmul_precision, "seeds": args.seeds,
         "mean_gain": statistics.mean(gains) if gains else None, "min_gain": min(gains, default=None),
         "num_failed": len(runs) - len(done),
         "max_mismatch_mean": max((m for r in done for m in r["mismatch_mean"]), default=None),

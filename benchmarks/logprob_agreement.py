@@ -142,7 +142,11 @@ def main() -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the engine's batch-invariant mode: also compare its teacher-forced rescoring "
                              "(Engine.score, the trainer's values in exact on-policy mode) with the sampled logprobs")
+    parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
+                        help="torch.set_float32_matmul_precision for a float32 model: highest = exact float32 "
+                             "products, high = TF32 tensor cores (cuBLAS and the engine's Triton kernels alike)")
     args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.matmul_precision)
 
     from tempering.demo.task import AdditionTask
     from tempering.service.base_model import DEFAULT_BASE_MODEL
@@ -164,6 +168,7 @@ def main() -> None:
         scenarios = task.scenarios(args.num_prompts, seed=args.seed + 20_000)
         prompts = [service.renderer.render_prompt([{"role": "user", "content": s.prompt}]) for s in scenarios]
         result = {"device": str(service.device), "dtype": str(service.dtype).removeprefix("torch."),
+                  "matmul_precision": torch.get_float32_matmul_precision(),
                   "gpu": torch.cuda.get_device_name(service.device) if service.device.type == "cuda" else None,
                   "adapter": str(args.adapter) if args.adapter else None, "temperatures": {}}
         for temperature in args.temperatures:

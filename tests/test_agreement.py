@@ -27,7 +27,7 @@ from tempering.types import LoRAConfig, TrainConfig
 def _trainer_logprobs(trainer: Trainer, sequences: list[TokenizedSequence]) -> list[float]:
     out: list[list[float]] = [[] for _ in sequences]
     for micro in pack_sequences(sequences, max_tokens=4096):
-        row = micro.row()
+        row = micro.row().to(trainer.params[0].device)
         with torch.no_grad():
             lp, _ = trainer._row_logprobs(row)
         for i, value in zip(row.seq_index.tolist(), lp.tolist()):

@@ -90,8 +90,8 @@ def serve(
     tensor_parallel_size: Annotated[int, typer.Option(min=1, help="split each model over this many GPUs "
                                                       "(tensor parallelism; = --gpus for now)")] = 1,
     dtype: Annotated[str | None, typer.Option(help="the models' dtype: bfloat16, float16 or float32 (default: "
-                                              "bfloat16 on a GPU, float32 on a CPU; float32 on a GPU is an "
-                                              "exact reference, slower)")] = None,
+                                              "float32 on a CPU; on a GPU float32 up to 0.5B parameters, "
+                                              "bfloat16 above)")] = None,
 ) -> None:
     """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port.
 

@@ -239,8 +239,8 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
               "it); the Llama family", to=_set("engine", "tensor_parallel_size", int)),
     ArtOption("engine_args", "pipeline_parallel_size", "ignored", note="tempering does not split layers over GPUs"),
     ArtOption("engine_args", "dtype", "mapped", "the model's dtype (engine and trainer)",
-              "'auto' (the default): bfloat16 on a GPU, float32 on a CPU; float32 on a GPU is an exact reference "
-              "(slower)", to=("model", _dtype)),
+              "'auto' (the default): float32 on a CPU; on a GPU float32 up to 0.5B parameters (engine and trainer "
+              "agree to ~1e-5 nats), bfloat16 above", to=("model", _dtype)),
     ArtOption("engine_args", "seed", "ignored", note="pass `seed` per request (tempering's sampling is "
               "seeded per request, whatever shares the batch)"),
     ArtOption("engine_args", "rope_scaling", "refused", note="the model's own rotary settings are used",

@@ -89,7 +89,7 @@ async def run_demo_async(
     `task`: "addition", or "repeat-word" (task.py) for a pretrained model that cannot follow the addition prompt.
     `device`: "cpu" or "cuda" (default: CUDA when available).
     `engine_config`: EngineConfig fields (e.g. {"batch_invariant": True}: exact on-policy).
-    `dtype`: the model's dtype ("bfloat16", "float32", ...; None: bfloat16 on a GPU, float32 on a CPU).
+    `dtype`: the model's dtype ("bfloat16", "float32", ...; None: the service's default, float32 for this 135M model on a GPU as on a CPU).
     """
     start = time.perf_counter()
     task_name, task = task, TASKS[task]()

@@ -1,6 +1,6 @@
 """Where the engine and the trainer round: one contract, so both compute the same function.
 
-Both sides run the model in its dtype (bfloat16 on a GPU) and round exactly where Hugging
+Both sides run the model in its dtype (bfloat16 on a GPU above 0.5B parameters) and round exactly where Hugging
 Face's modules round (RMSNorm, rotary, SwiGLU, residual adds), except in two places where
 rounding to bfloat16 throws away what RL needs:
 

@@ -108,6 +108,28 @@ def weight_bytes(model_ref: str, dtype) -> int:
     return sum(p.numel() for p in shell.parameters()) * torch.empty((), dtype=dtype).element_size()
 
 
+# On a GPU a model up to this many parameters runs in float32 unless a dtype is named: it is bound by
+# kernel launches and weight reads there, not by arithmetic, so exact float32 costs little, and its
+# engine and trainer then agree to ~1e-5 nats instead of bf16's 0.02 (benchmarks/RESULTS.md,
+# "Learning on the GPU"). Larger models run in bfloat16.
+FLOAT32_ON_GPU_MAX_PARAMS = 500_000_000
+
+
+def default_dtype(model_ref: str, device, *, batch_invariant: bool = False, tensor_parallel_size: int = 1):
+    """The dtype `model_ref` runs in on `device` when none is named: float32 on a CPU (bf16 matmuls
+    are slow on most CPUs); on a GPU float32 for a model of at most FLOAT32_ON_GPU_MAX_PARAMS
+    parameters, else bfloat16, and bfloat16 for the batch-invariant (exact on-policy) kernels and
+    for tensor parallelism, which are half-precision paths."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    if batch_invariant or tensor_parallel_size > 1:
+        return torch.bfloat16
+    small = weight_bytes(model_ref, torch.float32) // 4 <= FLOAT32_ON_GPU_MAX_PARAMS
+    return torch.float32 if small else torch.bfloat16
+
+
 def weight_bytes_per_rank(model_ref: str, dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of the weights one GPU holds of `model_ref` in `dtype`: all of them, or at
     `tensor_parallel_size` > 1 its shard of every layer plus the replicated embedding, LM head and

@@ -76,7 +76,7 @@ from ..types import (
     check_reward,
     summarize_groups,
 )
-from .base_model import check_fits_device, resolve_base_model
+from .base_model import check_fits_device, default_dtype, resolve_base_model
 from .policies import AdapterPolicy, LivePolicy, NoAdapterPolicy
 from .weights_gate import WeightsGate
 
@@ -84,9 +84,9 @@ __all__ = ["ModelService"]
 
 log = logging.getLogger("tempering")
 
-# what the GPU path serves: half precision at full speed; float32 as an exact reference (IEEE float32
-# products on both sides, no TF32; prefill and training attention by SDPA per sequence, no CUDA
-# graphs in training), for a small model whose engine and trainer should agree as on a CPU
+# what the GPU path serves: half precision at full speed; float32 with IEEE float32 products on both
+# sides (TF32 only under torch.set_float32_matmul_precision("high")), prefill and training attention
+# by SDPA, no CUDA graphs in training: a small model's default, whose engine and trainer agree as on a CPU
 CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -116,8 +116,9 @@ class ModelService:
         base_model: see `resolve_base_model`.
         lora: the adapter's LoRA config (defaults to `LoRAConfig()`); a checkpoint's own config wins.
         device: defaults to CUDA when available, else CPU.
-        dtype: defaults to bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs); on
-            CUDA the dtypes of CUDA_DTYPES (float32: a slower exact reference, not with
+        dtype: defaults to `default_dtype`: float32 on CPU (bf16 matmuls are slow on most CPUs); on
+            CUDA float32 for a model of at most 0.5B parameters (engine and trainer then agree to
+            ~1e-5 nats), else bfloat16. On CUDA the dtypes of CUDA_DTYPES (float32 not with
             `EngineConfig.batch_invariant`).
         max_batch_size: most samples the engine decodes together.
         engine_config: batching and KV-cache settings of the engine.
@@ -160,15 +161,14 @@ class ModelService:
         self.base_model = base_model
         self.lora = lora or LoRAConfig()
         self.device = torch.device(device) if device is not None else default_device()
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        if self.device.type == "cuda" and self.dtype not in CUDA_DTYPES:
-            raise ConfigError(f"dtype {self.dtype} is not served on a GPU: use torch.bfloat16 (the default), "
-                              "torch.float16 or torch.float32 (an exact reference, slower)")
+        engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
+        if self.device.type == "cuda" and dtype is not None and dtype not in CUDA_DTYPES:
+            raise ConfigError(f"dtype {dtype} is not served on a GPU: use torch.bfloat16, torch.float16 or "
+                              "torch.float32 (exact, slower; the default up to 0.5B parameters)")
         if dedicated and (dp is None or dp.world_size < 2):
             raise ConfigError("dedicated mode (a training GPU and serving GPUs) needs a multi-GPU run: "
                               "LocalBackend(gpus=N) or `tempering serve --gpus N` with N >= 2")
-        engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
-        if self.device.type == "cuda" and self.dtype == torch.float32 and engine_config.batch_invariant:
+        if self.device.type == "cuda" and dtype == torch.float32 and engine_config.batch_invariant:
             raise ConfigError("EngineConfig(batch_invariant=True) runs half-precision kernels on a GPU; with dtype "
                               "torch.float32 the engine and the trainer already sum in float32 throughout: "
                               "drop one of the two")
@@ -184,6 +184,8 @@ class ModelService:
         self.serves = (not dedicated or dp.rank != 0) and (self.tp is None or self.tp.is_leader)
         self.workers = list(workers)
         resolved = resolve_base_model(base_model, cache_dir=cache_dir)
+        self.dtype = dtype or default_dtype(resolved.model_ref, self.device, batch_invariant=engine_config.batch_invariant,
+                                            tensor_parallel_size=engine_config.tensor_parallel_size)
         check_fits_device(resolved.model_ref, self.dtype, self.device,
                           tensor_parallel_size=engine_config.tensor_parallel_size)
         self.tokenizer = AutoTokenizer.from_pretrained(resolved.model_ref)

@@ -8,9 +8,13 @@ extension point) and switches the model to it for the duration of a step:
 
 - on CUDA with PyTorch's `varlen_attn` (FlashAttention-2 inside torch >= 2.10) in bfloat16 or
   float16: one call for the whole row, given the cumulative sequence lengths;
-- elsewhere (the CPU, a float32 model on CUDA): one causal SDPA call per sequence.
+- a float32 model on CUDA: one SDPA call over the row's sequences padded to the longest
+  ([sequences, heads, longest, D], a boolean mask), since FlashAttention takes half precision
+  only and a call per sequence and layer would leave the GPU waiting on the host;
+- on the CPU: one causal SDPA call per sequence.
 
-Either way the cost is Σ len² and a token never sees another sequence.
+Either way the cost is about Σ len² (the padded call: sequences × longest²) and a token never
+sees another sequence.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKED_ATTENTION", "gather_keys", "packed_attention", "use_packed_attention", "uses_varlen",
-           "varlen_causal_attention"]
+__all__ = ["PACKED_ATTENTION", "gather_keys", "packed_attention", "padded_causal_attention", "use_packed_attention",
+           "uses_varlen", "varlen_causal_attention"]
 
 PACKED_ATTENTION = "tempering_packed"
 
@@ -95,6 +99,8 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         max_keys = max_keys or max_len
         left = window - 1 if window is not None and window < max_keys else -1
         return varlen_attn(q, k, v, cu_seq_lens, cu_keys, max_len, max_keys, scale=scale, window_size=(left, 0))
+    if q.is_cuda:
+        return padded_causal_attention(q, k, v, cu_seq_lens, cu_keys, scale, window=window)
     bounds, key_bounds = cu_seq_lens.tolist(), cu_keys.tolist()
     parts = []
     for start, end, key_start, key_end in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:]):
@@ -109,6 +115,48 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             enable_gqa=True,
         )[0].transpose(0, 1))  # [len, Hq, D]
     return torch.cat(parts, dim=0)
+
+
+def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
+                            cu_keys: torch.Tensor, scale: float | None, *, window: int | None = None) -> torch.Tensor:
+    """`varlen_causal_attention`'s result in one SDPA call: the segments padded to the longest.
+
+    Args:
+        q: [T, Hq, D]; k, v: [K, Hkv, D], segment s's keys at cu_keys[s]:cu_keys[s + 1] and its
+            queries (the last of its keys' positions) at cu_seq_lens[s]:cu_seq_lens[s + 1].
+        cu_seq_lens, cu_keys: [S + 1] int cumulative lengths; window as `varlen_causal_attention`.
+
+    Returns:
+        [T, Hq, D]; rows past cu_seq_lens[-1] (a row's padding) are zero.
+
+    Costs S × longest queries × longest keys of attention and mask, and one host sync (the longest).
+    """
+    T, num_heads, _ = q.shape
+    cu, cu_keys = cu_seq_lens.long(), cu_keys.long()
+    lens, key_lens = cu[1:] - cu[:-1], cu_keys[1:] - cu_keys[:-1]
+    S = lens.numel()
+    L, M = (max(int(x), 1) for x in torch.stack([lens.max(), key_lens.max()]).tolist())
+    l, m = torch.arange(L, device=q.device), torch.arange(M, device=q.device)
+    q_valid, k_valid = l < lens[:, None], m < key_lens[:, None]  # [S, L], [S, M]
+    pos = (l + (key_lens - lens)[:, None])[:, :, None]  # each query's own key position, [S, L, 1]
+    mask = k_valid[:, None, :] & (m <= pos)
+    if window is not None:
+        mask &= m > pos - window
+    mask |= ~q_valid[:, :, None] & (m == 0)  # a padded query reads one key (dropped): no all-masked NaN row
+    group = num_heads // k.shape[1]
+
+    def padded(x: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
+        index = torch.where(valid, starts[:, None] + torch.arange(width, device=x.device), 0)
+        return x[index].transpose(1, 2)  # [S, heads, width, D]
+
+    out = F.scaled_dot_product_attention(
+        padded(q, cu[:-1], q_valid, L), padded(k, cu_keys[:-1], k_valid, M).repeat_interleave(group, dim=1),
+        padded(v, cu_keys[:-1], k_valid, M).repeat_interleave(group, dim=1), attn_mask=mask[:, None], scale=scale)
+    out = out.transpose(1, 2).reshape(S * L, num_heads, -1)
+    t = torch.arange(T, device=q.device)
+    seg = torch.searchsorted(cu[1:], t, right=True)  # each token's segment; S past the last
+    flat = torch.where(seg < S, seg * L + t - cu[seg.clamp(max=S - 1)], S * L)
+    return torch.cat([out, out.new_zeros(1, *out.shape[1:])]).index_select(0, flat)
 
 
 class _GatherKeys(torch.autograd.Function):

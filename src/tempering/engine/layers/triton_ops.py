@@ -22,9 +22,13 @@ __all__ = ["add_rms_norm", "dot_precision", "rms_norm", "rotary_", "rotary_and_s
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """`tl.dot`'s input_precision for operands of `dtype`: exact float32 products for float32 models
-    (TF32 would round them), the tensor cores' own for half precision."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """`tl.dot`'s input_precision for operands of `dtype`. Float32 models follow PyTorch's own
+    setting for float32 products, so the Triton kernels and cuBLAS round alike: exact ("ieee")
+    under `torch.set_float32_matmul_precision("highest")` (PyTorch's default), TF32 tensor cores
+    under "high"/"medium". Half precision uses the tensor cores' own."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 @triton.jit
