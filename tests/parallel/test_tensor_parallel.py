@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 import rank_processes  # noqa: E402
-from tp_model import TINY, config, engine_for, full_adapter, generate, sequences, tiny_llama, wrap_with_adapter
+from tp_model import (TINY, config, engine_for, full_adapter, generate, lora_grads, sequences, tiny_llama,
+                      wrap_with_adapter)
 from tp_rank import direct_logits
 
 from tempering.errors import ConfigError
@@ -93,6 +94,7 @@ def trained(request, tmp_path_factory):
     engine = engine_for(trainer.model, trainer.peft_model)
     reference = {}
     try:
+        reference["grads"] = lora_grads(trainer, sequences(1))
         reference["metrics_1"] = trainer.step(sequences(1), config()).values
         reference["adapter_1"] = adapter_of(trainer)
         reference["generated_1"] = generate(engine)
@@ -157,6 +159,18 @@ def test_the_engine_at_tp2_samples_the_greedy_tokens_and_logprobs_of_one_process
 
 
 # ---- training ---------------------------------------------------------------------------------
+
+
+def test_the_sharded_gradient_of_each_lora_tensor_equals_the_unsharded_one(trained):
+    ranks, reference, _, device = trained
+    assert ranks[0]["grads"].keys() == reference["grads"].keys()
+    worst = {}
+    for name, full in reference["grads"].items():
+        assert torch.equal(ranks[1]["grads"][name], ranks[0]["grads"][name]), name  # the same gathered tensor
+        worst[name] = ((ranks[0]["grads"][name] - full).norm() / full.norm().clamp_min(1e-12)).item()
+    bad = sorted(((round(v, 4), k.replace("base_model.model.model.", "").replace(".default.weight", ""))
+                  for k, v in worst.items() if v > (1e-4 if device == "cpu" else 2e-2)), reverse=True)
+    assert not bad, f"{len(bad)} of {len(worst)} tensors differ (relative error, tensor): {bad[:8]}"
 
 
 def test_a_sharded_lora_step_equals_the_unsharded_step(trained):

@@ -121,6 +121,29 @@ def sequences(seed: int, n: int = 8) -> list[TokenizedSequence]:
     return random_sequences(seed, n, TINY["vocab_size"])
 
 
+def lora_grads(trainer, seqs: list[TokenizedSequence], tp=None) -> dict[str, torch.Tensor]:
+    """Each LoRA tensor's whole gradient (gathered from the shards under TP, on the CPU, float32) of
+    a fixed random weighting of the trainer's logprobs of `seqs`, packed in one row; the adapter
+    is left as it was (the gradients are cleared)."""
+    from tempering.modeling.tensor_parallel import lora_shard_dim
+    from tempering.training.batching import pack_sequences
+
+    device = trainer.params[0].device
+    (micro,) = pack_sequences(seqs, max_tokens=4096)
+    row = micro.row().to(device)
+    logprobs, _ = trainer._row_logprobs(row)
+    weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0)).to(device)
+    (logprobs.float() * weights).sum().backward()
+    if tp is not None:
+        tp.all_reduce_replicated_grads(trainer.named_params)
+    out = {}
+    for name, p in trainer.named_params:
+        grad = tp.gather(p.grad, lora_shard_dim(name)) if tp is not None else p.grad
+        out[name] = grad.float().cpu()
+        p.grad = None
+    return out
+
+
 def config() -> TrainConfig:
     # two mini-batches (two optimizer updates) per step, rows of at most 64 tokens, gradient clipping active
     return TrainConfig(learning_rate=1e-2, batch_size=4, micro_batch_tokens=64, cuda_graphs=False, max_grad_norm=0.5)

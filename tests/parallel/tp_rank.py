@@ -26,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from rank_processes import start_rank
-from tp_model import engine_for, full_adapter, generate, tiny_llama, wrap_with_adapter
+from tp_model import engine_for, full_adapter, generate, lora_grads, tiny_llama, wrap_with_adapter
 
 from tempering.modeling.tensor_parallel import TensorParallel, shard_llama_
 
@@ -92,7 +92,7 @@ def engine(tp: TensorParallel, result: dict, out: Path, device: torch.device) ->
 def train_stream(device: torch.device):
     """On CUDA, the trainer's work on a stream of its own, as the service runs it (Service._on_train_stream):
     a follower's trainer then never queues its collectives on the stream its engine follows the leader on."""
-    if device.type != "cuda":
+    if torch.device(str(device).split("-")[0]).type != "cuda":  # "cpu-bf16": the CPU
         yield
         return
     stream = torch.cuda.Stream(device)
@@ -132,6 +132,7 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
     trainer = holder["trainer"] = Trainer.from_adapter(model, out / "start", tp=tp)
     try:
         with training(e, device):
+            result["grads"] = lora_grads(trainer, sequences(1), tp)
             result["metrics_1"] = trainer.step(sequences(1), config()).values
             save(trainer, tp, out / "ckpt1", 1)
         if tp.is_leader:  # the follower goes on to step 2 at once: its call waits for the leader's pause
