@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import faulthandler
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device-type", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="how long a collective waits for another rank")
     args = parser.parse_args(argv)
+    # a rank that hangs (a collective no peer joins) shows where: `kill -USR1 PID` prints every thread's stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     info, conn = join(device_type=args.device_type, timeout_s=args.timeout_s)
     where = f" node {info.node}" if info.spans_nodes else ""
     logging.basicConfig(level=logging.INFO, format=f"[rank {info.rank}{where}] %(levelname)s %(name)s: %(message)s")
