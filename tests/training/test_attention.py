@@ -33,3 +33,15 @@ def test_the_padded_attention_equals_one_call_per_sequence(window):
     grads_padded = torch.autograd.grad((padded[:14] * weights).sum(), (q, k, v))
     for a, b in zip(grads_loop, grads_padded):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_padded_attention_groups_sequences_of_very_different_lengths():
+    """Lengths 1 to 300 (four length groups) and an empty segment: the same as one call per sequence."""
+    g = torch.Generator().manual_seed(1)
+    lens = [300, 1, 0, 17, 130, 2, 64, 65]
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    T = int(cu[-1])
+    q = torch.randn(T, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(T, 1, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    loop = varlen_causal_attention(q, k, v, cu, None, None)
+    torch.testing.assert_close(padded_causal_attention(q, k, v, cu, cu, None), loop, rtol=1e-12, atol=1e-12)

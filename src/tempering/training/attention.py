@@ -8,13 +8,13 @@ extension point) and switches the model to it for the duration of a step:
 
 - on CUDA with PyTorch's `varlen_attn` (FlashAttention-2 inside torch >= 2.10) in bfloat16 or
   float16: one call for the whole row, given the cumulative sequence lengths;
-- a float32 model on CUDA: one SDPA call over the row's sequences padded to the longest
-  ([sequences, heads, longest, D], a boolean mask), since FlashAttention takes half precision
-  only and a call per sequence and layer would leave the GPU waiting on the host;
+- a float32 model on CUDA: one SDPA call per group of sequences of about the same length, padded
+  to the group's longest (a boolean mask), since FlashAttention takes half precision only and a
+  call per sequence and layer would leave the GPU waiting on the host;
 - on the CPU: one causal SDPA call per sequence.
 
-Either way the cost is about Σ len² (the padded call: sequences × longest²) and a token never
-sees another sequence.
+Either way the cost is about Σ len² (the padded calls: at most about 4×) and a token never sees
+another sequence.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
                             cu_keys: torch.Tensor, scale: float | None, *, window: int | None = None) -> torch.Tensor:
-    """`varlen_causal_attention`'s result in one SDPA call: the segments padded to the longest.
+    """`varlen_causal_attention`'s result in a few SDPA calls: the segments grouped by the power of
+    two their key count rounds up to, each group padded to its longest.
 
     Args:
         q: [T, Hq, D]; k, v: [K, Hkv, D], segment s's keys at cu_keys[s]:cu_keys[s + 1] and its
@@ -129,34 +130,46 @@ def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     Returns:
         [T, Hq, D]; rows past cu_seq_lens[-1] (a row's padding) are zero.
 
-    Costs S × longest queries × longest keys of attention and mask, and one host sync (the longest).
+    A group's segments hold at least half its longest's keys, so the padded attention and mask
+    cost at most about 4 × Σ queries × keys, in at most log2(longest) + 1 calls; one host sync.
     """
     T, num_heads, _ = q.shape
-    cu, cu_keys = cu_seq_lens.long(), cu_keys.long()
-    lens, key_lens = cu[1:] - cu[:-1], cu_keys[1:] - cu_keys[:-1]
-    S = lens.numel()
-    L, M = (max(int(x), 1) for x in torch.stack([lens.max(), key_lens.max()]).tolist())
-    l, m = torch.arange(L, device=q.device), torch.arange(M, device=q.device)
-    q_valid, k_valid = l < lens[:, None], m < key_lens[:, None]  # [S, L], [S, M]
-    pos = (l + (key_lens - lens)[:, None])[:, :, None]  # each query's own key position, [S, L, 1]
+    bounds, key_bounds = torch.stack([cu_seq_lens.long(), cu_keys.long()]).tolist()
+    groups: dict[int, list[int]] = {}
+    for s in range(len(bounds) - 1):
+        if bounds[s + 1] > bounds[s]:
+            groups.setdefault((key_bounds[s + 1] - key_bounds[s]).bit_length(), []).append(s)
+    out = q.new_zeros(T + 1, num_heads, q.shape[2])  # row T: where padded queries' outputs go, dropped
+    for segments in groups.values():
+        out = out.index_copy(0, *_padded_group(q, k, v, segments, bounds, key_bounds, scale, window, T))
+    return out[:T]
+
+
+def _padded_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int], bounds: list[int],
+                  key_bounds: list[int], scale: float | None, window: int | None,
+                  dump_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination rows [B * L], outputs [B * L, Hq, D]) of one group's B segments padded to L
+    queries and M keys; a padded query's destination is `dump_row`."""
+    device = q.device
+    lens = [bounds[s + 1] - bounds[s] for s in segments]
+    key_lens = [key_bounds[s + 1] - key_bounds[s] for s in segments]
+    L, M = max(lens), max(key_lens)
+    starts, key_starts, lens_t, key_lens_t = torch.tensor(
+        [[bounds[s] for s in segments], [key_bounds[s] for s in segments], lens, key_lens]).to(device)
+    l, m = torch.arange(L, device=device), torch.arange(M, device=device)
+    q_valid, k_valid = l < lens_t[:, None], m < key_lens_t[:, None]  # [B, L], [B, M]
+    pos = (l + (key_lens_t - lens_t)[:, None])[:, :, None]  # each query's own key position, [B, L, 1]
     mask = k_valid[:, None, :] & (m <= pos)
     if window is not None:
         mask &= m > pos - window
     mask |= ~q_valid[:, :, None] & (m == 0)  # a padded query reads one key (dropped): no all-masked NaN row
-    group = num_heads // k.shape[1]
-
-    def padded(x: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
-        index = torch.where(valid, starts[:, None] + torch.arange(width, device=x.device), 0)
-        return x[index].transpose(1, 2)  # [S, heads, width, D]
-
-    out = F.scaled_dot_product_attention(
-        padded(q, cu[:-1], q_valid, L), padded(k, cu_keys[:-1], k_valid, M).repeat_interleave(group, dim=1),
-        padded(v, cu_keys[:-1], k_valid, M).repeat_interleave(group, dim=1), attn_mask=mask[:, None], scale=scale)
-    out = out.transpose(1, 2).reshape(S * L, num_heads, -1)
-    t = torch.arange(T, device=q.device)
-    seg = torch.searchsorted(cu[1:], t, right=True)  # each token's segment; S past the last
-    flat = torch.where(seg < S, seg * L + t - cu[seg.clamp(max=S - 1)], S * L)
-    return torch.cat([out, out.new_zeros(1, *out.shape[1:])]).index_select(0, flat)
+    group = q.shape[1] // k.shape[1]
+    rows = torch.where(q_valid, starts[:, None] + l, dump_row)  # [B, L]
+    key_rows = torch.where(k_valid, key_starts[:, None] + m, 0)
+    o = F.scaled_dot_product_attention(
+        q[rows.clamp(max=q.shape[0] - 1)].transpose(1, 2), k[key_rows].transpose(1, 2).repeat_interleave(group, dim=1),
+        v[key_rows].transpose(1, 2).repeat_interleave(group, dim=1), attn_mask=mask[:, None], scale=scale)
+    return rows.reshape(-1), o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3])
 
 
 class _GatherKeys(torch.autograd.Function):
