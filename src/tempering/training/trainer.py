@@ -299,10 +299,9 @@ class Trainer:
             self.peft_model.save_pretrained(str(directory), selected_adapters=[ADAPTER_NAME])
             optimizer_state = self.optimizer.state_dict()
         torch.save(optimizer_state, directory / "optimizer.pt")
-        torch.save(
-            {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-            directory / "rng.pt",
-        )
+        device = self.params[0].device  # the trainer's GPU only: touching the others would open a context on each
+        cuda = [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []
+        torch.save({"torch": torch.get_rng_state(), "cuda": cuda}, directory / "rng.pt")
         state = {
             "step": step,
             "num_updates": self.num_updates,
@@ -330,8 +329,11 @@ class Trainer:
         if rng_path.is_file():
             rng = torch.load(rng_path, weights_only=True)
             torch.set_rng_state(rng["torch"])
-            if rng["cuda"] and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            device = self.params[0].device
+            if rng["cuda"] and device.type == "cuda":  # one state, or (older checkpoints) one per visible GPU
+                states = rng["cuda"]
+                index = 0 if len(states) == 1 else min(device.index or 0, len(states) - 1)
+                torch.cuda.set_rng_state(states[index], device)
 
     # ---- the step -------------------------------------------------------------------------
 
