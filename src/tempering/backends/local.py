@@ -202,8 +202,8 @@ class LocalBackend:
     def _worker_died(self, error: DistributedError) -> None:
         """A worker process died: stop serving; every later call raises `error`."""
         self._failure = error
-        if self._server is not None:
-            self._server.stop()
+        if self._server is not None:  # at once: nothing it could answer now would be right
+            self._server.stop(grace_s=1.0)
 
     def _check_open(self) -> None:
         if self._failure is not None:

@@ -53,8 +53,16 @@ class ServerThread:
                 raise BackendError(f"the tempering server did not start within {timeout_s} s")
             time.sleep(0.01)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0, *, grace_s: float | None = None) -> None:
+        """Stop serving: uvicorn's graceful shutdown (no new connections, open requests finish) for
+        `grace_s` (default: half of `timeout_s`), then a forced one, which drops the connections
+        still open (a client's kept-alive connection could otherwise be answered for as long as it
+        keeps sending). Returns within about `timeout_s`."""
+        grace_s = timeout_s / 2 if grace_s is None else min(grace_s, timeout_s)
         self._server.should_exit = True
         if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            self._thread.join(grace_s)
+        if self._thread.is_alive():
+            self._server.force_exit = True
+            self._thread.join(max(timeout_s - grace_s, 0.1))
         self._socket.close()
