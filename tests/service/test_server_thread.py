@@ -1,5 +1,6 @@
 """The server thread stops within its timeout, even with a request that never finishes."""
 
+import asyncio
 import threading
 import time
 
@@ -15,8 +16,6 @@ def test_stop_drops_a_request_still_open_after_the_grace_period():
 
     @app.get("/slow")
     async def slow():
-        import asyncio
-
         while not release.is_set():
             await asyncio.sleep(0.05)
         return {"ok": True}
