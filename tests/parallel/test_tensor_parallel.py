@@ -1,7 +1,12 @@
 """Tensor parallelism (modeling/tensor_parallel.py) over two ranks against one process on the same model:
 two CPU processes through gloo (float32, and the engine also in bfloat16, where the sharded forward
 must be bitwise the one-process forward, through its segments LoRA path and, as on GPUs, its
-spare-rows path), and (skipped without two GPUs) two GPU processes through NCCL.
+spare-rows path), and (skipped without two GPUs) two GPU processes through NCCL: the engine in
+bfloat16, training in float32. This model's bfloat16 gradients are chaotic, so no bf16 step can be
+compared with another: on the CPU, rounding the rotary embedding once instead of per product
+moves a step's grad norm from 0.025 to 0.038 (float32: 0.0244), and on an H100 the Triton rotary
+(the more accurate one) gives 0.060 where torch's gives 0.025. In float32 the two-GPU step equals
+the one-GPU step within 1e-4 (grad norm 0.02439 both, 2026-11-27).
 
 A tiny random Llama (4 query heads, 2 KV heads: one KV head per rank) with a non-zero LoRA on every
 projection. What is checked: each rank holds only its shard; the sharded forward's logits and the
@@ -33,8 +38,8 @@ from tempering.modeling.tensor_parallel import sharded_weight_bytes
 from tempering.service.base_model import check_fits, weight_bytes
 
 RANK_SCRIPT = Path(__file__).with_name("tp_rank.py")
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                                                reason="needs two GPUs"))]
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+DEVICES = ["cpu", pytest.param("cuda", marks=TWO_GPUS)]
 
 
 def run_ranks(scenario: str, out: Path, device: str, timeout_s: float = 180) -> list[dict]:
@@ -81,9 +86,10 @@ def served(request, tmp_path_factory):
     return ranks, reference, device
 
 
-@pytest.fixture(scope="module", params=DEVICES)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda-f32", marks=TWO_GPUS)])
 def trained(request, tmp_path_factory):
-    """The train scenario on two ranks from a saved full adapter, and the same steps on one process."""
+    """The train scenario on two ranks from a saved full adapter, and the same steps on one process
+    (float32 on either device: see the module's docstring)."""
     from tempering.training import Trainer
 
     device = request.param
@@ -120,8 +126,8 @@ def saved_adapter(directory: Path) -> dict[str, torch.Tensor]:
 def assert_adapters_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], device: str,
                           start: dict[str, torch.Tensor]) -> None:
     """Equal up to float reassociation of the sharded sums, as Adam magnifies it (an entry whose
-    gradient is near zero moves by about lr × sign; lr 1e-2 here). In bfloat16 (CUDA) such entries
-    may move either way, so there the update from `start` is compared as a whole: its difference
+    gradient is near zero moves by about lr × sign; lr 1e-2 here). On CUDA, whose GEMMs pick their
+    summation order by shape (the shards' are narrower), such entries may move either way, so there the update from `start` is compared as a whole: its difference
     within 25% of its size, tensor by tensor."""
     assert a.keys() == b.keys()
     for key in a:
@@ -169,15 +175,14 @@ def test_the_sharded_gradient_of_each_lora_tensor_equals_the_unsharded_one(train
         assert torch.equal(ranks[1]["grads"][name], ranks[0]["grads"][name]), name  # the same gathered tensor
         worst[name] = ((ranks[0]["grads"][name] - full).norm() / full.norm().clamp_min(1e-12)).item()
     bad = sorted(((round(v, 4), k.replace("base_model.model.model.", "").replace(".default.weight", ""))
-                  for k, v in worst.items() if v > (1e-4 if device == "cpu" else 2e-2)), reverse=True)
+                  for k, v in worst.items() if v > 1e-4), reverse=True)
     assert not bad, f"{len(bad)} of {len(worst)} tensors differ (relative error, tensor): {bad[:8]}"
 
 
 def test_a_sharded_lora_step_equals_the_unsharded_step(trained):
     ranks, reference, out, device = trained
-    rel = 1e-4 if device == "cpu" else 2e-2
     for key in ("loss/train", "loss/grad_norm", "loss/entropy"):
-        assert ranks[0]["metrics_1"][key] == pytest.approx(reference["metrics_1"][key], rel=rel, abs=1e-6), key
+        assert ranks[0]["metrics_1"][key] == pytest.approx(reference["metrics_1"][key], rel=1e-4, abs=1e-6), key
         assert ranks[1]["metrics_1"][key] == ranks[0]["metrics_1"][key], key
     start = saved_adapter(out / "start")
     assert_adapters_close(saved_adapter(out / "ckpt1"), reference["adapter_1"], device, start)

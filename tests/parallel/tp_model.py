@@ -23,8 +23,8 @@ PROMPTS = [[5, 17, 42, 9, 100, 3], [7, 7, 120, 33], [200, 1, 2, 3, 4, 5, 6, 7, 8
 
 def tiny_llama(qwen2: bool = False, device: str | torch.device = "cpu"):
     """A tiny random Llama (or Qwen2: biased q/k/v), the same weights in every process, on `device`:
-    float32 on the CPU, bfloat16 on CUDA (the engine's GPU kernels serve bf16/fp16 only) and on
-    "cpu-bf16" or "cpu-bf16-spare" (the CPU in bfloat16)."""
+    float32 on the CPU and on "cuda-f32", bfloat16 on CUDA and on "cpu-bf16" or "cpu-bf16-spare"
+    (the CPU in bfloat16)."""
     import transformers
 
     device, dtype = placement(device)
@@ -39,9 +39,11 @@ def tiny_llama(qwen2: bool = False, device: str | torch.device = "cpu"):
 
 def placement(spec: str | torch.device) -> tuple[torch.device, torch.dtype]:
     """(device, model dtype) of a test's device spec: "cpu" (float32), "cpu-bf16", "cpu-bf16-spare"
-    (the engine's spare-rows LoRA path, its default on GPUs), "cuda[:N]" (bfloat16)."""
+    (the engine's spare-rows LoRA path, its default on GPUs), "cuda[:N]" (bfloat16), "cuda[:N]-f32"."""
     if str(spec).startswith("cpu-bf16"):
         return torch.device("cpu"), torch.bfloat16
+    if str(spec).endswith("-f32"):
+        return torch.device(str(spec)[:-4]), torch.float32
     device = torch.device(spec)
     return device, torch.bfloat16 if device.type == "cuda" else torch.float32
 

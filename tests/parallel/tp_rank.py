@@ -92,7 +92,8 @@ def engine(tp: TensorParallel, result: dict, out: Path, device: torch.device) ->
 def train_stream(device: torch.device):
     """On CUDA, the trainer's work on a stream of its own, as the service runs it (Service._on_train_stream):
     a follower's trainer then never queues its collectives on the stream its engine follows the leader on."""
-    if torch.device(str(device).split("-")[0]).type != "cuda":  # "cpu-bf16": the CPU
+    device = torch.device(str(device).split("-")[0])  # "cpu-bf16": the CPU; "cuda:N-f32": cuda:N
+    if device.type != "cuda":
         yield
         return
     stream = torch.cuda.Stream(device)
@@ -155,11 +156,13 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     global SPARE_ROWS
-    spec = sys.argv[3] if len(sys.argv) > 3 else "cpu"  # "cpu", "cpu-bf16", "cpu-bf16-spare" or "cuda"
+    spec = sys.argv[3] if len(sys.argv) > 3 else "cpu"  # "cpu", "cpu-bf16", "cpu-bf16-spare", "cuda" or "cuda-f32"
     rank, device = start_rank(spec.split("-")[0])
     if spec.startswith("cpu-bf16"):
         device = spec  # tiny_llama's spec for the CPU in bfloat16 (tp_model.placement)
         SPARE_ROWS = True if spec.endswith("-spare") else None
+    elif spec == "cuda-f32":
+        device = f"{device}-f32"  # this rank's GPU, float32
     tp = TensorParallel()
     result: dict = {}
     {"engine": engine, "train": train}[scenario](tp, result, out, device)
