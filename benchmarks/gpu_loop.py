@@ -70,6 +70,10 @@ async def run(base_model: Path, root: Path, group_size: int, num_groups: int, *,
     await model.register(backend)
     times["register_s"] = time.perf_counter() - start
     service = backend._registry.get(model.name)
+    # what the report needs, read now: a reference to the service kept to the end would keep its
+    # weights on GPU 0 through the resume (at the 72B shape rank 0 then ran out of memory there)
+    served = {"device": str(service.device), "dtype": str(service.dtype), "engine": type(service.engine).__name__}
+    del service
     client = model.openai_client()
     probe = [{"role": "user", "content": "Say something."}]
 
@@ -120,9 +124,7 @@ async def run(base_model: Path, root: Path, group_size: int, num_groups: int, *,
     await backend.close()
     return {
         "benchmark": "gpu_loop",
-        "device": str(service.device),
-        "dtype": str(service.dtype),
-        "engine": type(service.engine).__name__,
+        **served,
         "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": f"Qwen2.5-{shape}-shaped random weights (SmolLM2 tokenizer, vocabulary 49,152)",
         "gpus": gpus, "engine_config": engine,

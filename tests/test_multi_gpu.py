@@ -5,12 +5,13 @@ A tiny random Llama with the default model's tokenizer keeps each process quick.
 requests spread over both engine replicas, a training step reaches both (their greedy logprobs
 agree before and after it, and change with it), the checkpoint is written once, a new backend
 resumes from it on both ranks, and a killed worker stops the server with a DistributedError
-instead of a hang.
+instead of a hang, as does a registration that fails on rank 0 alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import math
 import os
@@ -327,6 +328,40 @@ def test_a_worker_killed_during_a_step_fails_it_and_stops_the_backend_with_a_cle
             await b.close()
 
     assert asyncio.run(run()) < 30
+
+
+def test_a_registration_that_fails_on_rank_0_alone_stops_the_run_instead_of_hanging(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """Rank 0's load fails (on four H100s: out of memory, the 72B shape resumed while the first
+    backend's weights were still referenced) and the worker of its tensor-parallel engine waits for
+    it in the engine's first all-reduce: registration raises a DistributedError naming rank 0's
+    error and the waiting rank, and the backend closes, instead of waiting forever."""
+    from tempering.service import hub
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (injected on rank 0)")
+
+    monkeypatch.setattr(hub, "ModelService", out_of_memory)  # this process is rank 0; the worker loads for real
+    monkeypatch.setattr(hub, "PEER_GRACE_S", 1.0)
+
+    async def run():
+        b = art.LocalBackend(path=tmp_path, device="cpu", gpus=2,
+                             engine_config=dataclasses.replace(ENGINE, tensor_parallel_size=2))
+        try:
+            model = art.TrainableModel(name="tiny", project="mgpu", base_model=str(tiny_model_dir))
+            start = time.monotonic()
+            with pytest.raises(DistributedError, match=r"failed on rank 0 \(RuntimeError: CUDA out of memory "
+                                                       r"\(injected on rank 0\)\) while rank\(s\) 1 went on"):
+                await model.register(b)
+            assert time.monotonic() - start < 30
+            with pytest.raises(DistributedError, match="failed on rank 0"):  # and every later call
+                await art.TrainableModel(name="other", project="mgpu", base_model=str(tiny_model_dir)).register(b)
+        finally:
+            start = time.monotonic()
+            await b.close()
+            assert time.monotonic() - start < 45
+
+    asyncio.run(run())
 
 
 def free_port() -> int:

@@ -157,6 +157,13 @@ class Driver:
             callback(error)
 
     def _failed(self, link: WorkerLink, error: DistributedError) -> None:
+        self.fail(error, link=link)
+
+    def fail(self, error: DistributedError, *, link: WorkerLink | None = None) -> None:
+        """Stop the run with `error`, as when a worker dies: abort the NCCL group, record the error
+        (`check` raises it from now on) and call the `on_failure` callbacks. For rank 0's own
+        failures that leave the workers waiting in a collective (a registration that failed here
+        alone); `link`: the worker whose connection broke. Only the first failure counts."""
         with self._lock:
             if self._failing or self._closed:
                 return
@@ -168,7 +175,8 @@ class Driver:
                 dist.group.WORLD.abort()
             except Exception as exc:
                 log.warning("could not abort the NCCL process group: %r", exc)
-        error = self._node_error(link) or error
+        if link is not None:
+            error = self._node_error(link) or error
         with self._lock:
             self._error = error
             callbacks = list(self._callbacks)

@@ -26,7 +26,7 @@ import torch
 
 from ..engine import EngineConfig
 from ..engine.memory import release_free_memory
-from ..errors import ConfigError, UnknownModelError
+from ..errors import ConfigError, DistributedError, UnknownModelError
 from ..parallel import Driver
 from ..storage import (
     ModelPaths,
@@ -44,6 +44,11 @@ from .registry import ServiceRegistry
 from .service import ModelService, dtype_named
 
 __all__ = ["ModelHub"]
+
+
+# After a rank's registration failed, how long the others get to finish theirs before the run is
+# stopped (ModelHub._load): long enough for a shared cause to fail them too, as it does in seconds
+PEER_GRACE_S = 30.0
 
 
 class ModelHub:
@@ -158,25 +163,67 @@ class ModelHub:
         return service.step
 
     def _load(self, paths: ModelPaths, base_model: str, **options: Any) -> ModelService:
-        """The model's service here, and (multi-GPU) on every worker, loading at the same time."""
+        """The model's service here, and (multi-GPU) on every worker, loading at the same time.
+
+        Raises:
+            DistributedError: when this rank's load or a worker's failed and, PEER_GRACE_S later,
+                other ranks are still loading: they wait in a collective for the failed rank (a
+                tensor-parallel engine's first all-reduce), so the run is stopped (`Driver.fail`)
+                instead of hanging. Its cause is the failed rank's error.
+        """
         links = self.driver.links if self.driver is not None else []
         futures = [link.call("register", root=str(self.root.resolve()), project=paths.project, name=paths.name,
                              base_model=base_model, **options) for link in links]
-        service = None
+        service, error = None, None
         try:
             service = ModelService(paths, base_model, device=self.device, dp=self.dp, workers=links,
                                    dtype=dtype_named(options.pop("dtype", None)), **options)
+        except BaseException as exc:
+            error = exc
+        try:
+            self._wait_for_peers(dict(zip(links, futures)), paths.name, failed=(0, error) if error is not None else None)
         finally:
-            concurrent.futures.wait(futures)
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors or service is None:  # leave no half-registered model on any rank
+            errors = [f.exception() for f in futures if f.done() and f.exception() is not None]
+            if error is not None or errors:  # leave no half-registered model on any rank
                 for link in links:
                     link.call("unregister", name=paths.name)
                 if service is not None:
                     service.close()
+        if error is not None:
+            raise error
         if errors:
             raise errors[0]
         return service
+
+    def _wait_for_peers(self, futures: dict[Any, concurrent.futures.Future], name: str,
+                        failed: tuple[int, BaseException] | None = None) -> None:
+        """Wait for the workers' registrations of `name` (a future per WorkerLink); `failed`: (0,
+        error) when this rank's failed.
+        Once any rank has failed, the others get PEER_GRACE_S to finish (they fail alike when the
+        cause is shared, as a missing model); any still loading then waits for the failed rank in
+        a collective: the run is stopped with a DistributedError (see `_load`)."""
+        while True:
+            if failed is None:
+                failed = next(((link.rank, f.exception()) for link, f in futures.items()
+                               if f.done() and f.exception() is not None), None)
+            pending = [f for f in futures.values() if not f.done()]
+            if not pending:
+                return
+            if failed is not None:
+                break
+            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_EXCEPTION)
+        concurrent.futures.wait(pending, timeout=PEER_GRACE_S)
+        stuck = [link.rank for link, f in futures.items() if not f.done()]
+        if not stuck:
+            return
+        rank, cause = failed
+        error = DistributedError(
+            f"registering {name!r} failed on rank {rank} ({type(cause).__name__}: {cause}) while rank(s) "
+            f"{', '.join(map(str, stuck))} went on loading it; they wait for rank {rank} in a collective, so this "
+            f"multi-GPU run cannot go on. Fix the cause, then start the backend again (`tempering serve`, or a "
+            f"new LocalBackend after closing this one)")
+        self.driver.fail(error)
+        raise error from cause
 
     def attach_driver(self, driver: Driver) -> None:
         """Become rank 0 of `driver`'s run: trainable models registered from now on load on every
