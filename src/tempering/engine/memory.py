@@ -1,11 +1,12 @@
-"""Giving freed heap memory back to the operating system (CPU runs)."""
+"""Freed memory: heap memory given back to the operating system (CPU runs), and a GPU's free memory
+counted with the blocks PyTorch's caching allocator holds unused."""
 
 from __future__ import annotations
 
 import ctypes
 import sys
 
-__all__ = ["release_free_memory"]
+__all__ = ["cuda_free_bytes", "release_free_memory"]
 
 
 def release_free_memory() -> None:
@@ -20,3 +21,14 @@ def release_free_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc
             pass
+
+
+def cuda_free_bytes(device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA `device` for this process: the driver's free memory plus what
+    PyTorch's caching allocator holds here unused (freed tensors' blocks, which `mem_get_info`
+    counts as taken: a backend closed in this process left 40+ GiB of them on a GPU)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(cached, 0), total

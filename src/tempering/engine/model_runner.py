@@ -39,6 +39,7 @@ from .context import PrefillSpan, StepContext
 from .grammar import GrammarMask, PendingMasks, ReadyMasks
 from .layers.attention import paged_decode_attention
 from .lora import EngineAdapter, LoRASegment
+from .memory import cuda_free_bytes
 from .models import LlamaFamilyModel
 from .sampler import SamplingTensors, sample, sampling_flags
 from .scheduler import ScheduledBatch
@@ -214,7 +215,7 @@ class ModelRunner:
     def _num_blocks_from_memory(self) -> int:
         """The KV cache's blocks in its memory budget, at most MAX_KV_BLOCKS."""
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, _ = cuda_free_bytes(self.device)
             budget = free * self.config.gpu_memory_fraction
         else:
             budget = self.config.cpu_kv_cache_bytes

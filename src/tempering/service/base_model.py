@@ -189,7 +189,9 @@ def check_fits_device(model_ref: str, dtype, device, *, tensor_parallel_size: in
     device = torch.device(device)
     if device.type != "cuda":
         return
-    free, total = torch.cuda.mem_get_info(device)
+    from ..engine.memory import cuda_free_bytes
+
+    free, total = cuda_free_bytes(device)
     check_fits(model_ref, dtype, free_bytes=free, total_bytes=total, device_name=str(device),
                tensor_parallel_size=tensor_parallel_size)
 

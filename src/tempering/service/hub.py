@@ -343,6 +343,8 @@ class ModelHub:
         self.train_executor.shutdown(wait=False, cancel_futures=True)
         gc.collect()  # the services' reference cycles (engine callbacks), then the heap back to the OS
         release_free_memory()
+        if torch.cuda.is_initialized():  # and the freed GPU blocks to the driver, for other processes
+            torch.cuda.empty_cache()
 
 
 def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
