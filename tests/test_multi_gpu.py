@@ -15,6 +15,7 @@ import dataclasses
 import io
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -356,6 +357,47 @@ def test_a_registration_that_fails_on_rank_0_alone_stops_the_run_instead_of_hang
             assert time.monotonic() - start < 30
             with pytest.raises(DistributedError, match="failed on rank 0"):  # and every later call
                 await art.TrainableModel(name="other", project="mgpu", base_model=str(tiny_model_dir)).register(b)
+        finally:
+            start = time.monotonic()
+            await b.close()
+            assert time.monotonic() - start < 45
+
+    asyncio.run(run())
+
+
+def test_a_tensor_parallel_engine_that_fails_mid_step_stops_the_run(tiny_model_dir, tmp_path):
+    """Rank 0's engine (the TP leader) fails after sending a step, whose all-reduce its follower then
+    waits in: the request fails, the leader's engine refuses new work, and the run stops with a
+    DistributedError naming the engine's error (later calls fail at once), instead of the leader
+    sending the next steps into a group one rank short."""
+    from tempering.errors import EngineError
+
+    async def run():
+        b = art.LocalBackend(path=tmp_path, device="cpu", gpus=2,
+                             engine_config=dataclasses.replace(ENGINE, tensor_parallel_size=2))
+        try:
+            model = art.TrainableModel(name="tiny", project="mgpu", base_model=str(tiny_model_dir))
+            await model.register(b)
+            service = b.hub.service("tiny")
+            runner = service.engine.runner
+            send = runner._send_step
+
+            def send_then_fail(prepared):
+                send(prepared)  # the follower runs this step and waits for rank 0 in its all-reduce
+                raise RuntimeError("injected failure after sending the step")
+
+            runner._send_step = send_then_fail
+            prompt = service.renderer.render_prompt([{"role": "user", "content": "Say a number."}])
+            with pytest.raises(EngineError, match="injected failure"):
+                service.submit(prompt, SamplingParams(max_tokens=8)).result(60)
+            deadline = time.monotonic() + 10
+            while b._driver.error is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert isinstance(b._driver.error, DistributedError)
+            assert re.search(r"tensor-parallel engine of 'tiny' failed on rank 0 \(RuntimeError: injected",
+                             str(b._driver.error))
+            with pytest.raises(EngineError, match="the run stops"):
+                service.submit(prompt, SamplingParams(max_tokens=8))
         finally:
             start = time.monotonic()
             await b.close()

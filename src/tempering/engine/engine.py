@@ -104,6 +104,7 @@ class Engine:
         config: EngineConfig | None = None,
         max_seq_len: int = 8192,
         peft_model: Callable[[], Any] = lambda: None,
+        on_group_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -131,6 +132,11 @@ class Engine:
         self._awaiting: list[list[Sequence]] = []  # finished requests whose routed experts are still being copied
         self._cond = threading.Condition()
         self._closed = False
+        # tensor parallelism: a step that failed on one rank leaves the others waiting in its
+        # collectives, so this rank's engine stops and `on_group_failure(error)` (from the engine's
+        # thread) stops the run; None: logged only
+        self._on_group_failure = on_group_failure
+        self._group_error: EngineError | None = None
         self._pauses = self._pauses_taken = 0  # a follower's PAUSE messages received / waited for
         self._rng = random.Random()
         self._in_flight: LaunchedStep | None = None  # the newest launched step
@@ -163,6 +169,8 @@ class Engine:
         request = new_request(prompt_ids, params, n, policy, on_token, max_seq_len=self.max_seq_len,
                               limits=f"context {self.max_seq_len}, KV cache {self.blocks.capacity_tokens} tokens")
         with self._cond:
+            if self._group_error is not None:
+                raise self._group_error
             if self._closed:
                 raise EngineError("the engine is closed; register the model with a new backend")
             self._inbox.append(request)
@@ -190,7 +198,8 @@ class Engine:
     def close(self) -> None:
         """Stop the worker; unfinished requests fail with EngineError. A second call does nothing.
 
-        A tensor-parallel leader also stops its followers; a follower waits (up to 60 s) for that.
+        A tensor-parallel leader also stops its followers (unless its group failed: they wait in
+        a collective and cannot hear it); a follower waits (up to 60 s) for that.
         """
         with self._cond:
             if self._closed:
@@ -198,7 +207,7 @@ class Engine:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
-        if self.link is not None and not self.is_follower and not self._thread.is_alive():
+        if self.link is not None and not self.is_follower and not self._thread.is_alive() and self._group_error is None:
             self.link.send_stop()
         if not self._thread.is_alive():  # (a worker still running may replay them)
             self.runner.close()
@@ -222,8 +231,10 @@ class Engine:
         the same engine steps.
 
         Raises:
-            EngineError: as `wait_for_leader_pause`.
+            EngineError: as `wait_for_leader_pause`, or if this rank's tensor-parallel engine failed.
         """
+        if self._group_error is not None:
+            raise self._group_error
         self.wait_for_leader_pause(timeout_s)
         with self.lock:
             self.pause_followers()
@@ -260,6 +271,8 @@ class Engine:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._pauses <= self._pauses_taken:
+                if self._group_error is not None:
+                    raise self._group_error
                 left = deadline - time.monotonic()
                 if self._closed or not self._thread.is_alive() or left <= 0:
                     raise EngineError(
@@ -345,6 +358,29 @@ class Engine:
             except BaseException as exc:  # never let the worker die: fail what was running
                 log.exception("engine step failed")
                 self._fail_all(EngineError(f"generation failed: {exc!r}"))
+                if self.link is not None:  # its followers may wait in this step's collectives
+                    self._stop_group(exc)
+                    return
+
+    def _stop_group(self, exc: BaseException) -> None:
+        """A tensor-parallel engine failed on this rank: refuse new requests and report it, once."""
+        with self._cond:
+            if self._group_error is not None:
+                return
+            self._group_error = error = EngineError(
+                f"the tensor-parallel engine failed on this rank ({exc!r}); the other ranks of its group wait for it "
+                "in a collective, so the run stops: start the backend again")
+            queued = list(self._inbox)
+            self._inbox.clear()
+            self._cond.notify_all()
+        for request in queued:
+            if not request.future.done():
+                request.future.set_exception(error)
+        if self._on_group_failure is not None:
+            try:
+                self._on_group_failure(exc)
+            except Exception:
+                log.exception("stopping the run after the engine's failure failed")
 
     def _follow(self) -> None:
         """A tensor-parallel follower's worker: run the leader's forwards until it stops."""
@@ -363,8 +399,9 @@ class Engine:
                 self._follow_one(message)
                 if message.kind == STEP:  # the leader's steps this follower has launched
                     self.stats.num_steps += 1
-        except BaseException:
-            log.exception("the tensor-parallel follower engine failed: the group's leader will wait for it")
+        except BaseException as exc:
+            log.exception("the tensor-parallel follower engine failed: the group's leader waits for it")
+            self._stop_group(exc)
             raise
 
     def _follow_one(self, message, timeout_s: float = 600.0) -> None:

@@ -177,7 +177,8 @@ class ModelHub:
         service, error = None, None
         try:
             service = ModelService(paths, base_model, device=self.device, dp=self.dp, workers=links,
-                                   dtype=dtype_named(options.pop("dtype", None)), **options)
+                                   dtype=dtype_named(options.pop("dtype", None)),
+                                   on_run_failure=self.driver.fail if self.driver is not None else None, **options)
         except BaseException as exc:
             error = exc
         try:

@@ -47,10 +47,12 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..chat import ChatRenderer, TurnCache
 from ..engine import Engine, EngineConfig, HFEngine, Policy, SamplingParams, engine_model_for
@@ -128,6 +130,9 @@ class ModelService:
         workers: on rank 0 of a multi-GPU run, the channels to the other ranks, whose services
             of the same name were registered with the same arguments.
         dedicated: in a multi-GPU run, rank 0 trains and the other ranks serve (see above).
+        on_run_failure: under tensor parallelism, called with a DistributedError (from the engine's
+            thread) when this rank's engine fails: the other ranks of its group then wait for it
+            in a collective, so the run must stop (rank 0: `Driver.fail`; a worker: it exits).
 
     Raises:
         UnknownModelError: if `base_model` cannot be resolved.
@@ -152,6 +157,7 @@ class ModelService:
         dp: DataParallel | None = None,
         workers: list[WorkerLink] | tuple[WorkerLink, ...] = (),
         dedicated: bool = False,
+        on_run_failure: Callable[[DistributedError], None] | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,6 +165,7 @@ class ModelService:
             raise ConfigError(f"max_seq_len must be at least 2 tokens, got {max_seq_len}")
         self.paths = paths
         self.base_model = base_model
+        self._on_run_failure = on_run_failure
         self.lora = lora or LoRAConfig()
         self.device = torch.device(device) if device is not None else default_device()
         engine_config = engine_config or EngineConfig(max_num_seqs=max_batch_size)
@@ -297,7 +304,19 @@ class ModelService:
             config=config,
             max_seq_len=self.max_seq_len,
             peft_model=lambda: self.peft_model,
+            on_group_failure=self._engine_group_failed if self.tp is not None else None,
         )
+
+    def _engine_group_failed(self, exc: BaseException) -> None:
+        """This rank's tensor-parallel engine failed (Engine's `on_group_failure`): stop the run."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        error = DistributedError(
+            f"the tensor-parallel engine of {self.paths.name!r} failed on rank {rank} ({type(exc).__name__}: {exc}); "
+            f"the other ranks of its group wait for it in a collective, so this multi-GPU run cannot go on. "
+            f"{'See the error above, then start' if rank else 'Start'} the backend again: it resumes from the last "
+            f"checkpoint")
+        if self._on_run_failure is not None:
+            self._on_run_failure(error)
 
     @property
     def peft_model(self) -> Any:

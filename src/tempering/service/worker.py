@@ -69,7 +69,7 @@ class WorkerHub:
             self.services[name] = ModelService(ModelPaths(Path(root), project, name), base_model, lora=lora,
                                                device=self.info.device, engine_config=engine_config,
                                                max_seq_len=max_seq_len, dtype=dtype_named(dtype),
-                                               dp=self.dp, dedicated=dedicated)
+                                               dp=self.dp, dedicated=dedicated, on_run_failure=_exit_run)
         return self.services[name].step
 
     def sees_file(self, *, path: str, text: str) -> bool:
@@ -131,6 +131,15 @@ class WorkerHub:
         for name in list(self.services):
             self.unregister(name=name)
         self._helpers.shutdown(wait=False, cancel_futures=True)
+
+
+def _exit_run(error: Exception) -> None:
+    """This rank cannot go on (its tensor-parallel engine failed): exit at once, as when the driver
+    goes away. The driver then stops the run with a DistributedError naming this rank; the cause
+    is the error logged here."""
+    log.error("%s", error)
+    logging.shutdown()
+    os._exit(1)  # threads may be blocked in collectives with peers that wait for this rank
 
 
 def main(argv: list[str] | None = None) -> None:
