@@ -22,6 +22,8 @@ shards. Then:
   (each rank its slices, `Trainer.load_state` for the optimizer and RNG), the loaded state compared
   bit for bit with the saved one, and the same step taken again (twice, to tell the resume's error
   from the step's own run-to-run variation on the device).
+- with `--profile`, one more step under torch.profiler: rank 0's kernel time by kind (NCCL,
+  GEMMs, attention, the rest) and its ten longest kernels, to show where the MFU goes.
 - peak memory allocated on every GPU (engine, KV cache and trainer together). At 72B and TP 4 a
   GPU holds ~40 GB of weights (35 GB of shards, 5 GB of replicated embedding and LM head), the KV
   cache (`--kv-fraction` of what is left) and a micro-batch's activations (`--micro-batch-tokens`).
@@ -280,6 +282,44 @@ def time_train_step(trainer: Trainer, args, vocab: int, device: torch.device) ->
             "train_tok_s": round(args.num_seqs * args.seq_len / elapsed, 1)}
 
 
+KERNEL_KINDS = (("communication", ("nccl", "allreduce", "all_reduce")),
+                ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "::mm", "::addmm", "::bmm")),
+                ("attention", ("flash", "fmha", "attention", "sdpa")))
+
+
+def profile_train_step(trainer: Trainer, args, vocab: int, device: torch.device) -> dict:
+    """One more train step under torch.profiler: where this rank's step time goes. On a GPU the
+    kernels' own time by kind (NCCL communication, GEMMs, attention, the rest: norms, rotary,
+    LoRA, elementwise) and the ten longest kernels; on a CPU the ops' own CPU time. The step runs
+    slower under the profiler; the kernel times do not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
+    config = TrainConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens,
+                         gradient_checkpointing=not args.no_recompute)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        trainer.step(sequences, config)
+        sync(device)
+    wall = time.perf_counter() - start
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        ms = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3
+        if ms > 0:
+            totals[event.key] = totals.get(event.key, 0.0) + ms
+    kinds = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for name, ms in totals.items():
+        lowered = name.lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+        kinds[kind] += ms
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
+    return {"profile": {"step_s_profiled": round(wall, 3), "busy_ms": round(sum(totals.values()), 1),
+                        "by_kind_ms": {k: round(v, 1) for k, v in kinds.items()},
+                        "top_ms": [[name[:90], round(ms, 1)] for name, ms in top]}}
+
+
 def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int, device: torch.device,
                           waits) -> dict:
     """Save a checkpoint, take a step, resume from the checkpoint into the same shards and take the
@@ -446,6 +486,8 @@ def run(args) -> None:
         progress("rollouts done", device)
         # the engine stays up (as in training), idle: its followers wait for the leader's next step
         out.update(time_train_step(trainer, args, vocab, device))
+        if args.profile:
+            out.update(profile_train_step(trainer, args, vocab, device))  # rank 0's
         out.update(checkpoint_and_resume(trainer, tp, args, vocab, device, waits))
         progress("checkpoint and resume done", device)
         if device.type == "cuda":
@@ -496,6 +538,9 @@ def main() -> None:
     parser.add_argument("--no-recompute", action="store_true",
                         help="TrainConfig(gradient_checkpointing=False): keep each layer's activations instead of "
                              "recomputing them in the backward pass (more memory, ~1/3 fewer forward FLOPs)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed steps, profile one more (torch.profiler): rank 0's kernel time by kind "
+                             "(NCCL, GEMM, attention, other) and its ten longest kernels")
     parser.add_argument("--memory-cap-gib", type=float, default=0,
                         help="cap each process's GPU allocations (0: none); 79 holds an H200 to an H100's memory")
     parser.add_argument("--checkpoint-dir", default="tp-checkpoint", help="where the checkpoint is written")
