@@ -38,3 +38,15 @@ def test_a_model_larger_than_the_gpu_is_refused_naming_tensor_parallelism(tmp_pa
     save_llama(tmp_path, hidden_size=16384, intermediate_size=53248, num_hidden_layers=256)  # ~0.9T parameters
     with pytest.raises(ConfigError, match="GiB per GPU.*larger tensor_parallel_size"):
         check_fits_device(str(tmp_path), torch.bfloat16, "cuda:0")
+
+
+def test_a_gpus_free_memory_counts_what_the_caching_allocator_holds_unused(monkeypatch):
+    """A closed backend's weights stay in PyTorch's caching allocator, which the driver counts as
+    taken: a 72B resume in the same process saw 5.2 GiB free of 79.2 GiB. Those blocks count as free."""
+    from tempering.engine.memory import cuda_free_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 50 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
+    assert cuda_free_bytes("cuda:0") == (45 * gib, 80 * gib)
