@@ -109,16 +109,18 @@ def test_ratio_corrections_and_their_metrics(default_model_dir):
 
 @pytest.mark.parametrize("loss_fn", ["ppo", "cispo", "gspo"])
 def test_each_loss_takes_a_finite_step_and_checkpointing_does_not_change_it(default_model_dir, loss_fn):
+    """Recomputation comes before any loss, so it is compared once (PPO's step with and without it)."""
     seqs = random_sequences()
     results = []
-    for checkpointing in (True, False):
+    for checkpointing in (True, False) if loss_fn == "ppo" else (True,):
         trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4))
         metrics = trainer.step(seqs, TrainConfig(learning_rate=1e-3, loss_fn=loss_fn,
                                                  gradient_checkpointing=checkpointing, micro_batch_tokens=64)).values
         assert torch.isfinite(torch.tensor(metrics["loss/train"])) and metrics["loss/grad_norm"] > 0
         results.append(lora_state(trainer))
-    for a, b in zip(*results):
-        assert torch.allclose(a, b, atol=1e-6)
+    if len(results) == 2:
+        for a, b in zip(*results):
+            assert torch.allclose(a, b, atol=1e-6)
 
 
 def test_a_failed_step_puts_the_adapter_and_optimizer_back_exactly(default_model_dir):
