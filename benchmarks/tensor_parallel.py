@@ -263,10 +263,15 @@ def train_sequences(num_seqs: int, seq_len: int, vocab: int) -> list[TokenizedSe
     return out
 
 
+def train_config(args, learning_rate: float) -> TrainConfig:
+    """The timed, profiled and resumed steps' config: the command line's micro-batch and recomputation."""
+    return TrainConfig(learning_rate=learning_rate, micro_batch_tokens=args.micro_batch_tokens,
+                       gradient_checkpointing=not args.no_recompute)
+
+
 def time_train_step(trainer: Trainer, args, vocab: int, device: torch.device) -> dict:
     sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
-    config = TrainConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens,
-                         gradient_checkpointing=not args.no_recompute)
+    config = train_config(args, learning_rate=1e-6)
     start = time.perf_counter()
     trainer.step(sequences, config)  # warm-up
     sync(device)
@@ -295,8 +300,7 @@ def profile_train_step(trainer: Trainer, args, vocab: int, device: torch.device)
     from torch.profiler import ProfilerActivity, profile
 
     sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
-    config = TrainConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens,
-                         gradient_checkpointing=not args.no_recompute)
+    config = train_config(args, learning_rate=1e-6)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     start = time.perf_counter()
@@ -333,8 +337,7 @@ def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int
     if tp.is_leader:
         directory.mkdir(parents=True, exist_ok=True)
     sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
-    config = TrainConfig(learning_rate=1e-4, micro_batch_tokens=args.micro_batch_tokens,
-                         gradient_checkpointing=not args.no_recompute)
+    config = train_config(args, learning_rate=1e-4)
     def adapter() -> dict[str, torch.Tensor]:  # this rank's adapter slices
         return {n: p.detach().clone() for n, p in trainer.named_params}
 

@@ -203,17 +203,13 @@ class ModelHub:
         Once any rank has failed, the others get PEER_GRACE_S to finish (they fail alike when the
         cause is shared, as a missing model); any still loading then waits for the failed rank in
         a collective: the run is stopped with a DistributedError (see `_load`)."""
-        while True:
+        if failed is None:  # returns once every registration ended, or one failed
+            concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
+            failed = next(((link.rank, f.exception()) for link, f in futures.items()
+                           if f.done() and f.exception() is not None), None)
             if failed is None:
-                failed = next(((link.rank, f.exception()) for link, f in futures.items()
-                               if f.done() and f.exception() is not None), None)
-            pending = [f for f in futures.values() if not f.done()]
-            if not pending:
                 return
-            if failed is not None:
-                break
-            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_EXCEPTION)
-        concurrent.futures.wait(pending, timeout=PEER_GRACE_S)
+        concurrent.futures.wait(futures.values(), timeout=PEER_GRACE_S)
         stuck = [link.rank for link, f in futures.items() if not f.done()]
         if not stuck:
             return
