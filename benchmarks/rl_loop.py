@@ -13,7 +13,10 @@ process, on one backend and model, after a warm-up iteration:
 
 Prints one JSON line: seconds per iteration, trained (completion) tokens per second of each
 variant, their ratio, and on CUDA the fraction of wall-clock the GPU was busy, from NVML's
-utilization counter (needs `pip install nvidia-ml-py`; null without it).
+utilization counter (needs `pip install nvidia-ml-py`; null without it): over the whole pipelined
+run, and over its steady state alone (`pipelined_gpu_busy_steady_per_gpu`: from the end of the
+first step, which fills the pipeline, to the end of the last step but one, since the last step
+trains while nothing is left to gather; 3 iterations or more).
 
     python benchmarks/rl_loop.py                  # CPU, the default model, small shapes
     python benchmarks/rl_loop.py --device cuda    # Qwen2.5-1.5B-shaped random bf16 model, 32 x 8,
@@ -108,6 +111,13 @@ class BusySampler(PeriodicSampler):
     def fraction(self) -> float | None:
         """GPU 0's."""
         return self.fractions[0] if self.samples else None
+
+    def fractions_between(self, start: float, end: float) -> list[float] | None:
+        """Per GPU, from the samples taken in [start, end] (perf_counter seconds) alone."""
+        window = [v for t, v in self.samples if start <= t <= end]
+        if not window:
+            return None
+        return [round(sum(v[i] for v in window) / len(window) / 100, 3) for i in range(len(window[0]))]
 
 
 class DecodeProgress(PeriodicSampler):
@@ -225,7 +235,12 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
     pipeline = art.PipelineTrainer(model, backend, rollout, prompts, group_size=group_size, groups_per_step=groups,
                                    max_staleness=1, max_steps=iterations + 1, train_config=config, pbar=False)
     with BusySampler(gpu) as busy:
+        piped_start = time.perf_counter()
         piped = await pipeline.train()
+    # the steady state: from the end of the first step (which fills the pipeline) to the end of the
+    # last step but one (the last trains while nothing is left to gather)
+    step_ends = [piped_start + sum(piped.step_wall_s[:i + 1]) for i in range(len(piped.step_wall_s))]
+    steady_busy = busy.fractions_between(step_ends[0], step_ends[-2]) if len(step_ends) >= 3 else None
     rows = {r["step"]: r for r in await backend._read_history(model) if "train/reward" in r}
     piped_tokens = [rows[first_step + i]["data/step_completion_tokens"] for i in range(iterations + 1)]
     ages = [rows[first_step + i].get("offpolicy/policy_age_mean", 0.0) for i in range(iterations + 1)]
@@ -261,6 +276,7 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
         "pipelined_trained_tokens_per_s": round(pipe_tps, 1),
         "pipelined_gpu_busy_fraction": busy.fraction,
         "pipelined_gpu_busy_fraction_per_gpu": busy.fractions,
+        "pipelined_gpu_busy_steady_per_gpu": steady_busy,
         "pipelined_step_wall_s": [round(x, 3) for x in piped.step_wall_s],
         "pipelined_policy_age_mean": round(statistics.mean(ages[1:]), 3),
         "pipelined_train_s": round(statistics.mean(piped_train), 3),  # the trainer's time per step

@@ -23,7 +23,7 @@ shards. Then:
   bit for bit with the saved one, and the same step taken again (twice, to tell the resume's error
   from the step's own run-to-run variation on the device).
 - with `--profile`, one more step under torch.profiler: rank 0's kernel time by kind (NCCL,
-  GEMMs, attention, the rest) and its ten longest kernels, to show where the MFU goes.
+  GEMMs, attention, the rest), its fifteen longest kernels and its idle time, to show where the MFU goes.
 - peak memory allocated on every GPU (engine, KV cache and trainer together). At 72B and TP 4 a
   GPU holds ~40 GB of weights (35 GB of shards, 5 GB of replicated embedding and LM head), the KV
   cache (`--kv-fraction` of what is left) and a micro-batch's activations (`--micro-batch-tokens`).
@@ -289,13 +289,14 @@ def time_train_step(trainer: Trainer, args, vocab: int, device: torch.device) ->
 
 KERNEL_KINDS = (("communication", ("nccl", "allreduce", "all_reduce")),
                 ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "::mm", "::addmm", "::bmm")),
-                ("attention", ("flash", "fmha", "attention", "sdpa")))
+                ("attention", ("flash", "fmha", "attention", "attn", "sdpa")))
 
 
 def profile_train_step(trainer: Trainer, args, vocab: int, device: torch.device) -> dict:
     """One more train step under torch.profiler: where this rank's step time goes. On a GPU the
     kernels' own time by kind (NCCL communication, GEMMs, attention, the rest: norms, rotary,
-    LoRA, elementwise) and the ten longest kernels; on a CPU the ops' own CPU time. The step runs
+    LoRA, elementwise), the fifteen longest kernels, the time any kernel ran (`busy_ms`) and the
+    GPU's idle time between the first kernel and the last (`idle_ms`); on a CPU the ops' own CPU time. The step runs
     slower under the profiler; the kernel times do not."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -309,19 +310,38 @@ def profile_train_step(trainer: Trainer, args, vocab: int, device: torch.device)
         sync(device)
     wall = time.perf_counter() - start
     totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        ms = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3
-        if ms > 0:
-            totals[event.key] = totals.get(event.key, 0.0) + ms
+    intervals: list[tuple[float, float]] = []
+    if cuda:  # the kernels themselves (an op's own device time would count its kernels a second time)
+        from torch.autograd import DeviceType
+        for event in prof.events():
+            if event.device_type == DeviceType.CUDA and not event.is_user_annotation:  # not nccl:all_reduce's range
+                start_us, end_us = event.time_range.start, event.time_range.end
+                totals[event.name] = totals.get(event.name, 0.0) + (end_us - start_us) / 1e3
+                intervals.append((start_us, end_us))
+    else:
+        for event in prof.key_averages():
+            if event.self_cpu_time_total > 0:
+                totals[event.key] = totals.get(event.key, 0.0) + event.self_cpu_time_total / 1e3
     kinds = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
     for name, ms in totals.items():
         lowered = name.lower()
         kind = next((k for k, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
         kinds[kind] += ms
-    top = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
-    return {"profile": {"step_s_profiled": round(wall, 3), "busy_ms": round(sum(totals.values()), 1),
-                        "by_kind_ms": {k: round(v, 1) for k, v in kinds.items()},
-                        "top_ms": [[name[:90], round(ms, 1)] for name, ms in top]}}
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:15]
+    out = {"step_s_profiled": round(wall, 3), "kernel_ms": round(sum(totals.values()), 1),
+           "by_kind_ms": {k: round(v, 1) for k, v in kinds.items()},
+           "top_ms": [[name[:90], round(ms, 1)] for name, ms in top]}
+    if intervals:  # the time any kernel ran (streams overlapping counted once) and the GPU's idle time
+        intervals.sort()
+        busy, (lo, hi) = 0.0, intervals[0]
+        for start_us, end_us in intervals[1:]:
+            if start_us > hi:
+                busy, lo = busy + hi - lo, start_us
+            hi = max(hi, end_us)
+        busy += hi - lo
+        span = intervals[-1][1] - intervals[0][0]
+        out.update(busy_ms=round(busy / 1e3, 1), idle_ms=round((span - busy) / 1e3, 1))
+    return {"profile": out}
 
 
 def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int, device: torch.device,
@@ -543,7 +563,7 @@ def main() -> None:
                              "recomputing them in the backward pass (more memory, ~1/3 fewer forward FLOPs)")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed steps, profile one more (torch.profiler): rank 0's kernel time by kind "
-                             "(NCCL, GEMM, attention, other) and its ten longest kernels")
+                             "(NCCL, GEMM, attention, other), its fifteen longest kernels and its idle time")
     parser.add_argument("--memory-cap-gib", type=float, default=0,
                         help="cap each process's GPU allocations (0: none); 79 holds an H200 to an H100's memory")
     parser.add_argument("--checkpoint-dir", default="tp-checkpoint", help="where the checkpoint is written")
