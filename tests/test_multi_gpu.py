@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -361,6 +362,43 @@ def test_a_registration_that_fails_on_rank_0_alone_stops_the_run_instead_of_hang
             start = time.monotonic()
             await b.close()
             assert time.monotonic() - start < 45
+
+    asyncio.run(run())
+
+
+def test_a_registration_that_fails_on_a_worker_while_rank_0_still_loads_stops_the_run(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):
+    """The mirror case: a worker's load fails at once while rank 0's goes on, waiting (as in a
+    tensor-parallel engine's first all-reduce) for that worker. Rank 0 loads on a thread of its own,
+    so registration still raises a DistributedError naming the worker's error and rank 0, instead of
+    waiting for the collective's timeout."""
+    from tempering.service import hub
+
+    release = threading.Event()
+
+    class Stranded:  # rank 0's load, waiting for a peer that will never come (released at the end)
+        def __init__(self, *args, **kwargs):
+            release.wait(60)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(hub, "ModelService", Stranded)  # this process is rank 0; the worker loads for real
+    monkeypatch.setattr(hub, "PEER_GRACE_S", 1.0)
+
+    async def run():
+        b = art.LocalBackend(path=tmp_path, device="cpu", gpus=2)
+        try:
+            start = time.monotonic()
+            with pytest.raises(DistributedError, match=r"failed on rank 1 \(ConfigError: max_seq_len must be at "
+                                                       r"least 2 tokens, got 1\) while rank\(s\) 0 went on"):
+                # the worker refuses max_seq_len=1; rank 0's stand-in never looks at it
+                await asyncio.to_thread(b.hub.register, name="tiny", project="mgpu", model_json={},
+                                        base_model=str(tiny_model_dir), max_seq_len=1)
+            assert time.monotonic() - start < 30
+        finally:
+            release.set()
+            await b.close()
 
     asyncio.run(run())
 

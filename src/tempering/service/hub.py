@@ -165,52 +165,65 @@ class ModelHub:
     def _load(self, paths: ModelPaths, base_model: str, **options: Any) -> ModelService:
         """The model's service here, and (multi-GPU) on every worker, loading at the same time.
 
+        In a multi-GPU run this rank's service loads on a thread of its own, so that a worker's
+        failure is seen while this rank still loads (waiting, say, for that worker in a
+        tensor-parallel engine's first all-reduce).
+
         Raises:
-            DistributedError: when this rank's load or a worker's failed and, PEER_GRACE_S later,
-                other ranks are still loading: they wait in a collective for the failed rank (a
-                tensor-parallel engine's first all-reduce), so the run is stopped (`Driver.fail`)
-                instead of hanging. Its cause is the failed rank's error.
+            DistributedError: when one rank's load failed and, PEER_GRACE_S later, other ranks
+                (this one included) are still loading: they wait in a collective for the failed
+                rank, so the run is stopped (`Driver.fail`) instead of hanging. Its cause is the
+                failed rank's error.
         """
         links = self.driver.links if self.driver is not None else []
-        futures = [link.call("register", root=str(self.root.resolve()), project=paths.project, name=paths.name,
-                             base_model=base_model, **options) for link in links]
-        service, error = None, None
+        dtype = dtype_named(options.pop("dtype", None))
+
+        def load() -> ModelService:
+            return ModelService(paths, base_model, device=self.device, dp=self.dp, workers=links, dtype=dtype,
+                                on_run_failure=self.driver.fail if self.driver is not None else None, **options)
+
+        if not links:
+            return load()
+        futures = {link.rank: link.call("register", root=str(self.root.resolve()), project=paths.project,
+                                        name=paths.name, base_model=base_model, **options) for link in links}
+        own: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            own.set_running_or_notify_cancel()
+            try:
+                own.set_result(load())
+            except BaseException as exc:
+                own.set_exception(exc)
+
+        # a daemon thread: a load stranded in a collective must not keep the process from exiting
+        threading.Thread(target=run, name="tempering-load", daemon=True).start()
+        futures = {0: own, **futures}
         try:
-            service = ModelService(paths, base_model, device=self.device, dp=self.dp, workers=links,
-                                   dtype=dtype_named(options.pop("dtype", None)),
-                                   on_run_failure=self.driver.fail if self.driver is not None else None, **options)
-        except BaseException as exc:
-            error = exc
-        try:
-            self._wait_for_peers(dict(zip(links, futures)), paths.name, failed=(0, error) if error is not None else None)
+            self._wait_for_peers(futures, paths.name)
         finally:
-            errors = [f.exception() for f in futures if f.done() and f.exception() is not None]
-            if error is not None or errors:  # leave no half-registered model on any rank
+            errors = [(rank, f.exception()) for rank, f in futures.items() if f.done() and f.exception() is not None]
+            if errors or not own.done():  # leave no half-registered model on any rank
                 for link in links:
                     link.call("unregister", name=paths.name)
-                if service is not None:
-                    service.close()
-        if error is not None:
-            raise error
+                # this rank's service, now or whenever its stranded load ends
+                own.add_done_callback(lambda f: f.exception() is None and f.result().close())
         if errors:
-            raise errors[0]
-        return service
+            raise errors[0][1]  # this rank's own error first, then the lowest rank's
+        return own.result()
 
-    def _wait_for_peers(self, futures: dict[Any, concurrent.futures.Future], name: str,
-                        failed: tuple[int, BaseException] | None = None) -> None:
-        """Wait for the workers' registrations of `name` (a future per WorkerLink); `failed`: (0,
-        error) when this rank's failed.
+    def _wait_for_peers(self, futures: dict[int, concurrent.futures.Future], name: str) -> None:
+        """Wait for every rank's registration of `name` (a future per rank, this one's included).
+
         Once any rank has failed, the others get PEER_GRACE_S to finish (they fail alike when the
         cause is shared, as a missing model); any still loading then waits for the failed rank in
         a collective: the run is stopped with a DistributedError (see `_load`)."""
-        if failed is None:  # returns once every registration ended, or one failed
-            concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
-            failed = next(((link.rank, f.exception()) for link, f in futures.items()
-                           if f.done() and f.exception() is not None), None)
-            if failed is None:
-                return
+        concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
+        failed = next(((rank, f.exception()) for rank, f in futures.items()
+                       if f.done() and f.exception() is not None), None)
+        if failed is None:  # every registration ended, and none failed
+            return
         concurrent.futures.wait(futures.values(), timeout=PEER_GRACE_S)
-        stuck = [link.rank for link, f in futures.items() if not f.done()]
+        stuck = [rank for rank, f in futures.items() if not f.done()]
         if not stuck:
             return
         rank, cause = failed
