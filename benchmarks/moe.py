@@ -23,10 +23,14 @@ each expert its own A and B), A and B non-zero, the trainer's tensors, as every 
   maximum without replay. With `--tiny` the routers are scaled by 0.3 (near-tied experts) and the
   experts by 8 (so that a flip shows); in bf16 (`--dtype bfloat16`) rounding differences between
   the engine's and the trainer's kernels then flip some tokens' experts.
+- `--profile` (CUDA): after the timed rollouts, a window of R's steady decoding under torch.profiler
+  (decode_scaling.py's): the fraction of the wall time the GPU ran kernels, the kernel time and
+  count per decode step, and the longest kernels.
 - `--tiny`: a 2-layer, 64-wide shape of 16 experts, 4 active, to check the script (CPU: `--device cpu`).
 
     python benchmarks/moe.py --device cuda                          # rollout + train (an H200: 139 GiB)
     python benchmarks/moe.py --device cuda --parts rollout --vllm   # rollouts against vLLM (vLLM installed)
+    python benchmarks/moe.py --device cuda --parts rollout --profile  # where a decode step's time goes
     python benchmarks/moe.py --device cuda --parts train --num-seqs 8
     python benchmarks/moe.py --device cpu --tiny
     python benchmarks/moe.py --device cpu --tiny --dtype bfloat16 --parts replay    # the CPU measurement
@@ -141,6 +145,10 @@ def rollout_part(args, model, trainer: Trainer, device: torch.device, record: di
         }
         record["rollout"]["routing_cost"] = round(1 - record["rollout"]["lora_routed_experts_tok_per_s"]
                                                   / record["rollout"]["lora_tok_per_s"], 3)
+        if args.profile and device.type == "cuda":  # where a decode step's time goes (decode_scaling.py)
+            from decode_scaling import profile_decoding
+
+            record["rollout"]["decode_profile"] = profile_decoding(engine, prompts, work["n"], policy)
     finally:
         engine.close()
         del engine  # and its KV cache: a later train step's peak memory is the trainer's alone
@@ -291,6 +299,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--vllm", action="store_true", help="also run R through vLLM + LoRA (subprocess, first)")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: profile a window of R's steady decoding after the timed runs: the GPU's busy "
+                             "fraction, kernel time and count per step, and the longest kernels")
     parser.add_argument("--vllm-path", default=None, help="directories first on the vLLM subprocess's PYTHONPATH")
     args = parser.parse_args()
     device = torch.device(args.device)
