@@ -15,12 +15,13 @@ rounding to bfloat16 throws away what RL needs:
   accumulated in float32 and rounded to the model dtype after scaling, `round(s · x A^T)`, as
   the delta's input.
 
-Under tensor parallelism (modeling/tensor_parallel.py) both sides also round where they split: a
-row-parallel projection (o, down) gives each rank a partial sum of its input columns, with its
-partial LoRA delta added in float32 before the one rounding, as above; the rounded partial sums
-are then added over the ranks in the model dtype by one all-reduce. Column-parallel projections
-round exactly as on one device. So the engine and the trainer still compute the same function as
-each other; against one device the sums differ by reassociation and the one extra rounding.
+Under tensor parallelism (modeling/tensor_parallel.py) both sides round where one device rounds:
+a row-parallel projection (o, down) gives each rank a partial sum of its input columns in float32;
+x A^T is summed over the ranks before `round(s · x A^T)`, the leader alone adds the delta, and the
+float32 partial outputs are summed by one all-reduce before the one rounding. Column-parallel
+projections round exactly as on one device. So the engine and the trainer still compute the same
+function as each other; against one device the float32 sums differ only by their order (on CPU
+processes in bfloat16 the split is bitwise one process).
 
 References: on the precision a sampler/trainer pair needs, "Defeating Nondeterminism in LLM
 Inference" (Thinking Machines, 2025) and "Your Efficient RL Framework Secretly Brings You
