@@ -93,6 +93,9 @@ def test_stop_strings_and_stop_tokens_end_a_sample(setup):
     assert "=" in full.text and full.finish_reason == "stop" and full.token_ids[-1] == tokenizer.eos_token_id
     cut = engine.submit(p, SamplingParams(max_tokens=20, temperature=0, stop=["="]), policy=BasePolicy()).result()[0]
     assert cut.finish_reason == "stop" and "=" not in cut.text and full.text.startswith(cut.text)
+    # the decode before the cut (the server's raw turn text) comes with it; a sample not cut has none
+    assert cut.raw_text == tokenizer.decode(cut.token_ids, skip_special_tokens=True) and "=" in cut.raw_text
+    assert cut.raw_text.startswith(cut.text) and full.raw_text is None
     stop_id = full.token_ids[1]
     by_id = engine.submit(p, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id]), policy=BasePolicy()).result()[0]
     assert by_id.token_ids == full.token_ids[:2]

@@ -179,3 +179,19 @@ def test_a_generation_stopped_because_its_client_left_leaves_no_unretrieved_exce
 
     asyncio.run(main())
     assert reported == []
+
+
+def test_response_bodies_are_the_json_of_json_dumps_and_refuse_non_finite_floats():
+    """The fast serializer writes what json.dumps would (the same values, compact), text that
+    merely says NaN or Infinity included; a non-finite float is refused as before."""
+    import json
+
+    from tempering.service.openai_routes import json_body
+
+    body = {"choices": [{"message": {"content": "NaN, Infinity and ünïcode"}, "token_ids": [1, 2, 3],
+                         "sampled_logprobs": [-0.1, -1e-9, -12.5, 0.0], "prompt_token_ids": []}], "n": None}
+    out = json_body(body)
+    assert json.loads(out) == body
+    assert out == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    with pytest.raises(ValueError):
+        json_body({"sampled_logprobs": [-float("inf")]})

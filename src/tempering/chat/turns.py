@@ -19,11 +19,11 @@ from typing import Any
 __all__ = ["TurnCache"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Turn:
-    text: str  # decoded prompt + completion, special tokens included
     ids: list[int]
     raw_completion: str  # the completion's text as the model wrote it (tool calls unparsed)
+    text: str | None = None  # decoded prompt + completion, special tokens included; decoded when first looked up
 
 
 class TurnCache:
@@ -47,8 +47,8 @@ class TurnCache:
 
     def remember(self, prompt_ids: list[int], completion_ids: list[int], raw_completion: str,
                  content: str | None, call_ids: list[str]) -> None:
-        ids = list(prompt_ids) + list(completion_ids)
-        turn = _Turn(self.tokenizer.decode(ids, skip_special_tokens=False), ids, raw_completion)
+        # the text is decoded when a later request first looks for it: most RL rollouts are one turn
+        turn = _Turn(list(prompt_ids) + list(completion_ids), raw_completion)
         k = self.key(content, call_ids)
         with self._lock:
             self._turns.setdefault(k, []).append(turn)
@@ -74,6 +74,8 @@ class TurnCache:
             with self._lock:
                 turns = list(self._turns.get(self.key(message.get("content"), call_ids), ()))
             for turn in reversed(turns):
+                if turn.text is None:  # two threads may both decode it: the same text
+                    turn.text = self.tokenizer.decode(turn.ids, skip_special_tokens=False)
                 if text.startswith(turn.text):
                     rest = text[len(turn.text):]
                     return turn.ids + (self.tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else [])

@@ -57,6 +57,8 @@ class Completion:
         top_logprobs: per sampled token, the (id, logprob) pairs of the most likely tokens
             (empty lists when none were asked for).
         text: the decoded completion without special tokens, cut before any stop string.
+        raw_text: the same decode before that cut, when a stop string cut `text` (None: `text`
+            is the whole decode).
         finish_reason: "stop" (a stop token or string) or "length" (max_tokens reached).
         logprob_temperature: the temperature the logprobs were computed at.
         forced: for a grammar-constrained sample, per sampled token whether the grammar allowed
@@ -77,6 +79,7 @@ class Completion:
     forced: list[bool] | None = None
     policy_versions: list[int] = field(default_factory=list)
     routed_experts: Any = None
+    raw_text: str | None = None
 
 
 TokenCallback = Callable[[int, int, float, list[tuple[int, float]]], None]

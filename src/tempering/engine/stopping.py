@@ -54,11 +54,9 @@ def completion_of(
     policy_versions: list[int] | None = None,
 ) -> Completion:
     """The Completion of a finished sample: text without special tokens, cut before the first stop string."""
-    text = tokenizer.decode(completion_ids, skip_special_tokens=True)
-    if params.stop:
-        hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-        if hits:
-            text = text[: min(hits)]
+    raw_text = tokenizer.decode(completion_ids, skip_special_tokens=True)
+    hits = [i for i in (raw_text.find(s) for s in params.stop) if i >= 0] if params.stop else []
+    text = raw_text[: min(hits)] if hits else raw_text
     return Completion(
         token_ids=completion_ids,
         logprobs=logprobs,
@@ -68,4 +66,5 @@ def completion_of(
         logprob_temperature=params.logprob_temperature,
         forced=forced,
         policy_versions=list(policy_versions or []),
+        raw_text=raw_text if hits else None,
     )

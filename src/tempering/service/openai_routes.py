@@ -42,13 +42,15 @@ from __future__ import annotations
 import asyncio
 import codecs
 import functools
+import json
 import re
 import time
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic_core import to_json
 
 from ..chat.tools import TOOL_CALL_END, forced_prefix, parse_tool_calls
 from ..engine import Completion, SamplingParams
@@ -144,7 +146,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
             # the model's own text of the turn (stop string included): how a later request renders it back
-            raw = (prefix or "") + service.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            raw = (prefix or "") + (c.text if c.raw_text is None else c.raw_text)
             service.turns.remember(prompt_ids, c.token_ids, raw, content, [call.id for call in calls])
             return {"message": message, "finish_reason": "tool_calls" if calls else c.finish_reason, **_forced(c),
                     **_routed(c)}
@@ -495,17 +497,29 @@ def _chat_logprob(decode, c: Completion, t: int, num_top: int) -> dict[str, Any]
     return _logprob_entry(decode, c.token_ids[t], c.logprobs[t], c.top_logprobs[t], num_top)
 
 
-def _response(kind: str, model: str, choices: list[dict], num_prompt: int, results: list[Completion]) -> JSONResponse:
-    """The response, serialized here with `json.dumps`: handing FastAPI the dict would walk it through
+def _response(kind: str, model: str, choices: list[dict], num_prompt: int, results: list[Completion]) -> Response:
+    """The response, serialized here (`json_body`): handing FastAPI the dict would walk it through
     `jsonable_encoder` first, ~25 ms of the GIL for one 1024-token choice with logprobs (the engine's
-    thread waits for the GIL meanwhile), against ~3 ms for the dump alone."""
+    thread waits for the GIL meanwhile)."""
     num_completion = sum(len(c.token_ids) for c in results)
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    return JSONResponse({
+    return Response(json_body({
         "id": f"{prefix}-{uuid.uuid4().hex}",
         "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": choices,
         "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion},
-    })
+    }), media_type="application/json")
+
+
+def json_body(content: Any) -> bytes:
+    """`content` as compact JSON bytes, as Starlette's JSONResponse writes it, in about a seventh of
+    the time: pydantic-core's serializer (Rust) takes 0.23 ms for a 1,024-token choice where
+    `json.dumps` takes 1.6 ms (2-core CPU). A non-finite float is refused (ValueError), as
+    `json.dumps(allow_nan=False)` refuses it: when the fast output may hold one, `json.dumps`
+    decides."""
+    out = to_json(content)
+    if b"NaN" in out or b"Infinity" in out:  # a non-finite float, or only text that contains these words
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return out
