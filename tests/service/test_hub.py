@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 import pytest
+import torch
 
 import tempering as art
 from tempering.errors import UnknownModelError
@@ -76,3 +77,45 @@ def test_a_device_this_machine_cannot_run_on_is_refused_at_once(tmp_path):
         with pytest.raises(ConfigError, match="CUDA is not available"):
             ModelHub(tmp_path, device="cuda")
     ModelHub(tmp_path, device="cpu").close()  # fine
+
+
+def test_every_rank_of_a_multi_gpu_registration_gets_the_same_options_and_dtype(tmp_path, monkeypatch):
+    """Rank 0 loads its service and asks each worker to load the same model with the same options,
+    the dtype's name included (a worker in another dtype would compute another function, and under
+    tensor parallelism could not take part in the collectives)."""
+    import concurrent.futures
+
+    from tempering.service import hub as hub_module
+
+    loaded = {}
+
+    class Service:  # rank 0's, recorded
+        def __init__(self, paths, base_model, **kwargs):
+            loaded.update(kwargs, base_model=base_model)
+            self.step = 0
+
+        def close(self):
+            pass
+
+    class Link:  # a worker that registers at once, recorded
+        rank, calls = 1, []
+
+        def call(self, method, **kwargs):
+            self.calls.append((method, kwargs))
+            future = concurrent.futures.Future()
+            future.set_result(0)
+            return future
+
+    class Driver:
+        links = [Link()]
+
+        def fail(self, error):
+            raise AssertionError(f"the run was stopped: {error}")
+
+    monkeypatch.setattr(hub_module, "ModelService", Service)
+    hub = ModelHub(tmp_path, device="cpu")
+    hub.driver = Driver()
+    hub._load(hub.paths("p", "m"), "base", max_seq_len=64, dtype="bfloat16", dedicated=False)
+    (method, sent), = Link.calls
+    assert method == "register" and sent["dtype"] == "bfloat16" and sent["max_seq_len"] == 64
+    assert sent["base_model"] == "base" and loaded["dtype"] is torch.bfloat16 and loaded["max_seq_len"] == 64

@@ -176,7 +176,8 @@ class ModelHub:
                 failed rank's error.
         """
         links = self.driver.links if self.driver is not None else []
-        dtype = dtype_named(options.pop("dtype", None))
+        dtype_name = options.pop("dtype", None)  # every rank gets the name
+        dtype = dtype_named(dtype_name)
 
         def load() -> ModelService:
             return ModelService(paths, base_model, device=self.device, dp=self.dp, workers=links, dtype=dtype,
@@ -185,7 +186,8 @@ class ModelHub:
         if not links:
             return load()
         futures = {link.rank: link.call("register", root=str(self.root.resolve()), project=paths.project,
-                                        name=paths.name, base_model=base_model, **options) for link in links}
+                                        name=paths.name, base_model=base_model, dtype=dtype_name, **options)
+                   for link in links}
         own: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
