@@ -49,7 +49,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic_core import to_json
 
 from ..chat.tools import TOOL_CALL_END, forced_prefix, parse_tool_calls
@@ -180,7 +180,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         return _response("chat.completion", body.model, choices, len(prompt_ids), completions)
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         _reject_unsupported(body)
         service, step = registry.resolve(body.model)
         if step is not None:
