@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -102,10 +103,7 @@ class BusySampler(PeriodicSampler):
     @property
     def fractions(self) -> list[float] | None:
         """Per GPU, in index order."""
-        if not self.samples:
-            return None
-        return [round(sum(v[i] for _, v in self.samples) / len(self.samples) / 100, 3)
-                for i in range(len(self.samples[0][1]))]
+        return self.fractions_between(-math.inf, math.inf)
 
     @property
     def fraction(self) -> float | None:
