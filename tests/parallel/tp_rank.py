@@ -133,7 +133,8 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
     trainer = holder["trainer"] = Trainer.from_adapter(model, out / "start", tp=tp)
     try:
         with training(e, device):
-            result["grads"] = lora_grads(trainer, sequences(1), tp)
+            result["grads"] = lora_grads(trainer, sequences(1), tp)  # 169 tokens: not split over the ranks
+            result["grads_sp"] = lora_grads(trainer, sequences(1)[:7], tp)  # 150: sequence parallel
             result["metrics_1"] = trainer.step(sequences(1), config()).values
             save(trainer, tp, out / "ckpt1", 1)
         if tp.is_leader:  # the follower goes on to step 2 at once: its call waits for the leader's pause

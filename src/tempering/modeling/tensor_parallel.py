@@ -55,8 +55,8 @@ from torch import nn
 
 from ..errors import ConfigError
 
-__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "TensorParallel", "init_row_parallel_lora_A_", "lora_shard_dim",
-           "shard_llama_", "sharded_weight_bytes"]
+__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "TensorParallel", "all_gather_rows", "init_row_parallel_lora_A_",
+           "lora_shard_dim", "reduce_scatter_rows", "shard_llama_", "sharded_weight_bytes"]
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -161,6 +161,29 @@ class TensorParallel:
         the gradient passes through unchanged (every rank computes the same loss from the sum)."""
         return _ReduceFromGroup.apply(x, self.group)
 
+    # ---- sequence parallelism: the trainer's tokens split over the group between the sharded layers
+
+    def shard_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block of T / P consecutive rows of a [T, ...] tensor every rank holds whole
+        (the embedding's output); no gradient passes back to the other rows' blocks."""
+        n = x.shape[0] // self.size
+        return x.narrow(0, self.rank * n, n)
+
+    def gather_tokens(self, x: torch.Tensor, *, replicated_grad: bool = False) -> torch.Tensor:
+        """[T / P, ...] on each rank → [T, ...], the ranks' blocks in rank order (all-gather).
+
+        The backward sums the ranks' gradients and keeps this rank's block (reduce-scatter): each
+        rank's gradient is a partial sum (a column-parallel layer's rows). With `replicated_grad`
+        (every rank computes the same loss from the gathered tensor, so holds the whole gradient)
+        it keeps this rank's block alone, which a sum would count P times."""
+        return _GatherTokens.apply(x, self.group, replicated_grad)
+
+    def scatter_tokens(self, partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A row-parallel layer's partial output [T, ...] (float32) summed over the group, this rank's
+        block of T / P rows kept and rounded to `dtype` once (reduce-scatter); the backward gathers
+        the blocks' gradients."""
+        return _ScatterTokens.apply(partial, self.group, dtype)
+
     # ---- LoRA gradients and state --------------------------------------------------------------
 
     def all_reduce_replicated_grads(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -234,6 +257,56 @@ class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+# torch >= 2.13 names them all_gather_single / reduce_scatter_single (the older names are deprecated there)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_rows(x: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
+    """[n, ...] on each of the P ranks of `group` → [P n, ...], rank r's rows at [r n, (r + 1) n).
+
+    Returns the tensor, or (tensor, work) with `async_op` (the tensor is ready once `work.wait()`
+    returns: on NCCL the current stream waits, the host does not)."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
+    work = _all_gather_single(out, x, group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """[P n, ...] on each rank → [n, ...]: the sum over the ranks of rows [r n, (r + 1) n) on rank r
+    (in x's dtype: a float32 partial output is summed in float32)."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    _reduce_scatter_single(out, x, group=group)
+    return out
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, replicated_grad):
+        ctx.group, ctx.replicated_grad = group, replicated_grad
+        return all_gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.replicated_grad:
+            n = grad.shape[0] // dist.get_world_size(ctx.group)
+            return grad.narrow(0, dist.get_rank(ctx.group) * n, n), None, None
+        return reduce_scatter_rows(grad, ctx.group), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial, group, dtype):
+        ctx.group = group
+        return reduce_scatter_rows(partial, group).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_rows(grad, ctx.group), None, None
 
 
 def _new_groups(ranks: list[int], timeout_s: float) -> tuple[Any, Any, Any]:

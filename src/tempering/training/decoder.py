@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from ..modeling import SUPPORTED_ARCHITECTURES, covered_architecture
 from ..modeling.lora import collect_adapter
 from ..modeling.precision import linear_f32
+from ..modeling.tensor_parallel import all_gather_rows, reduce_scatter_rows
 from ..modeling.weights import base_layer, fuse_linears
 from .attention import varlen_causal_attention
 from .kernels import ops_for
@@ -122,7 +123,10 @@ class _LoRALinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, A, B, scales, x_lora, skip_output, out_dtype, tp):
+    def forward(ctx, x, weight, bias, A, B, scales, x_lora, skip_output, out_dtype, tp, gather, scatter):
+        x_saved = x
+        if gather is not None:  # sequence parallel: x is this rank's block of rows; the layer reads them all
+            x = x_lora = all_gather_rows(x, gather)
         T, (out_features, in_features) = x.shape[0], weight.shape
         xa = linear_f32(x_lora, A)  # [T, k r] float32
         if tp is not None:  # a row-parallel layer: x A^T summed over the ranks, rounded once (as one process)
@@ -131,41 +135,54 @@ class _LoRALinear(torch.autograd.Function):
         adds_delta = tp is None or tp.is_leader  # under TP the delta joins the leader's partial output only
         fold_input = in_features < out_features and out_dtype == x.dtype and tp is None
         if skip_output:
-            y = x.new_empty(T, out_features, dtype=out_dtype)
+            rows = T // dist.get_world_size(scatter) if scatter is not None else T
+            y = x.new_empty(rows, out_features, dtype=x.dtype if scatter is not None else out_dtype)
         elif fold_input:
             y = F.linear(torch.cat([x, t], dim=1), torch.cat([weight, B], dim=1), bias)
         else:
             y = linear_f32(x, weight, bias)
             y = (y + linear_f32(t, B) if adds_delta else y).to(out_dtype)
-        ctx.save_for_backward(x_lora, t, weight, A, B, scales)
+            if scatter is not None:  # sequence parallel: the sum of this rank's block of rows, rounded once
+                y = reduce_scatter_rows(y, scatter).to(x.dtype)
+        # sequence parallel: the block alone is kept, and gathered again in the backward
+        ctx.save_for_backward(x_saved if gather is not None else x_lora, t, weight, A, B, scales)
         ctx.same_input, ctx.fold_input, ctx.adds_delta = x_lora is x, fold_input, adds_delta
+        ctx.gather, ctx.scatter = gather, scatter
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x_lora, t, weight, A, B, scales = ctx.saved_tensors
         grad_y = grad_y.to(t.dtype)  # a float32 output's gradient, in the model dtype of the GEMMs below
+        if ctx.scatter is not None:  # the gradient of every row, from the ranks' blocks
+            grad_y = all_gather_rows(grad_y, ctx.scatter)
+        gathering = None
+        if ctx.gather is not None:  # the input's rows again, gathered while the input gradient's GEMM runs
+            x_lora, gathering = all_gather_rows(x_lora, ctx.gather, async_op=True)
         in_features = weight.shape[1]
         s = scales.to(B.dtype)
         # d/dx of x W^T + (s ⊙ x A^T) B^T is W + B diag(s) A (when the LoRA branch sees x itself)
         w_input = torch.addmm(weight, B * s, A) if ctx.same_input else weight  # [out, in]
-        if ctx.fold_input:  # the wide gradient: one GEMM for the input's and the rank-k inputs' gradients
+        if ctx.fold_input and ctx.gather is None:  # the wide gradient: one GEMM for the input's and the rank-k inputs'
             grad_cat = grad_y @ torch.cat([w_input, B], dim=1)  # [T, in + k r]
             grad_x, grad_low = grad_cat[:, :in_features], grad_cat[:, in_features:] * s
         else:
             grad_x, grad_low = grad_y @ w_input, (grad_y @ B) * s  # [T, in], [T, k r]
         # [out, k r]; under TP B is replicated and its gradient summed over the ranks: the leader's alone
         grad_B = grad_y.T @ t if ctx.adds_delta else torch.zeros_like(B)
+        if gathering is not None:
+            gathering.wait()
+            grad_x = reduce_scatter_rows(grad_x, ctx.gather)  # this rank's block of the summed input gradient
         grad_A = grad_low.T @ x_lora  # [k r, in]
         if ctx.same_input:
-            return grad_x, None, None, grad_A, grad_B, None, None, None, None, None
-        return grad_x, None, None, grad_A, grad_B, None, grad_low @ A, None, None, None
+            return grad_x, None, None, grad_A, grad_B, None, None, None, None, None, None, None
+        return grad_x, None, None, grad_A, grad_B, None, grad_low @ A, None, None, None, None, None
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
                 scale: float | torch.Tensor, x_lora: torch.Tensor | None = None, *,
                 skip_output: bool = False, out_dtype: torch.dtype | None = None,
-                tp: TensorParallel | None = None) -> torch.Tensor:
+                tp: TensorParallel | None = None, gather: Any = None, scatter: Any = None) -> torch.Tensor:
     """x W^T + b + (scale ⊙ x_lora A^T) B^T with a frozen W and b, rounded once (see _LoRALinear).
 
     Args:
@@ -178,19 +195,27 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         tp: a row-parallel layer's tensor-parallel group (o, down of a sharded model): x A^T is
             summed over the ranks before its rounding and the delta joins the leader's partial
             output alone, as the engine does (engine/lora.row_parallel_delta).
+        gather: sequence parallelism's process group (of P ranks) for a column-parallel layer: x is
+            this rank's block of T / P rows, gathered into [T, in] for the product and kept as the
+            block for the backward, which gathers it again and reduce-scatters the input gradient
+            into [T / P, in]. Needs x_lora None (no dropout).
+        scatter: the same group for a row-parallel layer: its float32 partial output [T, out] is
+            reduce-scattered, rounded to x's dtype once, and [T / P, out] (this rank's rows) returned.
 
     Returns:
-        [T, out].
+        [T, out] ([T / P, out] with `scatter`).
 
     Raises:
         ValueError: if the weight or bias requires a gradient.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("lora_linear trains only A and B; the base weight and bias must be frozen")
+    if gather is not None and x_lora is not None and x_lora is not x:
+        raise ValueError("lora_linear gathers the rows of x only when the LoRA branch reads x itself (no dropout)")
     if not torch.is_tensor(scale):
         scale = torch.full((A.shape[0],), float(scale), dtype=torch.float32, device=A.device)
     return _LoRALinear.apply(x, weight, bias, A, B, scale, x if x_lora is None else x_lora, skip_output,
-                             out_dtype or x.dtype, tp)
+                             out_dtype or x.dtype, tp, gather, scatter)
 
 
 def _group(entries: list[Any], module_dropouts: list[float]) -> _GroupLoRA | None:
@@ -231,6 +256,8 @@ class PackedDecoder:
         self.config = config
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.partial_dtype = torch.float32 if self.tp is not None else None  # o's and down's outputs under TP
+        # under TP, split the tokens between the sharded layers too (Korthikanti et al. 2022)
+        self.sequence_parallel = self.tp is not None
         tp_size = self.tp.size if self.tp is not None else 1
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp_size  # this rank's heads
@@ -322,6 +349,10 @@ class PackedDecoder:
         cos, sin = self.rotary_emb(x, position_ids[None])  # [1, T, D] each, in x's dtype
         cos, sin = cos[0], sin[0]
         recompute = checkpointing and torch.is_grad_enabled()
+        # sequence parallel: between the sharded layers (norms, residual adds) each rank holds T / P rows
+        sp = self.sequence_parallel and self.tp is not None and x.shape[0] % self.tp.size == 0
+        if sp:
+            x = self.tp.shard_tokens(x)
         for layer in self.layers:
             # the stacked A's and block-diagonal B's in the model dtype, built once per forward
             # (not again when the layer is recomputed)
@@ -329,20 +360,24 @@ class PackedDecoder:
             if recompute:
                 # the RNG state matters only to dropout (and reading it is not allowed in a CUDA graph capture)
                 x = checkpoint(_Recomputable(self._layer), layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys,
-                               use_reentrant=False, preserve_rng_state=self.has_dropout)
+                               sp, use_reentrant=False, preserve_rng_state=self.has_dropout)
             else:
-                x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys)
-        return self.ops.rms_norm(x, self.final_norm, self.eps)
+                x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys, sp)
+        x = self.ops.rms_norm(x, self.final_norm, self.eps)
+        return self.tp.gather_tokens(x, replicated_grad=True) if sp else x  # every rank computes the same loss
 
     def _layer(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seq_lens: torch.Tensor,
                max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-               keys: tuple[torch.Tensor, torch.Tensor, int] | None = None, *, recomputing: bool = False) -> torch.Tensor:
-        T = x.shape[0]
+               keys: tuple[torch.Tensor, torch.Tensor, int] | None = None, sp: bool = False, *,
+               recomputing: bool = False) -> torch.Tensor:
+        """One decoder layer: x [T, H] → [T, H]; with `sp` (sequence parallel) this rank's rows,
+        [T / P, H] → [T / P, H], gathered for q/k/v and gate/up and reduce-scattered after o and down."""
         ops, tp = self.ops, self.tp
+        T = x.shape[0] * tp.size if sp else x.shape[0]
         h = ops.rms_norm(x, layer.input_norm, self.eps)
-        if tp is not None:
+        if tp is not None and not sp:
             h = tp.copy_to(h)
-        qkv = self._linear(h, layer.qkv, layer.qkv_bias, layer, "qkv", adapters)
+        qkv = self._linear(h, layer.qkv, layer.qkv_bias, layer, "qkv", adapters, gather=sp)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)  # one gradient concat, not three
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -356,32 +391,43 @@ class PackedDecoder:
         o = o.reshape(T, self.q_size)
         # under TP the row-parallel partial outputs (o, down) stay float32 until their all-reduce, then
         # round once, as the engine's (engine/models/llama.py) and the one-GPU product's
-        attn_out = self._linear(o, layer.o, layer.o_bias, layer, "o", adapters, out_dtype=self.partial_dtype)
-        x = x + (tp.reduce_from(attn_out).to(x.dtype) if tp is not None else attn_out)
+        attn_out = self._linear(o, layer.o, layer.o_bias, layer, "o", adapters, out_dtype=self.partial_dtype, scatter=sp)
+        if tp is not None and not sp:
+            attn_out = tp.reduce_from(attn_out).to(x.dtype)
+        x = x + attn_out
         h = ops.rms_norm(x, layer.post_norm, self.eps)
-        if tp is not None:
+        if tp is not None and not sp:
             h = tp.copy_to(h)
-        gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias, layer, "gate_up", adapters)
+        gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias, layer, "gate_up", adapters, gather=sp)
         act = ops.silu_and_mul(gate_up)
         # the layer's output is not needed when recomputing it for the backward: skip the down GEMM
         # (and its all-reduce: every rank recomputes alike)
         down = self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing,
-                            out_dtype=self.partial_dtype)
-        return x + (tp.reduce_from(down) if tp is not None and not recomputing else down).to(x.dtype)
+                            out_dtype=self.partial_dtype, scatter=sp)
+        return x + (tp.reduce_from(down) if tp is not None and not sp and not recomputing else down).to(x.dtype)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: _Layer, name: str,
                 adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, skip_output: bool = False,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x W^T + b plus the group's LoRA deltas: [T, in] → [T, out] (in `out_dtype`, default x's)."""
+                out_dtype: torch.dtype | None = None, gather: bool = False, scatter: bool = False) -> torch.Tensor:
+        """x W^T + b plus the group's LoRA deltas: [T, in] → [T, out] (in `out_dtype`, default x's).
+
+        Sequence parallel: `gather` (q/k/v, gate/up) takes this rank's [T / P, in] rows and gathers
+        them first; `scatter` (o, down) returns this rank's [T / P, out] rows of the summed output,
+        rounded to x's dtype."""
+        tp = self.tp
+        if gather and (name not in adapters or layer.lora[name].dropout > 0):
+            x, gather = tp.gather_tokens(x), False  # a frozen product, or a LoRA with dropout: the rows first
         if name not in adapters:
             if out_dtype is not None and out_dtype != x.dtype:
-                return _FrozenLinearF32.apply(x, weight, bias).to(out_dtype)
+                y = _FrozenLinearF32.apply(x, weight, bias)
+                return tp.scatter_tokens(y, x.dtype) if scatter else y.to(out_dtype)
             return F.linear(x, weight, bias)
         A, B, scales = adapters[name]
         lora = layer.lora[name]
         x_lora = x if lora.dropout == 0 else F.dropout(x, lora.dropout)  # this forward always trains
         return lora_linear(x, weight, bias, A, B, scales, x_lora, skip_output=skip_output, out_dtype=out_dtype,
-                           tp=self.tp if name in ("o", "down") else None)
+                           tp=tp if name in ("o", "down") else None, gather=tp.group if gather else None,
+                           scatter=tp.group if scatter else None)
 
 
 class _FrozenLinearF32(torch.autograd.Function):
