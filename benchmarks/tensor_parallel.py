@@ -287,6 +287,39 @@ def time_train_step(trainer: Trainer, args, vocab: int, device: torch.device) ->
             "train_tok_s": round(args.num_seqs * args.seq_len / elapsed, 1)}
 
 
+def sweep_train_steps(trainer: Trainer, tp: TensorParallel, args, vocab: int, device: torch.device, waits) -> list[dict]:
+    """`--sweep`: the timed step (a warm-up, then `--steps`) under each variant, in one run on the
+    same shards: micro-batch tokens, recomputation (`keep`: none), sequence parallelism (`nosp`:
+    whole rows all-reduced after o and down), with the step's MFU and every rank's peak memory
+    during the variant. Each result is printed as it comes (a variant that runs out of memory on
+    one rank leaves the others waiting in a collective)."""
+    results = []
+    for spec in args.sweep:
+        tokens, *flags = spec.split(":")
+        variant = argparse.Namespace(**{**vars(args), "micro_batch_tokens": int(tokens), "no_recompute": "keep" in flags})
+        trainer.decoder.sequence_parallel = "nosp" not in flags
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        result = {"variant": spec, **time_train_step(trainer, variant, vocab, device)}
+        result["mfu"] = mfu(args, result["train_step_s"], tp.size)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        peaks = [None] * tp.size
+        dist.all_gather_object(peaks, peak, group=waits)
+        result["peak_gib_per_gpu"] = [round(p, 2) if p is not None else None for p in peaks]
+        if tp.is_leader:
+            print(f"sweep: {json.dumps(result)}", file=sys.stderr, flush=True)
+        results.append(result)
+    trainer.decoder.sequence_parallel = True
+    return results
+
+
+def mfu(args, step_s: float, num_gpus: int) -> float | None:
+    """4 x matmul params x tokens over the GPUs' dense bf16 peak (None off CUDA)."""
+    if args.device != "cuda":
+        return None
+    return round(4 * matmul_params(args.model) * args.num_seqs * args.seq_len / step_s / (H100_BF16_FLOPS * num_gpus), 4)
+
+
 KERNEL_KINDS = (("communication", ("nccl", "allreduce", "all_reduce")),
                 ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "::mm", "::addmm", "::bmm")),
                 ("attention", ("flash", "fmha", "attention", "attn", "sdpa")))
@@ -508,14 +541,15 @@ def run(args) -> None:
         dist.barrier(group=waits)  # the followers' engines ran the rollouts; now every rank trains
         progress("rollouts done", device)
         # the engine stays up (as in training), idle: its followers wait for the leader's next step
+        if args.sweep:
+            out["sweep"] = sweep_train_steps(trainer, tp, args, vocab, device, waits)
         out.update(time_train_step(trainer, args, vocab, device))
         if args.profile:
             out.update(profile_train_step(trainer, args, vocab, device))  # rank 0's
         out.update(checkpoint_and_resume(trainer, tp, args, vocab, device, waits))
         progress("checkpoint and resume done", device)
         if device.type == "cuda":
-            out["mfu"] = round(4 * matmul_params(args.model) * args.num_seqs * args.seq_len
-                               / out["train_step_s"] / (H100_BF16_FLOPS * tp.size), 4)
+            out["mfu"] = mfu(args, out["train_step_s"], tp.size)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         peaks = [None] * tp.size
         dist.all_gather_object(peaks, peak)
@@ -544,7 +578,7 @@ def main() -> None:
                         help="tensor_parallel_size: processes (GPUs) the model is split over")
     parser.add_argument("--model", choices=sorted(SHAPES), default=None, help="default: 72b on cuda, tiny on cpu")
     parser.add_argument("--check-greedy", action="store_true", help="compare greedy tokens at TP N with TP 1")
-    parser.add_argument("--workloads", default="R", help="comma-separated rollout workloads: R, 1024x1")
+    parser.add_argument("--workloads", default="R", help="comma-separated rollout workloads: R, 1024x1 (none: no rollouts)")
     parser.add_argument("--baseline", action="store_true",
                         help="first time the workloads on the whole model on GPU 0 alone (TP 1; shapes that fit one "
                              "GPU): the fixed batch's speed-up over one GPU, measured in the same run")
@@ -561,6 +595,10 @@ def main() -> None:
     parser.add_argument("--no-recompute", action="store_true",
                         help="TrainConfig(gradient_checkpointing=False): keep each layer's activations instead of "
                              "recomputing them in the backward pass (more memory, ~1/3 fewer forward FLOPs)")
+    parser.add_argument("--sweep", default="",
+                        help="comma-separated train-step variants timed first, each TOKENS[:keep][:nosp] (micro-batch "
+                             "tokens; keep: no recomputation; nosp: no sequence parallelism), e.g. "
+                             "8192:nosp,8192,16384,4096:keep")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed steps, profile one more (torch.profiler): rank 0's kernel time by kind "
                              "(NCCL, GEMM, attention, other), its fifteen longest kernels and its idle time")
@@ -571,7 +609,8 @@ def main() -> None:
                         help="write every thread's stack every N seconds (0: never) to --stack-dump-dir")
     parser.add_argument("--stack-dump-dir", default="tp-stacks", help="where each rank's stacks-rankR.txt goes")
     args = parser.parse_args()
-    args.workloads = args.workloads.split(",")
+    args.workloads = [w for w in args.workloads.split(",") if w and w != "none"]
+    args.sweep = [v for v in args.sweep.split(",") if v]
     if unknown := set(args.workloads) - set(WORKLOADS["gpu"]):
         parser.error(f"unknown workloads {sorted(unknown)}: choose from {sorted(WORKLOADS['gpu'])}")
     gpu = args.device == "cuda"
