@@ -41,9 +41,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -52,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import vllm_rollout
 from rollout import capture_all_graphs, machine, make_prompts, sync
 from tempering.engine import Engine, EngineConfig, SamplingParams, engine_model_for
 from tempering.training import TokenizedSequence, Trainer
@@ -277,15 +275,7 @@ def run_vllm(shape: dict, path: str | None) -> dict:
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 16, "lora_dropout": 0.0, "bias": "none",
             "target_modules": [*TARGETS, "experts"], "base_model_name_or_path": None}))
         save_file(tensors, lora_dir / "adapter_model.safetensors")
-        env = dict(os.environ)
-        if path:
-            env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-        out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_rollout.py")), str(model_dir),
-                              str(lora_dir), json.dumps({"R": R})], capture_output=True, text=True, timeout=3000, env=env)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
-        return {"error": (out.stderr or out.stdout)[-1500:]}
-    return json.loads(lines[-1])
+        return vllm_rollout.launch(model_dir, lora_dir, {"R": R}, path)
 
 
 def main() -> None:

@@ -51,7 +51,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -61,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+import vllm_rollout
 from tempering.chat import ChatRenderer
 from tempering.engine import BasePolicy, Engine, EngineConfig, SamplingParams, engine_model_for
 
@@ -302,37 +302,16 @@ def run_vllm(workloads: dict, names: list[str], path: str | None = None) -> dict
     `path`: directories put first on the subprocess's PYTHONPATH (vLLM pins its own versions of
     packages tempering also uses, e.g. llguidance < 1.4 against tempering's >= 1.9)."""
     with tempfile.TemporaryDirectory() as tmp:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from transformers import Qwen2Config
 
-        model_dir, lora_dir = Path(tmp) / "model", Path(tmp) / "lora"
-        Qwen2Config(**QWEN_1_5B, torch_dtype="bfloat16").save_pretrained(model_dir)
-        with torch.device("meta"):  # only the adapter's tensors are needed, from a meta-device model
-            shell = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B))
-        from peft import LoraConfig, get_peft_model
-
-        peft = get_peft_model(shell, LoraConfig(r=8, lora_alpha=16, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        g = torch.Generator().manual_seed(1)
-        state = {k: torch.randn(v.shape, generator=g).to(torch.bfloat16) * (0.01 if "lora_A" in k else 0.02)
-                 for k, v in peft.state_dict().items() if "lora_" in k}
-        lora_dir.mkdir()
-        peft.peft_config["default"].save_pretrained(lora_dir)
-        from safetensors.torch import save_file
-
-        save_file({k.replace(".default", ""): v.contiguous() for k, v in state.items()}, lora_dir / "adapter_model.safetensors")
-        spec = json.dumps({n: workloads[n] for n in names})
+        model_dir, lora_dir = vllm_rollout.write_model_and_lora(Qwen2Config(**QWEN_1_5B), Path(tmp))
+        spec = {n: workloads[n] for n in names}
         merged: dict = {"workloads": {}}
-        for adapter in ("-", str(lora_dir)):  # one process per mode: each vLLM instance gets the whole GPU
-            env = dict(os.environ)
-            if path:
-                env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-            out = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_rollout.py")), str(model_dir), adapter, spec],
-                                 capture_output=True, text=True, timeout=3000, env=env)
-            lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-            if out.returncode != 0 or not lines:
-                merged.setdefault("error", []).append((out.stderr or out.stdout)[-1500:])
+        for adapter in (None, lora_dir):  # one process per mode: each vLLM instance gets the whole GPU
+            result = vllm_rollout.launch(model_dir, adapter, spec, path)
+            if "error" in result:
+                merged.setdefault("error", []).append(result["error"])
                 continue
-            result = json.loads(lines[-1])
             for name, figures in result.pop("workloads").items():
                 merged["workloads"].setdefault(name, {}).update(figures)
             merged.update(result)

@@ -55,6 +55,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -62,6 +63,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import vllm_rollout
 from tempering.engine import Engine, EngineConfig, SamplingParams
 from tempering.engine.models import LlamaFamilyModel
 from tempering.modeling.tensor_parallel import TensorParallel, shard_llama_
@@ -337,7 +339,8 @@ def profile_train_step(trainer: Trainer, args, vocab: int, device: torch.device)
     sequences = train_sequences(args.num_seqs, args.seq_len, vocab)
     config = train_config(args, learning_rate=1e-6)
     cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # on a GPU its kernels alone: a step's CPU ops are ~10^5 events, which the profiler takes minutes to process
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         trainer.step(sequences, config)
@@ -537,6 +540,10 @@ def run(args) -> None:
                 out[name] = time_rollouts(engine, prompts_for(work["num_prompts"], work["prompt_len"], vocab), work)
                 if "tp1" in out:  # the fixed batch's speed-up over one GPU
                     out[name]["vs_tp1"] = round(out[name]["rollout_tok_s"] / out["tp1"][name]["rollout_tok_s"], 3)
+                vllm = getattr(args, "vllm_result", {}).get("workloads", {}).get(name, {}).get("lora_tok_per_s")
+                if vllm:  # against vLLM + LoRA at the same tensor_parallel_size, measured first in this run
+                    out[name]["vllm_lora_tok_s"] = vllm
+                    out[name]["vs_vllm_lora"] = round(out[name]["rollout_tok_s"] / vllm, 2)
             out["kv_cache_tokens"] = engine.blocks.capacity_tokens
             print(f"rollouts: {json.dumps(out)}", file=sys.stderr, flush=True)  # kept if the train step fails
         dist.barrier(group=waits)  # the followers' engines ran the rollouts; now every rank trains
@@ -566,7 +573,7 @@ def run(args) -> None:
             {**workloads, "train_tokens": args.num_seqs * args.seq_len,
              "micro_batch_tokens": args.micro_batch_tokens, "kv_fraction": args.kv_fraction,
              "recompute": not args.no_recompute},
-            **out}), flush=True)
+            **({"vllm": args.vllm_result} if getattr(args, "vllm_result", None) else {}), **out}), flush=True)
     dist.barrier(group=waits)
     progress("destroying the process groups", device)
     dist.destroy_process_group()
@@ -596,6 +603,10 @@ def main() -> None:
     parser.add_argument("--no-recompute", action="store_true",
                         help="TrainConfig(gradient_checkpointing=False): keep each layer's activations instead of "
                              "recomputing them in the backward pass (more memory, ~1/3 fewer forward FLOPs)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="first run the rollout workloads through vLLM + LoRA at tensor_parallel_size N (subprocess)")
+    parser.add_argument("--vllm-path", default=None, help="directories first on the vLLM subprocess's PYTHONPATH")
+    parser.add_argument("--vllm-timeout-s", type=float, default=1800, help="stop vLLM (and its workers) after this")
     parser.add_argument("--sweep", default="",
                         help="comma-separated train-step variants timed first, each TOKENS[:keep][:nosp] (micro-batch "
                              "tokens; keep: no recomputation; nosp: no sequence parallelism), e.g. "
@@ -620,6 +631,13 @@ def main() -> None:
     args.seq_len = args.seq_len or (1024 if gpu else 64)
     if (args.check_greedy or args.baseline) and args.model == "72b":
         parser.error("--check-greedy and --baseline put the whole model on one device: use --model 1.5b or tiny")
+    if args.vllm and "RANK" not in os.environ:  # first, while vLLM can have the GPUs to itself
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir, lora_dir = vllm_rollout.write_model_and_lora(hf_config(args.model), Path(tmp))
+            args.vllm_result = vllm_rollout.launch(
+                model_dir, lora_dir, {name: WORKLOADS["gpu"][name] for name in args.workloads}, args.vllm_path,
+                tensor_parallel_size=args.tp, timeout_s=args.vllm_timeout_s)
+        print(f"vllm: {json.dumps(args.vllm_result)}", file=sys.stderr, flush=True)
     procs = []
     if "RANK" not in os.environ:  # start ranks 1..N-1 as torchrun would, this process is rank 0
         with socket.socket() as s:
