@@ -37,6 +37,14 @@ arXiv 1909.08053, section 3), written as autograd Functions over `torch.distribu
 `torch.distributed.nn.functional.all_reduce` is not used: its backward all-reduces the gradient,
 which counts it P times when, as here, every rank computes the same loss.
 
+The trainer is sequence parallel when a row's T tokens divide by P (Korthikanti et al. 2022,
+arXiv 2205.05198): between the sharded layers each rank holds T/P consecutive rows (norms and
+residual adds run on them), a column-parallel layer all-gathers its input rows (backward:
+reduce-scatter of the input gradient) and a row-parallel layer reduce-scatters its float32
+partial output, rounding this rank's rows once (backward: all-gather of the gradient). The sums
+and the one rounding are those of the all-reduce; the same bytes cross the links, and a
+recomputed layer keeps 1/P of its input. The engine keeps the all-reduces.
+
 The engine and the trainer of a rank run in different threads, so each gets its own process group
 (its own communicator): two threads issuing collectives on one group could interleave them in a
 different order on different ranks.

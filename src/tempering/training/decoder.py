@@ -239,10 +239,12 @@ class PackedDecoder:
     not cover (the trainer then runs the transformers model itself).
 
     `tp`: this rank's tensor-parallel group when the model holds its shards (modeling/tensor_parallel.py):
-    the layers run this rank's heads and MLP columns; `tp.copy_to` precedes q/k/v and gate/up
-    (their input gradient is summed over the ranks in the backward pass) and `tp.reduce_from`
-    sums o's and down's partial outputs, LoRA deltas included, in float32, rounded to the model
-    dtype once after the sum, as the engine does.
+    the layers run this rank's heads and MLP columns. With `sequence_parallel` (the default under
+    TP; used for rows whose T divides by P) each rank holds T/P rows between the layers: q/k/v and
+    gate/up gather the rows, o and down reduce-scatter their float32 partial outputs, LoRA deltas
+    included, rounded to the model dtype once after the sum, as the engine does. Otherwise
+    `tp.copy_to` precedes q/k/v and gate/up (their input gradient is summed over the ranks in the
+    backward pass) and `tp.reduce_from` all-reduces o's and down's partial outputs.
     """
 
     # without tensor parallelism (and in the subclasses, which have none: Gemma 3, Qwen3-MoE)
