@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tempering.training.batching import pack_sequences
+from tempering.training.batching import RowShape, pack_sequences
 from tempering.training.tokenize import TokenizedSequence
 
 
@@ -27,6 +27,24 @@ def test_positions_restart_and_sequence_starts_are_never_trained():
     assert row.seq_index.tolist() == [[0, 0, 0, 0, 1, 1, 1]]
     assert row.loss_mask.tolist() == [[False, False, True, True, False, True, True]]
     assert row.input_ids.tolist() == [[50, 51, 52, 53, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("share_prefixes", [False, True])
+def test_a_row_padded_to_a_multiple_of_the_tensor_parallel_size_keeps_its_tokens_and_predictions(share_prefixes):
+    """Sequence parallelism splits a row's tokens evenly over the ranks: the trainer pads a row of
+    43 tokens to 44 (P = 4) with one segment of its own, and nothing else of the row changes."""
+    prompt = list(range(100, 120))
+    seqs = [TokenizedSequence(prompt + [i, i + 1], [False] * 20 + [True, True], [float("nan")] * 20 + [-1.0, -1.0],
+                              advantage=0.5) for i in (1, 3)]
+    [micro] = pack_sequences([*seqs, seq(3, 2)], max_tokens=100, share_prefixes=share_prefixes)
+    plain, padded = micro.row(), micro.row(RowShape.padded(micro, 4))
+    T = micro.num_tokens
+    assert T % 4 and len(padded.input_ids) == -(-T // 4) * 4
+    assert torch.equal(padded.input_ids[:T], plain.input_ids) and padded.cu_seq_lens[-1] == len(padded.input_ids)
+    for name in ("pred_positions", "targets", "advantages", "weights", "seq_index"):
+        assert torch.equal(getattr(padded, name), getattr(plain, name)), name
+    assert micro.shares_prefixes == share_prefixes
+    assert RowShape.padded(micro, 1).num_tokens == T
 
 
 def test_a_sequence_longer_than_the_budget_gets_its_own_row():

@@ -82,6 +82,21 @@ class RowShape:
         return cls(T, N, S, L, K, max(_pow2(micro.max_key_len), L))
 
 
+    @classmethod
+    def padded(cls, micro: MicroBatch, multiple: int) -> RowShape:
+        """`micro`'s own sizes with its tokens padded up to a multiple of `multiple` (one padding
+        segment of fewer than `multiple` tokens): a row that a tensor-parallel trainer splits
+        evenly over its ranks (sequence parallelism)."""
+        T = -(-micro.num_tokens // multiple) * multiple
+        padding = T - micro.num_tokens
+        L = max(micro.max_seq_len, padding, 1)
+        N = max(int(micro.loss_mask[0].sum()), 1)
+        S = micro.num_segments + (1 if padding else 0) + 1  # one spare segment slot, as `bucket`
+        if not micro.shares_prefixes:
+            return cls(T, N, S, L)
+        return cls(T, N, S, L, len(micro.key_index) + padding, max(micro.max_key_len, L))
+
+
 @dataclass(slots=True)
 class Row:
     """One packed row as flat tensors: the input of the trainer's forward and loss.

@@ -240,9 +240,10 @@ class PackedDecoder:
 
     `tp`: this rank's tensor-parallel group when the model holds its shards (modeling/tensor_parallel.py):
     the layers run this rank's heads and MLP columns. With `sequence_parallel` (the default under
-    TP; used for rows whose T divides by P) each rank holds T/P rows between the layers: q/k/v and
-    gate/up gather the rows, o and down reduce-scatter their float32 partial outputs, LoRA deltas
-    included, rounded to the model dtype once after the sum, as the engine does. Otherwise
+    TP; for rows whose T divides by P, which the trainer pads them to) each rank holds T/P rows
+    between the layers: q/k/v and gate/up gather the rows, o and down reduce-scatter their float32
+    partial outputs, LoRA deltas included, rounded to the model dtype once after the sum, as the
+    engine does. Otherwise
     `tp.copy_to` precedes q/k/v and gate/up (their input gradient is summed over the ranks in the
     backward pass) and `tp.reduce_from` all-reduces o's and down's partial outputs.
     """
@@ -393,7 +394,8 @@ class PackedDecoder:
         o = o.reshape(T, self.q_size)
         # under TP the row-parallel partial outputs (o, down) stay float32 until their all-reduce, then
         # round once, as the engine's (engine/models/llama.py) and the one-GPU product's
-        attn_out = self._linear(o, layer.o, layer.o_bias, layer, "o", adapters, out_dtype=self.partial_dtype, scatter=sp)
+        attn_out = self._linear(o, layer.o, layer.o_bias, layer, "o", adapters, out_dtype=self.partial_dtype,
+                                scatter=sp)
         if tp is not None and not sp:
             attn_out = tp.reduce_from(attn_out).to(x.dtype)
         x = x + attn_out

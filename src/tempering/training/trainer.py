@@ -52,7 +52,7 @@ from ..errors import CheckpointError, ConfigError, DistributedError
 from ..modeling.tensor_parallel import TensorParallel, init_row_parallel_lora_A_, lora_shard_dim
 from ..types import LoRAConfig, TrainConfig
 from .attention import use_packed_attention, uses_varlen
-from .batching import MicroBatch, Row, pack_sequences
+from .batching import MicroBatch, Row, RowShape, pack_sequences
 from .cuda_graphs import RowGraphs
 from .data_parallel import DataParallel
 from .decoder import PackedDecoder
@@ -694,7 +694,10 @@ class Trainer:
 
     def _logprobs(self, micro: MicroBatch, chunk_size: int = 1024, *, lora: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs [N] and entropies [N] of a packed row's trained tokens, in row order."""
-        return self._row_logprobs(micro.row().to(self.params[0].device), chunk_size, lora=lora)
+        # under TP the row's tokens divide by the group (sequence parallelism splits them evenly)
+        tp_size = self.tp.size if self.tp is not None else 1
+        shape = RowShape.padded(micro, tp_size) if micro.num_tokens % tp_size else None
+        return self._row_logprobs(micro.row(shape).to(self.params[0].device), chunk_size, lora=lora)
 
     def _row_logprobs(self, row: Row, chunk_size: int = 1024, *, lora: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs [N] and entropies [N] of the row's predictions; `lora=False`: the base model's."""
