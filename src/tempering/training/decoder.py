@@ -251,6 +251,7 @@ class PackedDecoder:
     # without tensor parallelism (and in the subclasses, which have none: Gemma 3, Qwen3-MoE)
     tp: TensorParallel | None = None
     partial_dtype: torch.dtype | None = None
+    sequence_parallel: bool = False
 
     def __init__(self, peft_model: Any, adapter: str, tp: TensorParallel | None = None) -> None:
         hf = peft_model.get_base_model()
