@@ -417,6 +417,7 @@ def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int
     trainer.save(directory if tp.is_leader else None, step=1)
     dist.barrier(group=waits)
     save_s = time.perf_counter() - start
+    progress("checkpoint saved", device)
     saved = snapshot()
     trainer.step(sequences, config)
     first = adapter()
@@ -424,6 +425,7 @@ def checkpoint_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int
     resume()
     sync(device)
     load_s = time.perf_counter() - start
+    progress("checkpoint loaded", device)
     restored = snapshot()
     exact_state = saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
     trainer.step(sequences, config)
@@ -552,6 +554,9 @@ def run(args) -> None:
         if args.sweep:
             out["sweep"] = sweep_train_steps(trainer, tp, args, vocab, device, waits)
         out.update(time_train_step(trainer, args, vocab, device))
+        if tp.is_leader:  # kept if a later phase fails
+            print(f"train: {json.dumps({k: v for k, v in out.items() if k.startswith('train_')})}", file=sys.stderr,
+                  flush=True)
         if args.profile:
             out.update(profile_train_step(trainer, args, vocab, device))  # rank 0's
         out.update(checkpoint_and_resume(trainer, tp, args, vocab, device, waits))
