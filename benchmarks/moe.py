@@ -143,10 +143,12 @@ def rollout_part(args, model, trainer: Trainer, device: torch.device, record: di
         }
         record["rollout"]["routing_cost"] = round(1 - record["rollout"]["lora_routed_experts_tok_per_s"]
                                                   / record["rollout"]["lora_tok_per_s"], 3)
-        if args.profile and device.type == "cuda":  # where a decode step's time goes (decode_scaling.py)
+        # where a decode step's time goes (decode_scaling.py); a 2 s window: ~50 of R's ~40 ms steps, so
+        # that the steps cut at its edges weigh little
+        if args.profile and device.type == "cuda":
             from decode_scaling import profile_decoding
 
-            record["rollout"]["decode_profile"] = profile_decoding(engine, prompts, work["n"], policy)
+            record["rollout"]["decode_profile"] = profile_decoding(engine, prompts, work["n"], policy, window_s=2.0)
     finally:
         engine.close()
         del engine  # and its KV cache: a later train step's peak memory is the trainer's alone
