@@ -244,6 +244,10 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
     ages = [rows[first_step + i].get("offpolicy/policy_age_mean", 0.0) for i in range(iterations + 1)]
     piped_train = [rows[first_step + i].get("time/step_trainer_s", 0.0) for i in range(1, iterations + 1)]
     piped_rescore = [rows[first_step + i].get("time/step_rescore_s", 0.0) for i in range(1, iterations + 1)]
+    # the train call's host work beside the trainer's step, per steady step (ModelService.train's phases)
+    phases = ("prepare", "checkpoint", "send_adapter", "write_trajectories", "wall")
+    piped_phases = {name: round(statistics.mean(rows[first_step + i].get(f"time/step_{name}_s", 0.0)
+                                                 for i in range(1, iterations + 1)), 3) for name in phases}
     await backend.close()
 
     seq_s = statistics.mean(it["s"] for it in sequential)
@@ -279,6 +283,7 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
         "pipelined_policy_age_mean": round(statistics.mean(ages[1:]), 3),
         "pipelined_train_s": round(statistics.mean(piped_train), 3),  # the trainer's time per step
         "pipelined_rescore_s": round(statistics.mean(piped_rescore), 3),  # of which exact mode's rescoring
+        "pipelined_train_call_s": piped_phases,  # the train call: its wall time and its phases beside the step
         "pipelined_stale_groups_dropped": piped.num_stale_groups_dropped,
         "ratio_s_per_iteration": round(pipe_s / seq_s, 3),
         "ratio_trained_tokens_per_s": round(pipe_tps / seq_tps, 3),

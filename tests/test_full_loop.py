@@ -114,8 +114,13 @@ def test_history_and_trajectories_are_written(trained):
     model_dir = root / "tests" / "models" / "loop"
     [row] = [json.loads(line) for line in (model_dir / "history.jsonl").read_text().splitlines()]
     for key in ("train/reward", "train/reward_std_dev", "loss/train", "loss/grad_norm", "data/step_trainer_tokens",
-                "data/step_num_groups_skipped", "time/step_wall_s"):
+                "data/step_num_groups_skipped", "time/step_wall_s", "time/step_prepare_s", "time/step_checkpoint_s",
+                "time/step_send_adapter_s", "time/step_write_trajectories_s"):
         assert key in row and math.isfinite(row[key]), key
+    # the call's phases, each apart from the trainer's own step, within its wall time
+    phases = ("time/step_prepare_s", "time/step_trainer_s", "time/step_checkpoint_s", "time/step_send_adapter_s",
+              "time/step_write_trajectories_s")
+    assert row["time/step_checkpoint_s"] > 0 and sum(row[k] for k in phases) <= row["time/step_wall_s"]
     assert row["step"] == 0
     lines = (model_dir / "trajectories" / "train" / "0000.jsonl").read_text().splitlines()
     assert len(lines) == 8

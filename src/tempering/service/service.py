@@ -446,6 +446,8 @@ class ModelService:
         start = time.perf_counter()
         emit = on_event or (lambda event: None)
         sequences, num_trainable, num_groups, num_without_tokens = self._prepare(groups, config)
+        # the call's host work beside the trainer's step (its own time is time/step_trainer_s)
+        timings = {"time/step_prepare_s": time.perf_counter() - start, "time/step_checkpoint_s": 0.0}
         emit({"type": "started", "num_sequences": len(sequences), "num_groups": num_groups,
               "num_groups_trainable": num_trainable})
         with self.train_lock:
@@ -460,7 +462,9 @@ class ModelService:
 
                 def commit() -> None:
                     if config.save_checkpoint:
+                        saving = time.perf_counter()
                         self._save(trainer, checkpoint, new_step)
+                        timings["time/step_checkpoint_s"] = time.perf_counter() - saving
                         emit({"type": "checkpoint", "step": new_step})
 
                 with self._training(trainer):
@@ -476,10 +480,16 @@ class ModelService:
                                  data_step, num_groups)
                         metrics = {}
                         commit()
+                    sending = time.perf_counter()
                     self._send_adapter(trainer, new_step)
+                    timings["time/step_send_adapter_s"] = time.perf_counter() - sending
                 self._publish(new_step)
         release_free_memory()
+        writing = time.perf_counter()
+        write_trajectories(self.paths.trajectories("train", data_step), groups)
+        timings["time/step_write_trajectories_s"] = time.perf_counter() - writing
         metrics.update(ages)
+        metrics.update(timings)
         metrics.update({
             "data/step_num_groups_submitted": float(num_groups),
             "data/step_num_groups_trainable": float(num_trainable),
@@ -490,7 +500,6 @@ class ModelService:
         })
         row = {"step": data_step, **summarize_groups(groups, split="train"), **metrics}
         append_history(self.paths.history, row)
-        write_trajectories(self.paths.trajectories("train", data_step), groups)
         return TrainResult(
             step=new_step,
             metrics={k: float(v) for k, v in row.items() if isinstance(v, int | float) and k != "step"},
