@@ -23,7 +23,8 @@ shards. Then:
   bit for bit with the saved one, and the same step taken again (twice, to tell the resume's error
   from the step's own run-to-run variation on the device).
 - with `--profile`, one more step under torch.profiler: rank 0's kernel time by kind (NCCL,
-  GEMMs, attention, the rest), its fifteen longest kernels and its idle time, to show where the MFU goes.
+  GEMMs, attention, the rest), its fifteen longest kernels and its idle time, to show where the MFU goes;
+  and each rollout workload's decode steps over 2 s (rank 0's kernels per step, decode_scaling.py).
 - peak memory allocated on every GPU (engine, KV cache and trainer together). At 72B and TP 4 a
   GPU holds ~40 GB of weights (35 GB of shards, 5 GB of replicated embedding and LM head), the KV
   cache (`--kv-fraction` of what is left) and a micro-batch's activations (`--micro-batch-tokens`).
@@ -546,6 +547,12 @@ def run(args) -> None:
                 if vllm:  # against vLLM + LoRA at the same tensor_parallel_size, measured first in this run
                     out[name]["vllm_lora_tok_s"] = vllm
                     out[name]["vs_vllm_lora"] = round(out[name]["rollout_tok_s"] / vllm, 2)
+                if args.profile and device.type == "cuda":  # rank 0's kernels per decode step, over 2 s of it
+                    from decode_scaling import profile_decoding
+
+                    prompts = prompts_for(work["num_prompts"], work["prompt_len"], vocab)
+                    out[name]["decode_profile"] = profile_decoding(engine, prompts, work["n"], live_policy(),
+                                                                   window_s=2.0)
             out["kv_cache_tokens"] = engine.blocks.capacity_tokens
             print(f"rollouts: {json.dumps(out)}", file=sys.stderr, flush=True)  # kept if the train step fails
         dist.barrier(group=waits)  # the followers' engines ran the rollouts; now every rank trains
