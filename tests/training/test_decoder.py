@@ -109,6 +109,50 @@ def test_packed_forward_matches_the_peft_model_in_logprobs_and_lora_gradients(ar
                                    atol=2e-5, rtol=1e-5)
 
 
+def test_a_kept_layer_saves_swiglus_input_not_its_output(monkeypatch):
+    """Without recomputation down's product keeps silu_and_mul(gate_up) as its recipe: the saved
+    tensors shrink by one [T, I] output per layer, and the gradients stay the same (the first test)."""
+    import contextlib
+
+    from tempering.training.decoder import PackedDecoder
+
+    trainer = trainer_for(tiny_model("llama"))
+    seqs = sequences(trainer.model.config.vocab_size)
+    T = sum(len(s) for s in seqs)
+
+    def saved_bytes() -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size() if t.requires_grad or t.grad_fn is not None else 0
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ours(trainer, seqs).sum().backward()
+        return total
+
+    import tempering.training.decoder as decoder
+
+    recipes = []
+
+    class Recipe(decoder._Recipe):
+        __slots__ = ()
+
+        def __init__(self, gate_up):
+            super().__init__(gate_up)
+            recipes.append(gate_up.shape)
+
+    monkeypatch.setattr(decoder, "_Recipe", Recipe)
+    with_recipe = saved_bytes()
+    layers, I = trainer.model.config.num_hidden_layers, trainer.model.config.intermediate_size
+    assert recipes == [(T, 2 * I)] * layers  # one per layer, kept as the [T, 2I] input
+    monkeypatch.setattr(PackedDecoder, "_act_from_gate_up", lambda self, act, gate_up: contextlib.nullcontext())
+    without = saved_bytes()
+    # the outer hook no longer sees down's saved tensors: its [T, I] input, and its LoRA A and B
+    assert without - with_recipe >= layers * T * I * 4  # float32
+
+
 def test_packed_forward_matches_on_the_default_model(default_model_dir):
     from transformers import AutoModelForCausalLM
 

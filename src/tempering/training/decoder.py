@@ -21,6 +21,7 @@ recomputation (Chen et al. 2016, arXiv 1604.06174).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -252,6 +253,7 @@ class PackedDecoder:
     tp: TensorParallel | None = None
     partial_dtype: torch.dtype | None = None
     sequence_parallel: bool = False
+    _keeps_activations: bool = False
 
     def __init__(self, peft_model: Any, adapter: str, tp: TensorParallel | None = None) -> None:
         hf = peft_model.get_base_model()
@@ -353,6 +355,9 @@ class PackedDecoder:
         cos, sin = self.rotary_emb(x, position_ids[None])  # [1, T, D] each, in x's dtype
         cos, sin = cos[0], sin[0]
         recompute = checkpointing and torch.is_grad_enabled()
+        # the layers' activations are kept for the backward (torch.utils.checkpoint's own saved-tensor
+        # hooks are not to be nested inside)
+        self._keeps_activations = torch.is_grad_enabled() and not recompute
         # sequence parallel: between the sharded layers (norms, residual adds) each rank holds T / P rows
         sp = self.sequence_parallel and self.tp is not None and x.shape[0] % self.tp.size == 0
         if sp:
@@ -407,9 +412,33 @@ class PackedDecoder:
         act = ops.silu_and_mul(gate_up)
         # the layer's output is not needed when recomputing it for the backward: skip the down GEMM
         # (and its all-reduce: every rank recomputes alike)
-        down = self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing,
-                            out_dtype=self.partial_dtype, scatter=sp)
+        with self._act_from_gate_up(act, gate_up) if self._keeps_activations else contextlib.nullcontext():
+            down = self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing,
+                                out_dtype=self.partial_dtype, scatter=sp)
         return x + (tp.reduce_from(down) if tp is not None and not sp and not recomputing else down).to(x.dtype)
+
+    def _act_from_gate_up(self, act: torch.Tensor, gate_up: torch.Tensor) -> contextlib.AbstractContextManager:
+        """While down's product records its backward: keep SwiGLU's output `act` [T, I] as the
+        recipe silu_and_mul(gate_up) instead, and recompute it when the backward reads it. The
+        SwiGLU's own backward keeps `gate_up` anyway, so a layer whose activations are kept
+        (no recomputation) holds I model-dtype values per token less. A no-op where nothing is
+        recorded, and during a CUDA graph capture."""
+        if gate_up.is_cuda and torch.cuda.is_current_stream_capturing():
+            return contextlib.nullcontext()
+        silu_and_mul = self.ops.silu_and_mul
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.data_ptr() == act.data_ptr() and t.shape == act.shape and t.dtype == act.dtype:
+                return _Recipe(gate_up)
+            return t
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, _Recipe):
+                with torch.no_grad():
+                    return silu_and_mul(saved.gate_up)
+            return saved
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: _Layer, name: str,
                 adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, skip_output: bool = False,
@@ -448,6 +477,13 @@ class _FrozenLinearF32(torch.autograd.Function):
     def backward(ctx, grad_y):
         (weight,) = ctx.saved_tensors
         return grad_y.to(weight.dtype) @ weight, None, None
+
+
+@dataclass(slots=True)
+class _Recipe:
+    """A saved SwiGLU output kept as its input (PackedDecoder._act_from_gate_up)."""
+
+    gate_up: torch.Tensor
 
 
 class _Recomputable:
