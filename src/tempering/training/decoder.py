@@ -12,7 +12,8 @@ unchanged) and computes, per projection group,
 with A_cat the stacked A's and B_blockdiag the block-diagonal of the B's (see _LoRALinear), rounded
 where the engine rounds (modeling/precision.py), plus fused RMSNorm and
 SwiGLU with their backward passes (kernels.py). Attention is varlen over the packed row
-(attention.py); each decoder layer is optionally recomputed in the backward pass. The math is
+(attention.py); each decoder layer is optionally recomputed in the backward pass (a layer whose
+activations are kept keeps SwiGLU's input, not its output as well). The math is
 Hugging Face's: tests check logprobs and LoRA gradients against the PEFT model.
 
 References: LoRA (Hu et al. 2021, arXiv 2106.09685); Llama (arXiv 2302.13971); selective layer
