@@ -305,15 +305,20 @@ def sweep_train_steps(trainer: Trainer, tp: TensorParallel, args, vocab: int, de
             torch.cuda.reset_peak_memory_stats(device)
         result = {"variant": spec, **time_train_step(trainer, variant, vocab, device)}
         result["mfu"] = mfu(args, result["train_step_s"], tp.size)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        peaks = [None] * tp.size
-        dist.all_gather_object(peaks, peak, group=waits)
-        result["peak_gib_per_gpu"] = [round(p, 2) if p is not None else None for p in peaks]
+        result["peak_gib_per_gpu"] = peak_gib_per_gpu(device, tp, waits)
         if tp.is_leader:
             print(f"sweep: {json.dumps(result)}", file=sys.stderr, flush=True)
         results.append(result)
     trainer.decoder.sequence_parallel = True
     return results
+
+
+def peak_gib_per_gpu(device: torch.device, tp: TensorParallel, waits) -> list[float | None]:
+    """Every rank's peak allocated GPU memory since the last reset, GiB (None off CUDA); collective."""
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    peaks = [None] * tp.size
+    dist.all_gather_object(peaks, peak, group=waits)
+    return [round(p, 2) if p is not None else None for p in peaks]
 
 
 def mfu(args, step_s: float, num_gpus: int) -> float | None:
@@ -540,7 +545,8 @@ def run(args) -> None:
         out["build_s"] = round(time.perf_counter() - start, 1)
         if tp.is_leader:
             for name, work in workloads.items():
-                out[name] = time_rollouts(engine, prompts_for(work["num_prompts"], work["prompt_len"], vocab), work)
+                prompts = prompts_for(work["num_prompts"], work["prompt_len"], vocab)
+                out[name] = time_rollouts(engine, prompts, work)
                 if "tp1" in out:  # the fixed batch's speed-up over one GPU
                     out[name]["vs_tp1"] = round(out[name]["rollout_tok_s"] / out["tp1"][name]["rollout_tok_s"], 3)
                 vllm = getattr(args, "vllm_result", {}).get("workloads", {}).get(name, {}).get("lora_tok_per_s")
@@ -550,7 +556,6 @@ def run(args) -> None:
                 if args.profile and device.type == "cuda":  # rank 0's kernels per decode step, over 2 s of it
                     from decode_scaling import profile_decoding
 
-                    prompts = prompts_for(work["num_prompts"], work["prompt_len"], vocab)
                     out[name]["decode_profile"] = profile_decoding(engine, prompts, work["n"], live_policy(),
                                                                    window_s=2.0)
             out["kv_cache_tokens"] = engine.blocks.capacity_tokens
@@ -570,10 +575,7 @@ def run(args) -> None:
         progress("checkpoint and resume done", device)
         if device.type == "cuda":
             out["mfu"] = mfu(args, out["train_step_s"], tp.size)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        peaks = [None] * tp.size
-        dist.all_gather_object(peaks, peak)
-        out["peak_gib_per_gpu"] = [round(p, 2) if p is not None else None for p in peaks]
+        out["peak_gib_per_gpu"] = peak_gib_per_gpu(device, tp, waits)
         engine.close()
         if not tp.is_leader:
             engine._thread.join()

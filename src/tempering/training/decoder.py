@@ -254,7 +254,6 @@ class PackedDecoder:
     tp: TensorParallel | None = None
     partial_dtype: torch.dtype | None = None
     sequence_parallel: bool = False
-    _keeps_activations: bool = False
 
     def __init__(self, peft_model: Any, adapter: str, tp: TensorParallel | None = None) -> None:
         hf = peft_model.get_base_model()
@@ -356,9 +355,6 @@ class PackedDecoder:
         cos, sin = self.rotary_emb(x, position_ids[None])  # [1, T, D] each, in x's dtype
         cos, sin = cos[0], sin[0]
         recompute = checkpointing and torch.is_grad_enabled()
-        # the layers' activations are kept for the backward (torch.utils.checkpoint's own saved-tensor
-        # hooks are not to be nested inside)
-        self._keeps_activations = torch.is_grad_enabled() and not recompute
         # sequence parallel: between the sharded layers (norms, residual adds) each rank holds T / P rows
         sp = self.sequence_parallel and self.tp is not None and x.shape[0] % self.tp.size == 0
         if sp:
@@ -372,16 +368,20 @@ class PackedDecoder:
                 x = checkpoint(_Recomputable(self._layer), layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys,
                                sp, use_reentrant=False, preserve_rng_state=self.has_dropout)
             else:
-                x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys, sp)
+                # its activations kept for the backward (when one is recorded): the layer may keep less
+                x = self._layer(layer, x, cos, sin, cu_seq_lens, max_seq_len, adapters, keys, sp,
+                                keeps_activations=torch.is_grad_enabled())
         x = self.ops.rms_norm(x, self.final_norm, self.eps)
         return self.tp.gather_tokens(x, replicated_grad=True) if sp else x  # every rank computes the same loss
 
     def _layer(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seq_lens: torch.Tensor,
                max_seq_len: int, adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                keys: tuple[torch.Tensor, torch.Tensor, int] | None = None, sp: bool = False, *,
-               recomputing: bool = False) -> torch.Tensor:
+               recomputing: bool = False, keeps_activations: bool = False) -> torch.Tensor:
         """One decoder layer: x [T, H] → [T, H]; with `sp` (sequence parallel) this rank's rows,
-        [T / P, H] → [T / P, H], gathered for q/k/v and gate/up and reduce-scattered after o and down."""
+        [T / P, H] → [T / P, H], gathered for q/k/v and gate/up and reduce-scattered after o and down.
+        `keeps_activations`: called outside torch.utils.checkpoint (whose own saved-tensor hooks are
+        not to be nested inside) with autograd recording: SwiGLU's output is kept as its recipe."""
         ops, tp = self.ops, self.tp
         T = x.shape[0] * tp.size if sp else x.shape[0]
         h = ops.rms_norm(x, layer.input_norm, self.eps)
@@ -413,7 +413,7 @@ class PackedDecoder:
         act = ops.silu_and_mul(gate_up)
         # the layer's output is not needed when recomputing it for the backward: skip the down GEMM
         # (and its all-reduce: every rank recomputes alike)
-        with self._act_from_gate_up(act, gate_up) if self._keeps_activations else contextlib.nullcontext():
+        with self._act_from_gate_up(act, gate_up) if keeps_activations else contextlib.nullcontext():
             down = self._linear(act, layer.down, layer.down_bias, layer, "down", adapters, skip_output=recomputing,
                                 out_dtype=self.partial_dtype, scatter=sp)
         return x + (tp.reduce_from(down) if tp is not None and not sp and not recomputing else down).to(x.dtype)
