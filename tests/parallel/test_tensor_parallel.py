@@ -77,12 +77,17 @@ def served(request, tmp_path_factory):
     ranks = run_ranks("engine", tmp_path_factory.mktemp(f"engine-{device}"), device)
     model = tiny_llama(device=device)
     peft = wrap_with_adapter(model, full_adapter())
-    reference = {"logits": direct_logits(model, peft, None)}
-    engine = engine_for(model, peft, spare_rows=True if device.endswith("-spare") else None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: a CPU float32 GEMM's summation order depends on its threads
     try:
-        reference["generated"] = generate(engine)
+        reference = {"logits": direct_logits(model, peft, None)}
+        engine = engine_for(model, peft, spare_rows=True if device.endswith("-spare") else None)
+        try:
+            reference["generated"] = generate(engine)
+        finally:
+            engine.close()
     finally:
-        engine.close()
+        torch.set_num_threads(threads)
     return ranks, reference, device
 
 

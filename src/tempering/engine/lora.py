@@ -186,7 +186,12 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
             `rotary_and_store_with_lora`) when `g` has shadows of B^T; else add it here.
         out_dtype: the output's dtype (default x's); float32 leaves base + delta unrounded (a
             row-parallel layer's partial output, rounded after its all-reduce).
-        tp: a row-parallel layer's tensor-parallel group (`row_parallel_delta`), or None.
+        tp: a row-parallel layer's tensor-parallel group, or None. With a deferred delta the whole
+            float32 GEMM output, this rank's partial x W^T and partial x A^T side by side, is
+            all-reduced in one collective, and every rank gets the summed output and x A^T, whose
+            delta the next kernel adds before the one rounding (as without TP). Otherwise x A^T
+            alone is summed first (`row_parallel_delta`), the leader adds the delta to its partial
+            output, and the caller all-reduces that.
 
     Returns:
         (output [N, num_out], the delta still to add or None). The output is in x's dtype, except
@@ -204,6 +209,8 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
     out = y[:, :num_out]
     t = y[:, num_out:num_out + g.num_rows]
     if defer and g.BT is not None:
+        if tp is not None:  # the ranks' x W^T and x A^T summed in one all-reduce (in place: y is contiguous)
+            tp.all_reduce_(y)
         return out, Deferred(t, g)
     if tp is not None:
         t = row_parallel_delta(t, tp)

@@ -84,9 +84,11 @@ class LlamaFamilyModel:
         inner = hf_model.model
         self.hf_layers = list(inner.layers)
         self.tp = tp if tp is not None and tp.size > 1 else None
-        # a row-parallel layer's partial output under TP: float32, its x A^T summed over the ranks first
-        # and its LoRA delta added on the leader alone (engine/lora.row_parallel_delta), all-reduced, then
-        # rounded once, as the one-GPU product rounds its whole sum once (the trainer's decoder does the same)
+        # a row-parallel layer's partial output under TP: float32, all-reduced, then rounded once, as the
+        # one-GPU product rounds its whole sum once (the trainer's decoder does the same). Its LoRA delta:
+        # on the spare rows' path x A^T is summed in the same all-reduce and the delta added after it, on
+        # every rank (engine/lora.linear_with_lora); otherwise x A^T is summed first and the delta added
+        # to the leader's partial output (engine/lora.row_parallel_delta)
         self.partial_dtype = torch.float32 if self.tp is not None else None
         tp_size = self.tp.size if self.tp is not None else 1
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -235,12 +237,12 @@ class LlamaFamilyModel:
 
         The q/k/v, o and down deltas are left to the kernels that read those outputs next
         (engine/lora.py); Qwen3's q/k norm, which sits between q/k/v and the rotation, keeps the
-        q/k/v expand. With tensor parallelism the o and down deltas are added before the all-reduce
-        that sums the ranks' partial outputs (each rank's delta is partial too).
+        q/k/v expand. With tensor parallelism o's and down's GEMM outputs (each rank's partial
+        x W^T beside its partial x A^T) are summed over the ranks in one all-reduce each, and the
+        deltas are then added as on one GPU, by the kernels that read those outputs next.
         """
         N = x.shape[0]
         ops, tp = self.ops, self.tp
-        defer = tp is None
         residual, deferred = None, None
         for i, layer in enumerate(self.layers):
             groups = adapter.layers[i]
@@ -262,14 +264,16 @@ class LlamaFamilyModel:
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale,
                                 split_kv_heads=self.split_kv_heads).reshape(N, self.q_size)
             attn_out, deferred = linear_with_lora(o, full_rows(layer.o), None, self.hidden_size, groups["o"],
-                                                  defer=defer, out_dtype=self.partial_dtype, tp=tp)
-            attn_out = self._sum_partials(attn_out)
+                                                  defer=True, out_dtype=self.partial_dtype, tp=tp)
+            if deferred is None:  # without o's LoRA: the partial outputs summed and rounded here
+                attn_out = self._sum_partials(attn_out)
             h, residual = add_rms_norm_with_lora(attn_out, deferred, residual, layer.post_norm, self.eps, ops.add_rms_norm)
             act = silu_and_mul_with_lora(h, full_rows(layer.gate_up), 2 * self.intermediate_size, groups["gate_up"],
                                          ops.silu_and_mul)
             x, deferred = linear_with_lora(act, full_rows(layer.down), None, self.hidden_size, groups["down"],
-                                           defer=defer, out_dtype=self.partial_dtype, tp=tp)
-            x = self._sum_partials(x)
+                                           defer=True, out_dtype=self.partial_dtype, tp=tp)
+            if deferred is None:
+                x = self._sum_partials(x)
         return add_rms_norm_with_lora(x, deferred, residual, self.norm, self.eps, ops.add_rms_norm)[0]
 
     def _sum_partials(self, x: torch.Tensor) -> torch.Tensor:
