@@ -34,7 +34,8 @@ and adapter (the full model drawn from one seed on each device, then sharded; th
 rank 0 alone first): per prompt, whether the tokens are equal and where they first differ.
 
 Shapes: `72b` (Qwen2.5-72B: hidden 8192, 80 layers, 64 heads, 8 KV heads, intermediate 29568,
-vocab 152064, bf16, ~145 GB), `1.5b` (Qwen2.5-1.5B; TP 2 at most: 2 KV heads), `tiny` (a
+vocab 152064, bf16, ~145 GB), `32b` (Qwen2.5-32B: hidden 5120, 64 layers, 40 heads, 8 KV heads,
+intermediate 27648, ~66 GB: TP 2 on two 80 GB GPUs), `1.5b` (Qwen2.5-1.5B; TP 2 at most: 2 KV heads), `tiny` (a
 2-layer Llama for checking the path on CPU processes through gloo).
 
 It starts its own ranks 1..N-1 (torchrun's variables, NCCL on GPUs, gloo on CPUs), or runs under
@@ -76,6 +77,9 @@ from tempering.types import LoRAConfig, TrainConfig
 
 SHAPES = {
     "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
+                rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
                 rope_theta=1_000_000.0, rms_norm_eps=1e-6),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -311,6 +315,23 @@ def sweep_train_steps(trainer: Trainer, tp: TensorParallel, args, vocab: int, de
         results.append(result)
     trainer.decoder.sequence_parallel = True
     return results
+
+
+def train_and_resume(trainer: Trainer, tp: TensorParallel, args, vocab: int, device: torch.device, waits,
+                     out: dict) -> None:
+    """The sweep's variants, the timed step, its profile, and the checkpoint and resume, into `out`."""
+    if args.sweep:
+        out["sweep"] = sweep_train_steps(trainer, tp, args, vocab, device, waits)
+    out.update(time_train_step(trainer, args, vocab, device))
+    if tp.is_leader:  # kept if a later phase fails
+        print(f"train: {json.dumps({k: v for k, v in out.items() if k.startswith('train_')})}", file=sys.stderr,
+              flush=True)
+    if args.profile:
+        out.update(profile_train_step(trainer, args, vocab, device))  # rank 0's
+    out.update(checkpoint_and_resume(trainer, tp, args, vocab, device, waits))
+    progress("checkpoint and resume done", device)
+    if device.type == "cuda":
+        out["mfu"] = mfu(args, out["train_step_s"], tp.size)
 
 
 def peak_gib_per_gpu(device: torch.device, tp: TensorParallel, waits) -> list[float | None]:
@@ -563,18 +584,8 @@ def run(args) -> None:
         dist.barrier(group=waits)  # the followers' engines ran the rollouts; now every rank trains
         progress("rollouts done", device)
         # the engine stays up (as in training), idle: its followers wait for the leader's next step
-        if args.sweep:
-            out["sweep"] = sweep_train_steps(trainer, tp, args, vocab, device, waits)
-        out.update(time_train_step(trainer, args, vocab, device))
-        if tp.is_leader:  # kept if a later phase fails
-            print(f"train: {json.dumps({k: v for k, v in out.items() if k.startswith('train_')})}", file=sys.stderr,
-                  flush=True)
-        if args.profile:
-            out.update(profile_train_step(trainer, args, vocab, device))  # rank 0's
-        out.update(checkpoint_and_resume(trainer, tp, args, vocab, device, waits))
-        progress("checkpoint and resume done", device)
-        if device.type == "cuda":
-            out["mfu"] = mfu(args, out["train_step_s"], tp.size)
+        if not args.skip_train:
+            train_and_resume(trainer, tp, args, vocab, device, waits, out)
         out["peak_gib_per_gpu"] = peak_gib_per_gpu(device, tp, waits)
         engine.close()
         if not tp.is_leader:
@@ -609,6 +620,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sequence (default 1024 on cuda, 64 on cpu)")
     parser.add_argument("--steps", type=int, default=2, help="timed train steps")
+    parser.add_argument("--skip-train", action="store_true", help="rollouts only: no train step, checkpoint or resume")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="EngineConfig.gpu_memory_fraction")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="TrainConfig.micro_batch_tokens")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
@@ -643,7 +655,7 @@ def main() -> None:
     args.model = args.model or ("72b" if gpu else "tiny")
     args.num_seqs = args.num_seqs or (16 if gpu else 4)
     args.seq_len = args.seq_len or (1024 if gpu else 64)
-    if (args.check_greedy or args.baseline) and args.model == "72b":
+    if (args.check_greedy or args.baseline) and args.model in ("72b", "32b"):
         parser.error("--check-greedy and --baseline put the whole model on one device: use --model 1.5b or tiny")
     if args.vllm and "RANK" not in os.environ:  # first, while vLLM can have the GPUs to itself
         with tempfile.TemporaryDirectory() as tmp:

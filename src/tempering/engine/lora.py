@@ -209,8 +209,9 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
     out = y[:, :num_out]
     t = y[:, num_out:num_out + g.num_rows]
     if defer and g.BT is not None:
-        if tp is not None:  # the ranks' x W^T and x A^T summed in one all-reduce (in place: y is contiguous)
-            tp.all_reduce_(y)
+        if tp is not None:  # the ranks' x W^T and x A^T summed in one all-reduce
+            y = tp.all_reduce(y)
+            out, t = y[:, :num_out], y[:, num_out:num_out + g.num_rows]
         return out, Deferred(t, g)
     if tp is not None:
         t = row_parallel_delta(t, tp)
@@ -228,8 +229,7 @@ def row_parallel_delta(t: torch.Tensor, tp: Any) -> torch.Tensor | None:
     on the leader's partial output: the ranks' partial outputs then sum (in float32) to what one
     process computes, up to the order of float32 additions. The trainer does the same
     (training/decoder.py)."""
-    t = (t.sum(0) if t.dim() == 3 else t).contiguous()
-    tp.all_reduce_(t)
+    t = tp.all_reduce(t.sum(0) if t.dim() == 3 else t)
     return t if tp.is_leader else None
 
 

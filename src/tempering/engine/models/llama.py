@@ -177,6 +177,13 @@ class LlamaFamilyModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def partial_width(self) -> int:
+        """Columns of the widest row-parallel output a decode step all-reduces (o's or down's,
+        with their spare rows' x A^T)."""
+        layer = self.layers[0]
+        return max(full_rows(layer.o).shape[0], full_rows(layer.down).shape[0])
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -282,7 +289,7 @@ class LlamaFamilyModel:
         the model dtype; without TP, x itself."""
         if self.tp is None:
             return x
-        return self.tp.all_reduce_(x.contiguous()).to(self.dtype)
+        return self.tp.all_reduce(x).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, H] → [S, V] float32 logits, unrounded (modeling/precision.py): the trainer's, bit for bit
