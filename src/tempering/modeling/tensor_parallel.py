@@ -21,7 +21,10 @@ wraps the sharded nn.Linear modules (their in_features/out_features are the shar
 A row-parallel layer rounds as one process does: x A^T is summed over the ranks (a small
 all-reduce, [tokens, r] float32) before round(s · x A^T), the delta is added to the leader's
 partial output alone, and the partial outputs x_r W_r^T (+ delta) are summed in float32 and then
-rounded once (engine/lora.row_parallel_delta, training/decoder.lora_linear). In bfloat16 on the CPU
+rounded once (engine/lora.row_parallel_delta, training/decoder.lora_linear). The engine's decode
+step (the spare rows' path, engine/lora.linear_with_lora) sums x_r W_r^T and x_r A_r^T in one
+all-reduce of the GEMM's whole float32 output, and every rank adds the delta after the sum, as
+one process adds it to its whole product. In bfloat16 on the CPU
 this makes the sharded forward bitwise the one-process forward; rounding each rank's partial
 output first changed 4 elements in 10 of a projection's output.
 
@@ -31,8 +34,8 @@ rank's output rows; a row layer's B is the leader's alone), so it is summed over
 
 Collectives: the engine's forward calls `all_reduce` (capturable in a CUDA graph): NCCL, or on GPUs
 a two-shot all-reduce through PyTorch's symmetric memory (`use_symmetric_memory`), whose NVLink
-loads and stores beat NCCL's ring at a decode step's sizes (a [256, 8256] float32 sum on two H200s:
-32 µs against NCCL's 82 µs, `benchmarks/RESULTS.md`). The trainer's forward calls `copy_to` before a column-parallel layer (identity;
+loads and stores beat NCCL's ring at a decode step's sizes (a [256, 5184] float32 sum in a decode
+step of a 32B model on two H200s: 23 µs against NCCL's 40 µs, `benchmarks/RESULTS.md`). The trainer's forward calls `copy_to` before a column-parallel layer (identity;
 backward: all-reduce of the input gradient) and `reduce_from` after a row-parallel one
 (all-reduce; backward: identity), Megatron's f and g operators (Shoeybi et al. 2019,
 arXiv 1909.08053, section 3), written as autograd Functions over `torch.distributed.all_reduce`.
