@@ -305,6 +305,27 @@ def test_row_parallel_partial_outputs_summed_in_float32_round_as_one_process():
     assert (summed != one).float().mean() < 0.01  # float32 sums in another order: a rare boundary case at most
 
 
+def test_a_decode_steps_gemm_output_summed_whole_once_rounds_as_one_process():
+    """The spare rows' path under TP (engine/lora.linear_with_lora, deferred delta): each rank's GEMM
+    writes x_r W_r^T and x_r A_r^T side by side in float32, into a given buffer (as into the
+    symmetric-memory one, `TensorParallel.all_reduce_buffer`), one all-reduce sums both, and the
+    delta is added after the sum, on every rank: in bf16 the one-process product."""
+    from tempering.engine.lora import expand
+    from tempering.modeling.precision import linear_f32
+    from tempering.training.decoder import lora_linear
+
+    x, W, A, B, halves = _row_parallel_case()
+    scale, cols = 2.0, [slice(0, 64)]
+    one = lora_linear(x, W, None, A, B, scale)
+    spare = torch.cat([W, A])  # A in the weight's spare rows
+    buffers = [torch.full((48, 68), float("nan")) for _ in halves]
+    partials = [linear_f32(x[:, h], spare[:, h], out=buf) for h, buf in zip(halves, buffers)]
+    assert all(p is buf for p, buf in zip(partials, buffers))  # written where it is summed
+    y = partials[0] + partials[1]  # the all-reduce
+    got = expand(y[:, :64], y[:, 64:], [B], cols, [scale], torch.bfloat16)
+    assert (got != one).float().mean() < 0.01  # float32 sums in another order: a rare boundary case at most
+
+
 def test_a_float32_partial_output_has_the_gradients_of_the_rounded_one():
     """The trainer's o/down under TP (out_dtype float32): the same gradients as the bf16 output for
     the same upstream gradient (the backward runs in the model dtype either way)."""

@@ -36,13 +36,15 @@ import torch.nn.functional as F
 __all__ = ["linear_f32"]
 
 
-def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) accumulated and returned in float32, whatever the inputs' dtype.
 
     Args:
         x: [N, in] (any float dtype; rows may be strided, the last dim contiguous).
         weight: [out, in] (x's dtype).
         bias: [out] or None.
+        out: a contiguous float32 [N, out] tensor to write the product into (returned), or None.
 
     Returns:
         [N, out] float32. On CUDA a bfloat16/float16 product runs in cuBLAS with a float32 output
@@ -50,12 +52,16 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         model-dtype GEMM without its final rounding; elsewhere the inputs are widened to float32
         (exact products, float32 sums).
     """
-    if x.dtype == torch.float32:
+    if x.dtype == torch.float32 and out is None:
         return F.linear(x, weight, bias)
-    if x.is_cuda:
-        y = torch.mm(x, weight.T, out_dtype=torch.float32)
-    else:
+    if x.dtype == torch.float32:
+        y = torch.mm(x, weight.T, out=out)
+    elif x.is_cuda:
+        y = torch.mm(x, weight.T, out_dtype=torch.float32, **({"out": out} if out is not None else {}))
+    elif out is None:
         y = x.float() @ weight.float().T
+    else:
+        y = torch.mm(x.float(), weight.float().T, out=out)
     if bias is not None:
         y += bias.float()
     return y

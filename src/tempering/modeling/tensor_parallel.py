@@ -175,12 +175,20 @@ class TensorParallel:
         buffer = self._symmetric
         if buffer is not None and x.dtype == torch.float32 and x.numel() <= buffer.numel() and x.is_cuda:
             out = buffer[:x.numel()].view(x.shape)
-            out.copy_(x)
+            if x.data_ptr() != out.data_ptr():  # not written there already (`all_reduce_buffer`)
+                out.copy_(x)
             torch.ops.symm_mem.two_shot_all_reduce_(out, "sum", self.engine_group.group_name)
             return out
         x = x.contiguous()
         dist.all_reduce(x, group=self.engine_group)
         return x
+
+    def all_reduce_buffer(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Where a float32 tensor of `shape` that `all_reduce` will sum can be written directly (the
+        symmetric-memory buffer, saving `all_reduce` its copy), or None (write it anywhere). Valid
+        until the engine's next `all_reduce`."""
+        buffer, numel = self._symmetric, math.prod(shape)
+        return buffer[:numel].view(shape) if buffer is not None and numel <= buffer.numel() else None
 
     def use_symmetric_memory(self, device: torch.device, numel: int) -> bool:
         """Give the engine's float32 all-reduces of up to `numel` values a buffer in PyTorch's symmetric
