@@ -60,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -677,6 +678,13 @@ def main() -> None:
         os.environ.update({**base, "RANK": "0", "LOCAL_RANK": "0"})
     try:
         run(args)
+    except BaseException:
+        # now, not after ranks 1..N-1 exit: they may wait for this rank in a collective until their timeout
+        traceback.print_exc()
+        sys.stderr.flush()
+        for p in procs:
+            p.kill()
+        raise
     finally:
         for p in procs:
             if p.wait(timeout=600) != 0:

@@ -83,13 +83,15 @@ def load_sharded_adapter(model: Any, adapter_dir: Path, adapter: str, tp: Tensor
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer, names: Sequence[str], tp: TensorParallel) -> dict:
     """The optimizer's state_dict with every per-parameter tensor gathered to the full parameter's
-    shape (collective), as one GPU's optimizer would hold it. `names`: the parameters' names, in
-    the optimizer's order."""
+    shape (collective), as one GPU's optimizer would hold it, in host memory (each tensor leaves
+    the GPU as soon as it is gathered: at 72B the full state is ~0.8 GB, which a GPU close to full
+    after a training step need not find). `names`: the parameters' names, in the optimizer's order."""
     state = optimizer.state_dict()
     full = {}
     for index, values in state["state"].items():
         dim = lora_shard_dim(names[index])
-        full[index] = {k: tp.gather(v, dim) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in values.items()}
+        full[index] = {k: tp.gather(v, dim).cpu() if torch.is_tensor(v) and v.dim() > 0 else v
+                       for k, v in values.items()}
     return {"state": full, "param_groups": state["param_groups"]}
 
 

@@ -315,10 +315,12 @@ class Trainer:
         device = self.params[0].device
         path = directory / "optimizer.pt"
         if path.is_file():
-            state = torch.load(path, map_location=device, weights_only=True)
-            if self.tp is not None:  # the full state, as one GPU saves it: this rank's slices
+            if self.tp is not None:  # the full state, as one GPU saves it: this rank's slices, cut on the host
+                state = torch.load(path, map_location="cpu", weights_only=True)
                 state = shard_optimizer_state(state, [n for n, _ in self.named_params], self.tp)
-            self.optimizer.load_state_dict(state)
+            else:
+                state = torch.load(path, map_location=device, weights_only=True)
+            self.optimizer.load_state_dict(state)  # moves the state to its parameters' device
         state_path = directory / "trainer_state.json"
         if state_path.is_file():
             state = json.loads(state_path.read_text())
