@@ -216,6 +216,8 @@ class TensorParallel:
         agreed = torch.tensor([int(ok)], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.engine_group)  # every rank or none
         self._symmetric = buffer if bool(agreed.item()) else None
+        if self._symmetric is not None:
+            log.info("the engine's all-reduces of up to %d float32 values use symmetric memory", numel)
         return self._symmetric is not None
 
     # ---- the trainer's collectives (autograd-aware) ---------------------------------------------
