@@ -176,8 +176,9 @@ class ModelRunner:
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=link.tp.engine_group)
             self.num_blocks = int(count.item())
             # a decode step's partial outputs summed through symmetric memory (prefills' larger ones: NCCL)
-            rows = max(config.max_num_seqs, config.max_graph_batch_size)
-            link.tp.use_symmetric_memory(self.device, rows * model.partial_width)
+            width = getattr(model, "partial_width", None)
+            if width is not None:
+                link.tp.use_symmetric_memory(self.device, max(config.max_num_seqs, config.max_graph_batch_size) * width)
         shape = (model.num_layers, 2, self.num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
         # a mixture of experts records each cached token's experts beside its K/V (routing.py)
