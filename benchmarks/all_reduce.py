@@ -64,8 +64,9 @@ def run() -> None:
 
     shapes = {"f32_256x8256": ((256, 8256), torch.float32), "f32_64x8256": ((64, 8256), torch.float32),
               "bf16_256x8192": ((256, 8192), torch.bfloat16)}
-    out: dict = {"benchmark": "all_reduce", "gpus": dist.get_world_size(), "machine": torch.cuda.get_device_name(device),
-                 "torch": torch.__version__, "all_reduces_per_graph": ALL_REDUCES_PER_GRAPH, "us": {}}
+    out: dict = {"benchmark": "all_reduce", "gpus": dist.get_world_size(),
+                 "machine": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                 "all_reduces_per_graph": ALL_REDUCES_PER_GRAPH, "us": {}}
     for name, (shape, dtype) in shapes.items():
         nccl = time_graph(lambda b: dist.all_reduce(b), lambda: torch.randn(shape, device=device).to(dtype))
         buffer = symm_mem.empty(shape, dtype=dtype, device=device)
@@ -95,7 +96,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     base = {"WORLD_SIZE": str(args.gpus), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [subprocess.Popen([sys.executable, __file__], env={**os.environ, **base, "RANK": str(r), "LOCAL_RANK": str(r)})
+    procs = [subprocess.Popen([sys.executable, __file__],
+                              env={**os.environ, **base, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(args.gpus)]
     sys.exit(max(p.wait() for p in procs))
 

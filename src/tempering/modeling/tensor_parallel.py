@@ -35,8 +35,9 @@ rank's output rows; a row layer's B is the leader's alone), so it is summed over
 Collectives: the engine's forward calls `all_reduce` (capturable in a CUDA graph): NCCL, or on GPUs
 a two-shot all-reduce through PyTorch's symmetric memory (`use_symmetric_memory`), whose NVLink
 loads and stores beat NCCL's ring at a decode step's sizes (a [256, 5184] float32 sum in a decode
-step of a 32B model on two H200s: 23 µs against NCCL's 40 µs, `benchmarks/RESULTS.md`). The trainer's forward calls `copy_to` before a column-parallel layer (identity;
-backward: all-reduce of the input gradient) and `reduce_from` after a row-parallel one
+step of a 32B model on two H200s: 23 µs against NCCL's 40 µs, `benchmarks/RESULTS.md`). The
+trainer's forward calls `copy_to` before a column-parallel layer (identity; backward: all-reduce
+of the input gradient) and `reduce_from` after a row-parallel one
 (all-reduce; backward: identity), Megatron's f and g operators (Shoeybi et al. 2019,
 arXiv 1909.08053, section 3), written as autograd Functions over `torch.distributed.all_reduce`.
 `torch.distributed.nn.functional.all_reduce` is not used: its backward all-reduces the gradient,
@@ -201,18 +202,19 @@ class TensorParallel:
         variable TEMPERING_SYMMETRIC_MEMORY is "0". Its two-shot kernel loads and stores peers'
         memory directly: it needs no NVLink multicast (NVLS).
         """
-        if device.type != "cuda" or os.environ.get(SYMMETRIC_MEMORY_ENV, "1") == "0":
+        if device.type != "cuda":
             return False
-        buffer = None
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
+        buffer, ok = None, os.environ.get(SYMMETRIC_MEMORY_ENV, "1") != "0"
+        if ok:
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
 
-            buffer = symm_mem.empty(numel, dtype=torch.float32, device=device)
-            symm_mem.rendezvous(buffer, self.engine_group.group_name)
-            ok = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
-        except Exception as exc:  # an older torch, or no peer access between these GPUs
-            log.warning("the engine's all-reduces stay on NCCL: symmetric memory is not available (%r)", exc)
-            ok = False
+                buffer = symm_mem.empty(numel, dtype=torch.float32, device=device)
+                symm_mem.rendezvous(buffer, self.engine_group.group_name)
+                ok = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
+            except Exception as exc:  # an older torch, or no peer access between these GPUs
+                log.warning("the engine's all-reduces stay on NCCL: symmetric memory is not available (%r)", exc)
+                ok = False
         agreed = torch.tensor([int(ok)], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.engine_group)  # every rank or none
         self._symmetric = buffer if bool(agreed.item()) else None
