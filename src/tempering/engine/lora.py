@@ -205,14 +205,15 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
             return linear_f32(x, full_w[:num_out], bias).to(out_dtype), None
         return F.linear(x, full_w[:num_out], bias), None
     rows = num_out + spare_rows_for(g.num_rows, num_out)
-    summed = defer and g.BT is not None and tp is not None  # the ranks' x W^T and x A^T summed in one all-reduce
+    defers = defer and g.BT is not None
+    summed = defers and tp is not None  # the ranks' x W^T and x A^T summed in one all-reduce
     buffer = tp.all_reduce_buffer((x.shape[0], rows)) if summed else None  # the GEMM writes where it is summed
     y = linear_f32(x, full_w[:rows], full_b[:rows] if full_b is not None else None, out=buffer)  # [N, rows] float32
     if summed:
         y = tp.all_reduce(y)
     out = y[:, :num_out]
     t = y[:, num_out:num_out + g.num_rows]
-    if defer and g.BT is not None:
+    if defers:
         return out, Deferred(t, g)
     if tp is not None:
         t = row_parallel_delta(t, tp)

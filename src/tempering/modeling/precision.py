@@ -54,14 +54,13 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """
     if x.dtype == torch.float32 and out is None:
         return F.linear(x, weight, bias)
+    into = {"out": out} if out is not None else {}
     if x.dtype == torch.float32:
-        y = torch.mm(x, weight.T, out=out)
+        y = torch.mm(x, weight.T, **into)
     elif x.is_cuda:
-        y = torch.mm(x, weight.T, out_dtype=torch.float32, **({"out": out} if out is not None else {}))
-    elif out is None:
-        y = x.float() @ weight.float().T
+        y = torch.mm(x, weight.T, out_dtype=torch.float32, **into)
     else:
-        y = torch.mm(x.float(), weight.float().T, out=out)
+        y = torch.matmul(x.float(), weight.float().T, **into)
     if bias is not None:
         y += bias.float()
     return y

@@ -173,9 +173,8 @@ class TensorParallel:
         valid until the engine's next `all_reduce`, and x is left as it was. Otherwise NCCL sums x
         (made contiguous) in place, and the result is x.
         """
-        buffer = self._symmetric
-        if buffer is not None and x.dtype == torch.float32 and x.numel() <= buffer.numel() and x.is_cuda:
-            out = buffer[:x.numel()].view(x.shape)
+        out = self.all_reduce_buffer(x.shape) if x.dtype == torch.float32 and x.is_cuda else None
+        if out is not None:
             if x.data_ptr() != out.data_ptr():  # not written there already (`all_reduce_buffer`)
                 out.copy_(x)
             torch.ops.symm_mem.two_shot_all_reduce_(out, "sum", self.engine_group.group_name)

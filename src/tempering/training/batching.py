@@ -81,7 +81,6 @@ class RowShape:
         K = _pow2(len(micro.key_index) + T - micro.num_tokens)  # padding segments attend to themselves
         return cls(T, N, S, L, K, max(_pow2(micro.max_key_len), L))
 
-
     @classmethod
     def padded(cls, micro: MicroBatch, multiple: int) -> RowShape:
         """`micro`'s own sizes with its tokens padded up to a multiple of `multiple` (one padding
