@@ -175,7 +175,7 @@ def make_prompts(tokenizer, renderer, count: int, num_tokens: int, seed: int = 0
 
 
 async def run(base_model: str, root: Path, device: str, shapes: dict, in_process: bool = True, gpus: int = 1,
-              dedicated: bool = False, batch_invariant: bool = False) -> dict:
+              dedicated: bool = False, batch_invariant: bool = False, work_sharing: bool = True) -> dict:
     import tempering as art
 
     groups, group_size, iterations = shapes["groups"], shapes["group_size"], shapes["iterations"]
@@ -197,7 +197,7 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
         tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(base_model).model_ref)
         renderer, engine = ChatRenderer(tokenizer), None
     prompts = iter(make_prompts(tokenizer, renderer, groups * (3 * iterations + 4), shapes["prompt_tokens"]))
-    config = art.TrainConfig(learning_rate=1e-5)  # LoRA r8 (the model's default)
+    config = art.TrainConfig(learning_rate=1e-5, work_sharing=work_sharing)  # LoRA r8 (the model's default)
     rewards = random.Random(0)
     client = model.openai_client()
 
@@ -248,6 +248,14 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
     phases = ("prepare", "checkpoint", "send_adapter", "write_trajectories", "wall")
     piped_phases = {name: round(statistics.mean(rows[first_step + i].get(f"time/step_{name}_s", 0.0)
                                                  for i in range(1, iterations + 1)), 3) for name in phases}
+
+    def shared(row: dict) -> str | None:  # dedicated mode: micro-batches the serving GPUs computed, of all
+        if "data/step_micro_batches" not in row:
+            return None
+        return f"{row['data/step_micro_batches_shared']:.0f}/{row['data/step_micro_batches']:.0f}"
+
+    sequential_shared = [shared(rows[first_step - iterations + i]) for i in range(iterations)]
+    piped_shared = [shared(rows[first_step + i]) for i in range(iterations + 1)]
     await backend.close()
 
     seq_s = statistics.mean(it["s"] for it in sequential)
@@ -259,7 +267,8 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
         "benchmark": "rl_loop",
         "device": device,
         "server": "this process" if in_process else "a child process (LocalBackend(in_process=False))",
-        "gpus": gpus, "layout": "dedicated (GPU 0 trains, the others serve)" if dedicated else
+        "gpus": gpus, "layout": ("dedicated (GPU 0 trains, the others serve" + (" and share the step when idle)"
+                                                                             if work_sharing else ")")) if dedicated else
         ("shared (every GPU serves and trains)" if gpus > 1 else "one device"),
         "machine": torch.cuda.get_device_name(gpu) if gpu.type == "cuda" else "cpu",
         "model": base_model if device == "cpu" else "Qwen2.5-1.5B-shaped random bf16 (SmolLM2 tokenizer)",
@@ -285,6 +294,8 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
         "pipelined_rescore_s": round(statistics.mean(piped_rescore), 3),  # of which exact mode's rescoring
         "pipelined_train_call_s": piped_phases,  # the train call: its wall time and its phases beside the step
         "pipelined_stale_groups_dropped": piped.num_stale_groups_dropped,
+        "sequential_micro_batches_shared": sequential_shared if dedicated else None,
+        "pipelined_micro_batches_shared": piped_shared if dedicated else None,
         "ratio_s_per_iteration": round(pipe_s / seq_s, 3),
         "ratio_trained_tokens_per_s": round(pipe_tps / seq_tps, 3),
         "torch": torch.__version__,
@@ -306,6 +317,8 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=1, help="processes (GPUs; on CPU, gloo processes) to run on")
     parser.add_argument("--dedicated", action="store_true",
                         help="with --gpus N: GPU 0 trains and the others serve (LocalBackend(dedicated=True))")
+    parser.add_argument("--no-work-sharing", action="store_true",
+                        help="with --dedicated: every step on GPU 0 alone (TrainConfig(work_sharing=False))")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="exact on-policy: the engine's batch-invariant mode (EngineConfig.batch_invariant)")
     args = parser.parse_args()
@@ -326,7 +339,8 @@ def main() -> None:
         else:
             base_model = "SmolLM2-135M-Instruct"
         record = asyncio.run(run(base_model, Path(tmp) / "runs", args.device, shapes, in_process=not args.child_process,
-                                 gpus=args.gpus, dedicated=args.dedicated, batch_invariant=args.batch_invariant))
+                                 gpus=args.gpus, dedicated=args.dedicated, batch_invariant=args.batch_invariant,
+                                 work_sharing=not args.no_work_sharing))
     print(file=sys.stderr, flush=True)  # end the progress bars' line: with 2>&1 the JSON then starts a line of its own
     print(json.dumps(record), flush=True)
 

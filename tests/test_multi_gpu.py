@@ -192,7 +192,10 @@ def dedicated(request, tiny_model_dir, tmp_path_factory):
             seen: dict = {"before": on_rank_1(), "rank_0_before": replica_probes(service)[0][1]}
             for step in (1, 2):
                 groups = await groups_from_rollouts(model)
-                seen[f"result_{step}"] = await model.train(groups, config=art.TrainConfig(learning_rate=5e-2))
+                # rows of 64 tokens: step 2 has several micro-batches for rank 1 to share (step 1 cannot be
+                # shared: rank 1 gets the adapter after it)
+                config = art.TrainConfig(learning_rate=5e-2, micro_batch_tokens=64)
+                seen[f"result_{step}"] = await model.train(groups, config=config)
                 seen[f"live_{step}"] = on_rank_1()
                 seen[f"saved_{step}"] = on_rank_1(step=step)
             seen["requests_per_replica"] = list(service.router.num_requests)
@@ -209,6 +212,9 @@ def test_dedicated_mode_serves_from_rank_1_only_and_trains_on_rank_0(dedicated):
     seen, path = dedicated
     assert seen["requests_per_replica"] == [6]  # one replica (rank 1): 3 groups x 2 steps
     assert seen["step"] == 2 and seen["result_2"].metrics["loss/grad_norm"] > 0
+    # the second step was offered to rank 1 (work sharing), which computed the rows it claimed while idle
+    assert "data/step_micro_batches" not in seen["result_1"].metrics
+    assert seen["result_2"].metrics["data/step_micro_batches"] >= 2
     checkpoints = path / "mgpu" / "models" / "tiny-dedicated" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["0001", "0002"]
 

@@ -350,6 +350,11 @@ class TrainConfig(BaseModel):
     Mixture of experts (Qwen3-MoE): with `moe_routing_replay` (default) each token is routed to
     the experts the sampler routed it to (`choice.routed_experts`, which `model.openai_client()`
     asks for), as ART's Megatron backend does; False lets the trainer route by itself (to compare).
+
+    Dedicated mode (GPU 0 trains, the others serve): with `work_sharing` (default) a serving GPU
+    whose engine has nothing to decode computes part of the step's gradient, micro-batch by
+    micro-batch (training/work_sharing.py), for steps with one optimizer update (`batch_size`
+    None) outside exact on-policy mode. False keeps every step on GPU 0.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -383,6 +388,8 @@ class TrainConfig(BaseModel):
     cuda_graphs: bool = Field(default=True, description="on a GPU, replay each row's forward/backward from a CUDA graph")
     logprob_chunk_size: int = Field(default=1024, ge=16)
     save_checkpoint: bool = True
+    work_sharing: bool = Field(default=True, description="dedicated mode: idle serving GPUs compute part of the "
+                                                         "step's gradient")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -45,5 +45,10 @@ def config() -> TrainConfig:
     return TrainConfig(learning_rate=1e-2, batch_size=4, micro_batch_tokens=64, cuda_graphs=False)
 
 
+def shared_config(**kwargs) -> TrainConfig:
+    # one optimizer update (work sharing needs it), rows of at most 64 tokens: several micro-batches
+    return TrainConfig(learning_rate=1e-2, micro_batch_tokens=64, cuda_graphs=False, **kwargs)
+
+
 def sft_batches() -> list[tuple[list[TokenizedSequence], float]]:
     return [(sequences(5, n=6), 1e-2), (sequences(6, n=5), 5e-3)]

@@ -6,6 +6,9 @@
 must make it rank 0's everywhere), a checkpoint after the first written by rank 0, a fresh
 trainer restored from it on every rank taking the second step again, and an SFT step.
 "faults": a step in which rank 1 raises, a step after it, then rank 1 exits and rank 0 steps.
+"shared": work sharing (dedicated mode): rank 0 steps, rank 1 helps with micro-batches it claims
+(every one it can, then none), then a step in which each rank fails in turn, and one that rank 0
+refuses before any claim.
 Each rank saves what it saw to OUT_DIR/rank{RANK}.pt (tensors on the CPU). On "cuda" rank r
 computes on cuda:r and the ranks talk through NCCL; on "cpu" through gloo.
 """
@@ -22,11 +25,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from dp_data import config, make_trainer, sequences, sft_batches
+from dp_data import config, make_trainer, sequences, sft_batches, shared_config
 from rank_processes import start_rank
 
 from tempering.storage import write_atomically
 from tempering.training.data_parallel import DataParallel
+from tempering.training.work_sharing import SharedUpdate
 
 
 def params(trainer) -> list[torch.Tensor]:
@@ -82,12 +86,42 @@ def faults(rank: int, dp: DataParallel, out: Path, result: dict, device: torch.d
     os._exit(0)  # the group is broken: skip its teardown
 
 
+def shared(rank: int, dp: DataParallel, out: Path, result: dict, device: torch.device) -> None:
+    store = dist.PrefixStore("shared/", dist.distributed_c10d._get_default_store())
+    trainer = make_trainer(seed=0, device=device)  # the same adapter on both ranks, as after a broadcast
+    cfg = shared_config()
+
+    def update(key: str, seqs, *, claim=True, cfg=cfg) -> None:
+        sharing = SharedUpdate(dp, store, key)
+        if rank == 0:
+            if claim:
+                store.wait([key])  # rank 1 has claimed its first micro-batch: both ranks compute some
+            result[f"{key}_metrics"] = trainer.step(seqs, cfg, sharing=sharing).values
+            result[f"{key}_params"] = params(trainer)
+        else:
+            result[f"{key}_computed"] = trainer.help_update(seqs, cfg, sharing, lambda: claim)
+
+    update("both", sequences(1))
+    update("rank0", sequences(2), claim=False)
+    before = params(trainer)
+    rows_run = trainer.rows.run
+    for failing in (0, 1):
+        if rank == failing:
+            trainer.rows.run = lambda *a, **k: (_ for _ in ()).throw(MemoryError(f"rank {rank} ran out of memory"))
+        attempt(result, f"fail{failing}_error", lambda: update(f"fail{failing}", sequences(3)))
+        trainer.rows.run = rows_run
+    # rank 0 refuses a step it cannot share (several updates) before any claim: rank 1 must not wait for it
+    attempt(result, "refused_error", lambda: update("refused", sequences(3), claim=False,
+                                                    cfg=shared_config(batch_size=4)))
+    result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params(trainer)))
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank, device = start_rank(sys.argv[3] if len(sys.argv) > 3 else "cpu", bind_device=True,
                               timeout=datetime.timedelta(seconds=30))
     result: dict = {}
-    {"train": train, "faults": faults}[scenario](rank, DataParallel(), out, result, device)
+    {"train": train, "faults": faults, "shared": shared}[scenario](rank, DataParallel(), out, result, device)
     torch.save(result, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 

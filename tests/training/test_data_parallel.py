@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 import rank_processes  # noqa: E402
-from dp_data import config, make_trainer, sequences, sft_batches
+from dp_data import config, make_trainer, sequences, sft_batches, shared_config
 
 from tempering.training.data_parallel import DataParallel
 
@@ -111,3 +111,38 @@ def test_a_rank_that_dies_gives_an_error_on_the_others_not_a_hang(faulted):
     rank0, _ = faulted
     assert rank0["dead_error"] is not None and "Connection" in rank0["dead_error"], rank0["dead_error"]
     assert rank0["dead_unchanged"]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return run_ranks("shared", tmp_path_factory.mktemp("shared"))
+
+
+def test_a_step_shared_with_an_idle_rank_gives_the_update_of_one_rank(shared):
+    """Work sharing (dedicated mode): rank 1 computes the micro-batches it claims, rank 0 the rest;
+    the summed gradient gives rank 0's step alone, whoever computed which row."""
+    rank0, rank1 = shared
+    single = make_trainer(seed=0)
+    metrics = single.step(sequences(1), shared_config()).values
+    assert_close(rank0["both_params"], single_params(single))
+    for key in ("loss/train", "loss/grad_norm", "loss/entropy", "offpolicy/ratio_max", "data/step_completion_tokens"):
+        assert rank0["both_metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+    count = rank0["both_metrics"]["data/step_micro_batches"]
+    assert count >= 3 and 1 <= rank1["both_computed"] < count  # both ranks computed rows
+    assert rank0["both_metrics"]["data/step_micro_batches_shared"] == rank1["both_computed"]
+    # a rank whose engine is never idle claims nothing: rank 0 computes every row
+    single.step(sequences(2), shared_config())
+    assert_close(rank0["rank0_params"], single_params(single))
+    assert rank1["rank0_computed"] == 0 and rank0["rank0_metrics"]["data/step_micro_batches_shared"] == 0
+
+
+def test_a_failure_in_a_shared_step_stops_both_ranks_and_changes_nothing(shared):
+    rank0, rank1 = shared
+    assert rank0["fail0_error"] == "MemoryError: rank 0 ran out of memory"
+    assert rank1["fail0_error"].startswith("DistributedError: 1 other rank(s) failed")
+    assert rank1["fail1_error"] == "MemoryError: rank 1 ran out of memory"
+    assert rank0["fail1_error"].startswith("DistributedError: 1 other rank(s) failed")
+    # rank 0 refused the step before any claim (several updates): rank 1 is released, not left waiting
+    assert rank0["refused_error"].startswith("ValueError: a shared step has one optimizer update")
+    assert rank1["refused_error"].startswith("DistributedError: 1 other rank(s) failed")
+    assert rank0["unchanged"] and rank1["unchanged"]

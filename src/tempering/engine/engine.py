@@ -153,6 +153,12 @@ class Engine:
     def device(self):
         return self.model.device
 
+    @property
+    def is_idle(self) -> bool:
+        """Whether the engine has nothing queued, running or in flight on the device (a snapshot,
+        read without the worker's lock: a request may arrive the next moment)."""
+        return not (self._inbox or self._pending or self._launched or self._awaiting)
+
     # ---- public API ---------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy,

@@ -76,11 +76,12 @@ class RankInfo:
         return self.local_world_size < self.world_size
 
 
-def _keys() -> tuple[str, str]:
-    """The store keys of the control listener's address and of the process group, per torchrun
-    restart (`--max-restarts`), so that a restarted run never reads the previous one's."""
+def _keys() -> tuple[str, str, str]:
+    """The store keys of the control listener's address, of the process group and of the
+    services' own keys (work_sharing.py), per torchrun restart (`--max-restarts`), so that a
+    restarted run never reads the previous one's."""
     prefix = f"tempering/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return f"{prefix}/control", f"{prefix}/pg"
+    return f"{prefix}/control", f"{prefix}/pg", f"{prefix}/services/"
 
 
 def _device(device_type: str, local_rank: int) -> torch.device:
@@ -132,6 +133,11 @@ class Driver:
     @property
     def device(self) -> torch.device:
         return self.info.device
+
+    @property
+    def store(self) -> dist.Store:
+        """A store of this run's that every rank reaches (under its own key prefix)."""
+        return dist.PrefixStore(_keys()[2], self._store)
 
     @property
     def nodes(self) -> list[int]:
@@ -355,7 +361,8 @@ def _accept(listener: Listener, count: int, procs: dict[int, subprocess.Popen],
     return conns
 
 
-def join(*, device_type: str, timeout_s: float = 600.0, start_timeout_s: float = 600.0) -> tuple[RankInfo, Connection]:
+def join(*, device_type: str, timeout_s: float = 600.0,
+         start_timeout_s: float = 600.0) -> tuple[RankInfo, Connection, dist.Store]:
     """Join the run as a worker (rank > 0), from torchrun's variables: connect to the driver's
     channel (on this machine or another), say who this is (rank, pid, node, hostname), then join
     the process group.
@@ -366,7 +373,8 @@ def join(*, device_type: str, timeout_s: float = 600.0, start_timeout_s: float =
         start_timeout_s: how long to wait for the driver's rendezvous.
 
     Returns:
-        (this rank's RankInfo, the connection to serve with `channel.serve`).
+        (this rank's RankInfo, the connection to serve with `channel.serve`, a store of the run's
+        that every rank reaches, as `Driver.store`).
 
     Raises:
         DistributedError: if LOCAL_RANK has no GPU here, or the driver's channel cannot be reached.
@@ -383,4 +391,4 @@ def join(*, device_type: str, timeout_s: float = 600.0, start_timeout_s: float =
     keep_alive(conn)
     conn.send(("hello", info.rank, os.getpid(), info.node, info.host))
     _init_group(store, info, timeout_s)
-    return info, conn
+    return info, conn, dist.PrefixStore(_keys()[2], store)

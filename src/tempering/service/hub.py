@@ -77,7 +77,7 @@ class ModelHub:
             _check_device(device)
         self.root = Path(root)
         self.driver = driver
-        self.dp = DataParallel() if driver is not None else None
+        self.dp = DataParallel(store=driver.store) if driver is not None else None
         self.device = str(driver.device) if driver is not None else device
         self.engine_config = engine_config or EngineConfig()
         dtype_named(dtype)  # a name it does not know fails here, at startup
@@ -242,7 +242,7 @@ class ModelHub:
         rank (the ones already registered stay on this process alone)."""
         with self._lock:
             self.driver = driver
-            self.dp = DataParallel()
+            self.dp = DataParallel(store=driver.store)
             self.device = str(driver.device)
 
     @property

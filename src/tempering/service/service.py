@@ -45,6 +45,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -67,6 +68,7 @@ from ..storage import ModelPaths, append_history, latest_step, list_checkpoints,
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
 from ..training.data_parallel import DataParallel
 from ..training.policy_age import policy_age_metrics
+from ..training.work_sharing import SharedUpdate
 from ..training.sft import sft_batches, sft_sequences
 from ..training.trainer import ADAPTER_NAME
 from ..types import (
@@ -220,6 +222,7 @@ class ModelService:
         # one training call at a time; also excludes loading a step's adapter (PEFT's module tree changes)
         self.train_lock = threading.RLock()
         self._train_stream: torch.cuda.Stream | None = None  # the trainer's CUDA stream (made on first use)
+        self._helpers_step: int | None = None  # dedicated rank 0: the step whose adapter the serving ranks hold
         if self.step > 0 or (paths.checkpoint(0) / "adapter_config.json").is_file():
             checkpoint = paths.checkpoint(self.step)
             self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate, dp=self.dp, tp=self.tp)
@@ -455,10 +458,18 @@ class ModelService:
             new_step = data_step + 1
             checkpoint = self.paths.checkpoint(new_step)
             ages = policy_age_metrics(groups, data_step)
-            # the other ranks take their part of the step (follow_train) while this one takes its own
-            with self._followed("follow_train", sequences=sequences, config=config, new_step=new_step,
-                                skip=self.dedicated):
-                trainer = self._prepare_trainer(config)
+            sharing = None
+            with contextlib.ExitStack() as followers:
+                if self.dedicated:  # the serving ranks compute part of the step when they are idle (help_train)
+                    trainer = self._prepare_trainer(config)
+                    sharing = self._shared_update(trainer, sequences, config, data_step)
+                    if sharing is not None:
+                        followers.enter_context(self._followed("help_train", sequences=sequences, config=config,
+                                                               data_step=data_step, key=sharing.key))
+                else:  # the other ranks take their part of the step (follow_train) while this one takes its own
+                    followers.enter_context(self._followed("follow_train", sequences=sequences, config=config,
+                                                           new_step=new_step))
+                    trainer = self._prepare_trainer(config)
 
                 def commit() -> None:
                     if config.save_checkpoint:
@@ -471,7 +482,7 @@ class ModelService:
                     if sequences:
                         metrics = trainer.step(
                             sequences, config, commit=commit, on_update=lambda info: emit({"type": "update", **info}),
-                            version=new_step, scorer=self._exact_scorer(),
+                            version=new_step, scorer=self._exact_scorer(), sharing=sharing,
                         ).values
                     else:
                         # the client reports it to the user (backends.base.report_nothing_learned); the
@@ -582,6 +593,39 @@ class ModelService:
 
     # ---- dedicated mode: the adapter from the training rank to the serving ranks ----------------
 
+    def _shared_update(self, trainer: Trainer, sequences: list[TokenizedSequence], config: TrainConfig,
+                       data_step: int) -> SharedUpdate | None:
+        """Dedicated rank 0: the step's update shared with the serving ranks (work_sharing.py), or
+        None when it cannot be: `config.work_sharing` off, nothing to train, several optimizer
+        updates, exact on-policy mode (its scorer is rank 0's engine), no store, a trainer or an
+        engine of a transformers fallback (the serving rank's engine would wait for the whole
+        call), or serving ranks that do not hold the adapter of `data_step` yet (they get it after
+        rank 0's first step, `_send_adapter`)."""
+        group = self._adapter_group
+        if not (config.work_sharing and sequences and group is not None and group.store is not None
+                and self._helpers_step == data_step and trainer.decoder is not None
+                and isinstance(self.engine, Engine) and self._exact_scorer() is None
+                and Trainer.count_updates(sequences, config) == 1):
+            return None
+        return SharedUpdate(group, group.store, f"{self.paths.name}/{data_step}/{secrets.token_hex(8)}")
+
+    def help_train(self, sequences: list[TokenizedSequence], config: TrainConfig, data_step: int, key: str) -> int:
+        """Dedicated serving rank: compute micro-batches of rank 0's step on the adapter of `data_step`
+        while this rank's engine is idle, and add their gradient to rank 0's (work_sharing.py).
+        Returns the micro-batches computed here.
+
+        Raises:
+            DistributedError: when rank 0's part of the step failed.
+        """
+        with self.train_lock:
+            sharing = SharedUpdate(self._adapter_group, self._adapter_group.store, key)
+            trainer = self.trainer  # rank 0 shares only once this rank holds its adapter (receive_adapter)
+            # the adapter this rank holds must be the one rank 0 trains from; if not, this rank claims nothing
+            same = self.step == data_step
+            with self._training(trainer):
+                return trainer.help_update(sequences, config, sharing, lambda: same and self.engine.is_idle)
+
+
     def _send_adapter(self, trainer: Trainer, new_step: int) -> None:
         """Dedicated rank 0, after a training call: broadcast the adapter's tensors to the serving
         ranks (`receive_adapter`). Called with the trainer's stream current, so the broadcast
@@ -590,6 +634,7 @@ class ModelService:
             return
         with self._followed("receive_adapter", lora=trainer.lora, new_step=new_step):
             self._adapter_group.broadcast_(trainer.params, src=0)
+        self._helpers_step = new_step  # the serving ranks' adapter: they may share the next step
 
     def receive_adapter(self, lora: LoRAConfig, new_step: int) -> None:
         """Dedicated serving rank: take rank 0's adapter after its training call of `new_step`.

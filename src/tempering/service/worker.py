@@ -54,9 +54,9 @@ class WorkerHub:
         info: this rank's place in the run (its device).
     """
 
-    def __init__(self, info: RankInfo) -> None:
+    def __init__(self, info: RankInfo, store: dist.Store | None = None) -> None:
         self.info = info
-        self.dp = DataParallel()
+        self.dp = DataParallel(store=store)
         self.services: dict[str, ModelService] = {}
         # for requests that may block (see submit)
         self._helpers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tempering-submit")
@@ -89,6 +89,11 @@ class WorkerHub:
 
     def follow_train_sft(self, *, name: str, per_trajectory: list, config: TrainSFTConfig, new_step: int) -> None:
         self._service(name).follow_train_sft(per_trajectory, config, new_step)
+
+    def help_train(self, *, name: str, sequences: list, config: TrainConfig, data_step: int, key: str) -> int:
+        """Dedicated mode: micro-batches of rank 0's step while this rank's engine is idle
+        (ModelService.help_train)."""
+        return self._service(name).help_train(sequences, config, data_step, key)
 
     def receive_adapter(self, *, name: str, lora: LoRAConfig, new_step: int) -> None:
         """Dedicated mode: rank 0's adapter after its training call (ModelService.receive_adapter)."""
@@ -149,12 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # a rank that hangs (a collective no peer joins) shows where: `kill -USR1 PID` prints every thread's stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    info, conn = join(device_type=args.device_type, timeout_s=args.timeout_s)
+    info, conn, store = join(device_type=args.device_type, timeout_s=args.timeout_s)
     where = f" node {info.node}" if info.spans_nodes else ""
     logging.basicConfig(level=logging.INFO, format=f"[rank {info.rank}{where}] %(levelname)s %(name)s: %(message)s")
     if info.device.type == "cpu":  # the ranks of this machine share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
-    hub = WorkerHub(info)
+    hub = WorkerHub(info, store)
     if not serve(conn, hub, rank=info.rank):  # serve logged why
         os._exit(1)  # a call may be blocked in a collective with a dead rank: do not wait for it
     hub.close()

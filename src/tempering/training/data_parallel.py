@@ -32,15 +32,18 @@ class DataParallel:
     Args:
         group: the torch.distributed process group (None: the default group, which must be
             initialized).
+        store: a store every rank of the group reaches (the run's rendezvous store), for work
+            shared by claims (work_sharing.py); None: no sharing.
 
     Raises:
         RuntimeError: if torch.distributed is not initialized.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, store: dist.Store | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialized (init_process_group)")
         self.group = group
+        self.store = store
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         # the global rank of this group's first member: the source of `broadcast_`

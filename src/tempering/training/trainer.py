@@ -62,6 +62,7 @@ from .moe import MoEPackedDecoder, expert_modules_of, expert_target_modules
 from .objective import STATS, histogram_quantile, rl_objective
 from .tensor_parallel import full_optimizer_state, load_sharded_adapter, save_full_adapter, shard_optimizer_state
 from .tokenize import TokenizedSequence
+from .work_sharing import MicroBatchClaims, SharedUpdate, run_claimed
 
 __all__ = ["ADAPTER_NAME", "StepMetrics", "Trainer"]
 
@@ -226,6 +227,7 @@ class Trainer:
         self._updates_this_step = 0  # optimizer updates taken by the running step
         self._num_rescored: int | None = None  # the running step's trained tokens rescored (None: no scorer)
         self._rescore_s = 0.0  # the running step's seconds in the scorer
+        self._shared_rows: tuple[int, int] | None = None  # a shared update's (micro-batches, computed here)
 
     def _check_tensor_parallel(self, peft_model: Any) -> None:
         for name, _ in self.named_params:
@@ -348,6 +350,7 @@ class Trainer:
         on_update: Callable[[dict[str, float]], None] | None = None,
         version: int | None = None,
         scorer: Callable[[list[list[int]], list[list[float]]], list[list[float]]] | None = None,
+        sharing: SharedUpdate | None = None,
     ) -> StepMetrics:
         """One RL step on sequences whose `advantage` is set.
 
@@ -359,14 +362,22 @@ class Trainer:
         each update, the engine's teacher-forced logprobs of each sequence's tokens 1..T-1 under
         the current weights (Engine.score); the objective then takes its logprobs' values from it
         and their gradient from this trainer's forward (exact on-policy with a batch-invariant
-        engine).
+        engine). `sharing`: the step's one update is shared with other ranks, which call
+        `help_update` with the same sequences (work_sharing.py; the step must have one update).
 
         Raises:
             ConfigError: if `sequences` is empty.
+            ValueError: with `sharing`, if the step has several updates (`config.batch_size`) or a `scorer`.
         """
-        if not sequences:
-            raise ConfigError("nothing to train on: every sequence was filtered out")
-        return self._undoable(lambda: self._step(sequences, config, on_update, version, scorer), commit)
+        try:
+            if not sequences:
+                raise ConfigError("nothing to train on: every sequence was filtered out")
+            if sharing is not None and (scorer is not None or self.count_updates(sequences, config) != 1):
+                raise ValueError("a shared step has one optimizer update (config.batch_size None) and no scorer")
+            return self._undoable(lambda: self._step(sequences, config, on_update, version, scorer, sharing), commit)
+        finally:
+            if sharing is not None and not sharing.reduced:  # failed before its sum: release the other ranks
+                sharing.abandon(self.rows.grad_buffers, len(STATS))
 
     def _undoable(self, run: Callable[[], StepMetrics], commit: Callable[[], None] | None) -> StepMetrics:
         """`_undoable_on_this_thread` with the trainer's GPU as the calling thread's current CUDA device.
@@ -420,7 +431,7 @@ class Trainer:
             self._undo = None
 
     def _step(self, sequences: list[TokenizedSequence], config: TrainConfig, on_update=None,
-              version: int | None = None, scorer=None) -> StepMetrics:
+              version: int | None = None, scorer=None, sharing: SharedUpdate | None = None) -> StepMetrics:
         start = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = config.learning_rate
@@ -429,10 +440,11 @@ class Trainer:
             self.model.train()
         self._updates_this_step, self._num_rescored = 0, 0 if scorer is not None else None
         self._rescore_s = 0.0
+        self._shared_rows = None
         totals = _Totals()
         try:
             with self._forward_mode(config.gradient_checkpointing):
-                self._run_minibatches(sequences, config, totals, on_update, version, scorer)
+                self._run_minibatches(sequences, config, totals, on_update, version, scorer, sharing)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         totals.values()  # waits for the device: the step time below is the whole step's
@@ -486,21 +498,26 @@ class Trainer:
             disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
             disable()
 
+    def _objective_key(self, config: TrainConfig, scorer: bool) -> tuple:
+        """Everything the captured objective depends on besides the row's shape."""
+        return (config.loss_fn, config.clip_low, config.clip_high, config.truncated_importance_sampling,
+                config.decoupled, config.importance_ratio_mask, config.kl_penalty_coef, config.kl_estimator,
+                config.logprob_chunk_size, self._checkpointing, scorer)
+
     def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals,
-                         on_update=None, version: int | None = None, scorer=None) -> None:
+                         on_update=None, version: int | None = None, scorer=None,
+                         sharing: SharedUpdate | None = None) -> None:
         minibatches = self._minibatches(sequences, config)
         capture = self._can_capture(config)
-        # everything the captured objective depends on besides the row's shape
-        key = (config.loss_fn, config.clip_low, config.clip_high, config.truncated_importance_sampling, config.decoupled,
-               config.importance_ratio_mask, config.kl_penalty_coef, config.kl_estimator, config.logprob_chunk_size,
-               self._checkpointing, scorer is not None)
+        key = self._objective_key(config, scorer is not None)
         objective = lambda row: rl_objective(self._row_logprobs, row, config)
         failure: Exception | None = None  # of this rank, carried to the next collective (data_parallel.py)
         for index, minibatch in enumerate(minibatches):
             weights = token_weights(minibatch, config.aggregation, config.dr_grpo_normalizer)
             totals.tokens += sum(len(s) for s in minibatch)
             stats = self._accumulate(minibatch, weights, config.micro_batch_tokens, objective, key, capture=capture,
-                                     failure=failure, num_stats=len(STATS), max_index=_MAX, scorer=scorer)
+                                     failure=failure, num_stats=len(STATS), max_index=_MAX, scorer=scorer,
+                                     sharing=sharing)
             if stats is not None:
                 totals.add(stats)
             try:
@@ -524,21 +541,53 @@ class Trainer:
         if failure is not None:
             raise failure
 
+    def help_update(self, sequences: list[TokenizedSequence], config: TrainConfig, sharing: SharedUpdate,
+                    may_claim: Callable[[], bool]) -> int:
+        """A serving rank's part of another rank's shared update (work_sharing.py): claim micro-batches
+        of `sequences` (those of that rank's `step(sequences, config, sharing=...)`, on the same
+        adapter) while `may_claim()` holds, add their gradients to the group's sum, and leave this
+        trainer's adapter, optimizer and `.grad` as they were. Returns the micro-batches computed here.
+
+        Raises:
+            DistributedError: when another rank's part failed (this rank's own error propagates).
+        """
+        device = self.params[0].device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            objective = lambda row: rl_objective(self._row_logprobs, row, config)
+            self._shared_rows = None
+            try:
+                if not self.model.training:
+                    self.model.train()
+                weights = token_weights(sequences, config.aggregation, config.dr_grpo_normalizer)
+                with self._forward_mode(config.gradient_checkpointing):
+                    self._accumulate(sequences, weights, config.micro_batch_tokens, objective,
+                                     self._objective_key(config, False), capture=self._can_capture(config),
+                                     failure=None, num_stats=len(STATS), max_index=_MAX, sharing=sharing,
+                                     may_claim=may_claim)
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+                sharing.abandon(self.rows.grad_buffers, len(STATS))  # failed before the sum: stop the others
+        return self._shared_rows[1] if self._shared_rows is not None else 0
+
     def _accumulate(self, sequences: list[TokenizedSequence], weights: list[float], max_tokens: int,
                     objective: Callable[[Row], tuple[torch.Tensor, torch.Tensor]], key: Any, *, capture: bool,
                     failure: Exception | None, num_stats: int, max_index: int | None,
-                    scorer=None) -> torch.Tensor | None:
+                    scorer=None, sharing: SharedUpdate | None = None,
+                    may_claim: Callable[[], bool] | None = None) -> torch.Tensor | None:
         """One update's gradient of `sequences` into the accumulators, installed as the parameters'
         `.grad`; returns the update's statistics ([num_stats] sums; None: no row trained anything).
 
-        With data parallelism this rank runs only its share of the sequences and the gradients and
-        statistics are summed over the ranks (`max_index`: the statistic that is a max); a failure
-        on any rank (`failure`, this rank's from earlier in the step, or one raised here) is then
-        raised on every rank, as DistributedError on the others. Without, errors propagate.
+        With data parallelism this rank runs only its share of the sequences, with `sharing` only
+        the micro-batches it claims (`may_claim`: a serving rank's condition, see work_sharing.py);
+        the gradients and statistics are then summed over the ranks (`max_index`: the statistic
+        that is a max), and a failure on any rank (`failure`, this rank's from earlier in the step,
+        or one raised here) is raised on every rank, as DistributedError on the others. Without,
+        errors propagate.
         """
         self.optimizer.zero_grad(set_to_none=True)
         self.rows.begin_update()
         stats = None
+        group = sharing.group if sharing is not None else self.dp
         if self.dp is not None:
             mine = self.dp.shard([len(s) for s in sequences])
             sequences, weights = [sequences[i] for i in mine], [weights[i] for i in mine]
@@ -549,19 +598,35 @@ class Trainer:
                     self._num_rescored += _attach_exact_logprobs(sequences, scorer,
                                                                  weights_changed=self._updates_this_step > 0)
                     self._rescore_s += time.perf_counter() - began
-                for micro in pack_sequences(sequences, max_tokens=max_tokens, weights=weights,
-                                            share_prefixes=self.share_prompts):
-                    if not micro.loss_mask[0, 1:].any():
-                        continue  # nothing trained in this row
-                    stats = _combine(stats, self.rows.run(micro, objective, key, capture=capture), max_index)
+                micros = pack_sequences(sequences, max_tokens=max_tokens, weights=weights,
+                                        share_prefixes=self.share_prompts)
+
+                def run(index: int) -> None:
+                    nonlocal stats
+                    micro = micros[index]
+                    if micro.loss_mask[0, 1:].any():  # else nothing is trained in this row
+                        stats = _combine(stats, self.rows.run(micro, objective, key, capture=capture), max_index)
+
+                if sharing is None:
+                    for index in range(len(micros)):
+                        run(index)
+                else:
+                    claims = MicroBatchClaims(sharing.store, sharing.key, len(micros))
+                    run_claimed(claims, run, device=self.params[0].device, may_claim=may_claim,
+                                poll_s=sharing.poll_s)
+                    self._shared_rows = (len(micros), claims.num_claimed)
         except Exception as exc:
-            if self.dp is None:
+            if group is None:
                 raise
             failure = exc
-        if self.dp is not None:
+        if group is not None:
             local = stats if stats is not None else torch.zeros(num_stats, device=self.params[0].device)
-            stats, num_failed = self.dp.reduce_update(self.rows.grad_buffers, local, failed=failure is not None,
-                                                      max_index=max_index)
+            if sharing is not None:
+                sharing.reduced = True  # this rank's one try (a dead rank's error must not bring a second)
+            stats, num_failed = group.reduce_update(self.rows.grad_buffers, local, failed=failure is not None,
+                                                    max_index=max_index)
+            if sharing is not None and group.rank == 0:  # every rank is past its claims
+                sharing.close()
             if failure is not None:
                 raise failure
             if num_failed:
@@ -684,15 +749,19 @@ class Trainer:
 
     def _minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig) -> list[list[TokenizedSequence]]:
         """Whole trajectories per mini-batch, shuffled (with the saved RNG) when there are several."""
-        by_trajectory: dict[tuple[int, int], list[TokenizedSequence]] = {}
-        for s in sequences:
-            by_trajectory.setdefault((s.group_index, s.trajectory_index), []).append(s)
-        trajectories = list(by_trajectory.values())
+        trajectories = _by_trajectory(sequences)
         size = config.batch_size or len(trajectories)
         if size < len(trajectories):
             self.rng.shuffle(trajectories)
         minibatches = [sum(trajectories[i:i + size], []) for i in range(0, len(trajectories), size)]
         return [m for m in minibatches if any(s.num_completion_tokens for s in m)]
+
+    @staticmethod
+    def count_updates(sequences: list[TokenizedSequence], config: TrainConfig) -> int:
+        """How many mini-batches (optimizer updates) `step(sequences, config)` splits the sequences
+        into, counting any with nothing to train; the RNG is not touched."""
+        count = len(_by_trajectory(sequences))
+        return -(-count // (config.batch_size or max(count, 1)))
 
     def _logprobs(self, micro: MicroBatch, chunk_size: int = 1024, *, lora: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs [N] and entropies [N] of a packed row's trained tokens, in row order."""
@@ -745,6 +814,9 @@ class Trainer:
             "time/step_trainer_s": elapsed,
             "throughput/trainer_tok_per_s": totals.tokens / elapsed if elapsed > 0 else 0.0,
         }
+        if self._shared_rows is not None:  # work sharing: the micro-batches the serving ranks computed
+            metrics["data/step_micro_batches"] = float(self._shared_rows[0])
+            metrics["data/step_micro_batches_shared"] = float(self._shared_rows[0] - self._shared_rows[1])
         if t["first_trained"]:  # before any update: the engine-vs-trainer mismatch alone
             metrics["offpolicy/mismatch_abs_logprob"] = t["first_mismatch_abs"] / t["first_trained"]
             metrics["offpolicy/mismatch_kl"] = t["first_mismatch_k3"] / t["first_trained"]
@@ -804,6 +876,14 @@ class Trainer:
             self.optimizer.state[self.params[i]] = dict(extra)
         for (i, k), tensor in zip(undo.keys, undo.tensors[n:]):
             self.optimizer.state[self.params[i]][k] = tensor
+
+
+def _by_trajectory(sequences: list[TokenizedSequence]) -> list[list[TokenizedSequence]]:
+    """The sequences of each trajectory, in order of first appearance."""
+    by_trajectory: dict[tuple[int, int], list[TokenizedSequence]] = {}
+    for s in sequences:
+        by_trajectory.setdefault((s.group_index, s.trajectory_index), []).append(s)
+    return list(by_trajectory.values())
 
 
 def _attach_exact_logprobs(sequences: list[TokenizedSequence], scorer, *, weights_changed: bool) -> int:
