@@ -157,8 +157,6 @@ def main(argv: list[str] | None = None) -> None:
     info, conn, store = join(device_type=args.device_type, timeout_s=args.timeout_s)
     where = f" node {info.node}" if info.spans_nodes else ""
     logging.basicConfig(level=logging.INFO, format=f"[rank {info.rank}{where}] %(levelname)s %(name)s: %(message)s")
-    if info.device.type == "cpu":  # the ranks of this machine share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     hub = WorkerHub(info, store)
     if not serve(conn, hub, rank=info.rank):  # serve logged why
         os._exit(1)  # a call may be blocked in a collective with a dead rank: do not wait for it
