@@ -101,11 +101,13 @@ def _init_group(store: dist.Store, info: RankInfo, timeout_s: float) -> None:
     if dist.is_initialized():
         raise DistributedError("torch.distributed is already initialized in this process; a multi-GPU tempering run "
                                "starts its own process group: run it in a process of its own")
+    is_cuda = info.device.type == "cuda"
     # the ranks of this machine share its cores: with every process at the default (all cores), the
     # parallel CPU kernels of N ranks at once (a checkpoint's slicing, say) spun against each other
-    # and took 70 s for what takes 1.5 s (four H200 ranks on 64 cores, loading a 72B adapter's state)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
-    is_cuda = info.device.type == "cuda"
+    # and took 70 s for what takes 1.5 s (four H200 ranks on 64 cores, loading a 72B adapter's state).
+    # A CPU run's driver (a test's own process, whose other work needs its cores) keeps its threads.
+    if is_cuda or info.rank > 0:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     dist.init_process_group("nccl" if is_cuda else "gloo", store=dist.PrefixStore(_keys()[1], store),
                             rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=info.device if is_cuda else None)
