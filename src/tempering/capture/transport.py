@@ -17,7 +17,8 @@ concurrent rollouts: httpx 0.28's connection pool (httpcore 1.0) scans every con
 queued request whenever one starts or ends, where httpx2's does not. 256 concurrent completions
 of 4 tokens through a kept-alive pool (tiny model, 2-core CPU, `.scratch`-style probe) took 5.7 s
 through httpx and 1.8 s through httpx2, whose first request reached the engine after 0.8 s
-instead of 2.6 s.
+instead of 2.6 s. httpx2's pool still walks all its connections at each start and end, so the
+default transport spreads the requests over several pools (`ShardedPoolTransport`).
 """
 
 from __future__ import annotations
@@ -208,12 +209,40 @@ def _teed(response: httpx.Response, pending: _Pending | None, tee: type) -> http
     return httpx.Response(response.status_code, headers=response.headers, stream=stream, extensions=response.extensions)
 
 
+class ShardedPoolTransport(httpx.AsyncBaseTransport):
+    """httpx's own transport, `shards` times over, requests dealt to them in turn: `shards`
+    connection pools that share the openai SDK's connection limits.
+
+    A pool re-examines every one of its connections whenever a request starts or ends, so an RL
+    batch's burst of N concurrent requests costs it O(N^2) Python calls; over K pools it costs
+    O(N^2 / K). 256 concurrent completions through one pool spent ~1 s of a 2.8 s gather's host
+    work there (py-spy of `benchmarks/endpoint_overhead.py`, 2-core CPU).
+    """
+
+    def __init__(self, shards: int = 16, limits: httpx.Limits = _LIMITS) -> None:
+        per = lambda n: None if n is None else max(1, -(-n // shards))  # noqa: E731 (ceil, None kept)
+        shard_limits = httpx.Limits(max_connections=per(limits.max_connections),
+                                    max_keepalive_connections=per(limits.max_keepalive_connections),
+                                    keepalive_expiry=limits.keepalive_expiry)
+        self.shards = [httpx.AsyncHTTPTransport(limits=shard_limits) for _ in range(shards)]
+        self._next = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        shard = self.shards[self._next]
+        self._next = (self._next + 1) % len(self.shards)
+        return await shard.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for shard in self.shards:
+            await shard.aclose()
+
+
 class AsyncCaptureTransport(httpx.AsyncBaseTransport):
-    """Forwards to `transport` (default: httpx's, with the openai SDK's connection limits) and
-    hands each chat completion to the listeners in context."""
+    """Forwards to `transport` (default: httpx's, with the openai SDK's connection limits, over
+    several pools: `ShardedPoolTransport`) and hands each chat completion to the listeners in context."""
 
     def __init__(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.transport = transport or httpx.AsyncHTTPTransport(limits=_LIMITS)
+        self.transport = transport or ShardedPoolTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         pending = _watch(request)
