@@ -67,3 +67,24 @@ def test_the_turn_cache_gives_back_the_sampled_ids_not_a_retokenization(tokenize
     assert tokenizer.decode(ids) == renderer.render_text(follow_up)
     # without the cache the same text is re-tokenized, differently
     assert renderer.render_prompt(follow_up)[: len(prompt) + len(completion)] != prompt + completion
+
+
+def test_a_prompt_sent_again_is_tokenized_once_and_the_oldest_texts_are_forgotten(tokenizer):
+    calls = []
+
+    class Counting:
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return tokenizer(text, **kwargs)
+
+    turns = TurnCache(Counting(), text_capacity=2)
+    texts = ["an RL group's prompt", "another prompt", "a third"]
+    first = turns.tokenize(texts[0])
+    assert first == tokenizer(texts[0], add_special_tokens=False)["input_ids"]
+    for _ in range(7):  # the group's other rollouts send the same prompt
+        ids = turns.tokenize(texts[0])
+        assert ids == first and ids is not first  # a list of its own each time
+    assert calls == [texts[0]]
+    turns.tokenize(texts[1]), turns.tokenize(texts[2])  # the first is now the oldest of three: forgotten
+    turns.tokenize(texts[0])
+    assert calls == [texts[0], texts[1], texts[2], texts[0]]

@@ -7,10 +7,14 @@ completion, the exact prompt + completion ids and their text; when a new convers
 text starts with that text, the new prompt reuses those ids and only tokenizes what follows. The
 model then sees exactly what it produced, the engine's prefix cache hits, and the trainer can
 merge the turns into one sequence.
+
+It also remembers the ids of recently tokenized texts: an RL group's rollouts send the same
+prompt n times, and tokenizing it was a quarter of the server's work on a gather of 256 rollouts.
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import threading
 from dataclasses import dataclass
@@ -32,12 +36,15 @@ class TurnCache:
     Args:
         tokenizer: decodes ids to the template's text (special tokens kept).
         capacity: how many completions to remember (least recently used ones are forgotten).
+        text_capacity: how many tokenized texts to remember (their ids as 4-byte integers).
     """
 
-    def __init__(self, tokenizer: Any, capacity: int = 4096) -> None:
+    def __init__(self, tokenizer: Any, capacity: int = 4096, text_capacity: int = 256) -> None:
         self.tokenizer = tokenizer
         self.capacity = capacity
+        self.text_capacity = text_capacity
         self._turns: collections.OrderedDict[tuple, list[_Turn]] = collections.OrderedDict()
+        self._texts: collections.OrderedDict[str, array.array] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     @staticmethod
@@ -78,5 +85,19 @@ class TurnCache:
                     turn.text = self.tokenizer.decode(turn.ids, skip_special_tokens=False)
                 if text.startswith(turn.text):
                     rest = text[len(turn.text):]
-                    return turn.ids + (self.tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else [])
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                    return turn.ids + (self.tokenize(rest) if rest else [])
+        return self.tokenize(text)
+
+    def tokenize(self, text: str) -> list[int]:
+        """`text`'s token ids (no special tokens added), remembered for the next request that sends it."""
+        with self._lock:
+            ids = self._texts.get(text)
+            if ids is not None:
+                self._texts.move_to_end(text)
+                return ids.tolist()
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        with self._lock:
+            self._texts[text] = array.array("i", ids)
+            while len(self._texts) > self.text_capacity:
+                self._texts.popitem(last=False)
+        return ids

@@ -68,9 +68,9 @@ from ..storage import ModelPaths, append_history, latest_step, list_checkpoints,
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
 from ..training.data_parallel import DataParallel
 from ..training.policy_age import policy_age_metrics
-from ..training.work_sharing import SharedUpdate
 from ..training.sft import sft_batches, sft_sequences
 from ..training.trainer import ADAPTER_NAME
+from ..training.work_sharing import SharedUpdate
 from ..types import (
     LoRAConfig,
     TrainConfig,
@@ -478,6 +478,8 @@ class ModelService:
                         timings["time/step_checkpoint_s"] = time.perf_counter() - saving
                         emit({"type": "checkpoint", "step": new_step})
 
+                if sharing is not None:  # whatever fails before the step's sum, the serving ranks are released
+                    followers.callback(trainer.release_shared, sharing)
                 with self._training(trainer):
                     if sequences:
                         metrics = trainer.step(
@@ -624,7 +626,6 @@ class ModelService:
             same = self.step == data_step
             with self._training(trainer):
                 return trainer.help_update(sequences, config, sharing, lambda: same and self.engine.is_idle)
-
 
     def _send_adapter(self, trainer: Trainer, new_step: int) -> None:
         """Dedicated rank 0, after a training call: broadcast the adapter's tensors to the serving

@@ -376,8 +376,13 @@ class Trainer:
                 raise ValueError("a shared step has one optimizer update (config.batch_size None) and no scorer")
             return self._undoable(lambda: self._step(sequences, config, on_update, version, scorer, sharing), commit)
         finally:
-            if sharing is not None and not sharing.reduced:  # failed before its sum: release the other ranks
-                sharing.abandon(self.rows.grad_buffers, len(STATS))
+            if sharing is not None:  # failed before its sum: release the other ranks
+                self.release_shared(sharing)
+
+    def release_shared(self, sharing: SharedUpdate) -> None:
+        """Unless this rank already took part in `sharing`'s sum: take part as a failed rank, so that
+        the ranks that share it stop (their part raises DistributedError) instead of waiting."""
+        sharing.abandon(self.rows.grad_buffers, len(STATS))
 
     def _undoable(self, run: Callable[[], StepMetrics], commit: Callable[[], None] | None) -> StepMetrics:
         """`_undoable_on_this_thread` with the trainer's GPU as the calling thread's current CUDA device.
@@ -566,7 +571,7 @@ class Trainer:
                                      may_claim=may_claim)
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
-                sharing.abandon(self.rows.grad_buffers, len(STATS))  # failed before the sum: stop the others
+                self.release_shared(sharing)  # failed before the sum: stop the others
         return self._shared_rows[1] if self._shared_rows is not None else 0
 
     def _accumulate(self, sequences: list[TokenizedSequence], weights: list[float], max_tokens: int,
