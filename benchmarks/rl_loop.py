@@ -23,8 +23,13 @@ trains while nothing is left to gather; 3 iterations or more).
                                                   # 128-token prompts, 1024 new tokens, 5 iterations
     python benchmarks/rl_loop.py --child-process  # the server in a child process (in_process=False)
     python benchmarks/rl_loop.py --device cuda --gpus 2 --dedicated
-                                                  # GPU 0 trains, GPU 1 serves (dedicated mode); on
-                                                  # CPU the same with two gloo processes
+                                                  # GPU 0 trains, GPU 1 serves (dedicated mode) and
+                                                  # computes part of each step when idle (work
+                                                  # sharing; --no-work-sharing: GPU 0 alone); on CPU
+                                                  # the same with two gloo processes
+
+In dedicated mode the JSON also says how many of each step's micro-batches the serving GPUs
+computed (`*_micro_batches_shared`, "shared/all").
 
 On CUDA the model is built as in gpu_loop.py (random weights: speed does not depend on them) with
 the default model's tokenizer and chat template (`--tokenizer-dir`, default: the converted
