@@ -5,10 +5,10 @@
 "train": two RL steps from a tiny random Llama whose adapter differs per rank (the first step
 must make it rank 0's everywhere), a checkpoint after the first written by rank 0, a fresh
 trainer restored from it on every rank taking the second step again, and an SFT step.
-"faults": a step in which rank 1 raises, a step after it, then rank 1 exits and rank 0 steps.
-"shared": work sharing (dedicated mode): rank 0 steps, rank 1 helps with micro-batches it claims
-(every one it can, then none), then a step in which each rank fails in turn, and one that rank 0
-refuses before any claim.
+"faults": first work sharing (dedicated mode): rank 0 steps, rank 1 helps with micro-batches it
+claims (every one it can, then none), then a shared step in which each rank fails in turn, and one
+that rank 0 refuses before any claim; then a data-parallel step in which rank 1 raises, a step
+after it, and rank 1 exits and rank 0 steps.
 Each rank saves what it saw to OUT_DIR/rank{RANK}.pt (tensors on the CPU). On "cuda" rank r
 computes on cuda:r and the ranks talk through NCCL; on "cpu" through gloo.
 """
@@ -65,6 +65,7 @@ def train(rank: int, dp: DataParallel, out: Path, result: dict, device: torch.de
 
 
 def faults(rank: int, dp: DataParallel, out: Path, result: dict, device: torch.device) -> None:
+    shared(rank, dp, out, result, device)  # before rank 1 exits: the same two processes serve both
     trainer = make_trainer(seed=rank, dp=dp, device=device)
     trainer.step(sequences(1), config())
     before = params(trainer)
@@ -121,7 +122,7 @@ def main() -> None:
     rank, device = start_rank(sys.argv[3] if len(sys.argv) > 3 else "cpu", bind_device=True,
                               timeout=datetime.timedelta(seconds=30))
     result: dict = {}
-    {"train": train, "faults": faults, "shared": shared}[scenario](rank, DataParallel(), out, result, device)
+    {"train": train, "faults": faults}[scenario](rank, DataParallel(), out, result, device)
     torch.save(result, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -113,15 +113,10 @@ def test_a_rank_that_dies_gives_an_error_on_the_others_not_a_hang(faulted):
     assert rank0["dead_unchanged"]
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    return run_ranks("shared", tmp_path_factory.mktemp("shared"))
-
-
-def test_a_step_shared_with_an_idle_rank_gives_the_update_of_one_rank(shared):
+def test_a_step_shared_with_an_idle_rank_gives_the_update_of_one_rank(faulted):
     """Work sharing (dedicated mode): rank 1 computes the micro-batches it claims, rank 0 the rest;
     the summed gradient gives rank 0's step alone, whoever computed which row."""
-    rank0, rank1 = shared
+    rank0, rank1 = faulted
     single = make_trainer(seed=0)
     metrics = single.step(sequences(1), shared_config()).values
     assert_close(rank0["both_params"], single_params(single))
@@ -136,8 +131,8 @@ def test_a_step_shared_with_an_idle_rank_gives_the_update_of_one_rank(shared):
     assert rank1["rank0_computed"] == 0 and rank0["rank0_metrics"]["data/step_micro_batches_shared"] == 0
 
 
-def test_a_failure_in_a_shared_step_stops_both_ranks_and_changes_nothing(shared):
-    rank0, rank1 = shared
+def test_a_failure_in_a_shared_step_stops_both_ranks_and_changes_nothing(faulted):
+    rank0, rank1 = faulted
     assert rank0["fail0_error"] == "MemoryError: rank 0 ran out of memory"
     assert rank1["fail0_error"].startswith("DistributedError: 1 other rank(s) failed")
     assert rank1["fail1_error"] == "MemoryError: rank 1 ran out of memory"
