@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .data_parallel import DataParallel
 
-__all__ = ["MicroBatchClaims", "SharedUpdate"]
+__all__ = ["MicroBatchClaims", "SharedUpdate", "run_claimed"]
 
 
 class MicroBatchClaims:
@@ -87,9 +87,14 @@ class SharedUpdate:
             pass
 
     def abandon(self, grad_buffers: list[torch.Tensor], num_stats: int) -> None:
-        """Rank 0's part when its step failed before the sum: claim every micro-batch left, so that
-        no other rank starts one, and join the sum as a failed rank, so that the others stop (their
-        part raises DistributedError). Does nothing once `reduced`."""
+        """This rank's part when it failed before the sum: claim every micro-batch left, so that no
+        other rank starts one, and join the sum as a failed rank, so that the others stop (their
+        part raises DistributedError). Does nothing once `reduced`.
+
+        Args:
+            grad_buffers: this rank's flat gradient buffers (their shapes and dtypes are the sum's).
+            num_stats: the length of the statistics vector the ranks sum beside them.
+        """
         if self.reduced:
             return
         self.reduced = True
