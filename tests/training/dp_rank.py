@@ -109,7 +109,7 @@ def shared(rank: int, dp: DataParallel, out: Path, result: dict, device: torch.d
     for failing in (0, 1):
         if rank == failing:
             trainer.rows.run = lambda *a, **k: (_ for _ in ()).throw(MemoryError(f"rank {rank} ran out of memory"))
-        attempt(result, f"fail{failing}_error", lambda: update(f"fail{failing}", sequences(3)))
+        attempt(result, f"fail{failing}_error", lambda failing=failing: update(f"fail{failing}", sequences(3)))
         trainer.rows.run = rows_run
     # rank 0 refuses a step it cannot share (several updates) before any claim: rank 1 must not wait for it
     attempt(result, "refused_error", lambda: update("refused", sequences(3), claim=False,

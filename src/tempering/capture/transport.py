@@ -220,7 +220,9 @@ class ShardedPoolTransport(httpx.AsyncBaseTransport):
     """
 
     def __init__(self, shards: int = 16, limits: httpx.Limits = _LIMITS) -> None:
-        per = lambda n: None if n is None else max(1, -(-n // shards))  # noqa: E731 (ceil, None kept)
+        def per(n: int | None) -> int | None:  # a shard's part of a limit (None: no limit)
+            return None if n is None else max(1, -(-n // shards))
+
         shard_limits = httpx.Limits(max_connections=per(limits.max_connections),
                                     max_keepalive_connections=per(limits.max_keepalive_connections),
                                     keepalive_expiry=limits.keepalive_expiry)

@@ -19,6 +19,7 @@ has nothing to decode, and stops asking once every row is claimed.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ import torch.distributed as dist
 from .data_parallel import DataParallel
 
 __all__ = ["MicroBatchClaims", "SharedUpdate", "run_claimed"]
+
+log = logging.getLogger(__name__)
 
 
 class MicroBatchClaims:
@@ -83,8 +86,8 @@ class SharedUpdate:
         """Drop the claims' counter from the store (once every rank is past its claims)."""
         try:
             self.store.delete_key(self.key)
-        except Exception:  # a store that cannot delete keeps a few bytes per update
-            pass
+        except (RuntimeError, NotImplementedError) as exc:  # a store that cannot delete keeps a few bytes
+            log.debug("could not delete the claims counter %s: %r", self.key, exc)
 
     def abandon(self, grad_buffers: list[torch.Tensor], num_stats: int) -> None:
         """This rank's part when it failed before the sum: claim every micro-batch left, so that no
