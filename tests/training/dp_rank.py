@@ -96,11 +96,23 @@ def shared(rank: int, dp: DataParallel, out: Path, result: dict, device: torch.d
         sharing = SharedUpdate(dp, store, key)
         if rank == 0:
             if claim:
-                store.wait([key])  # rank 1 has claimed its first micro-batch: both ranks compute some
+                store.wait([key])  # rank 1 has claimed its first micro-batch
             result[f"{key}_metrics"] = trainer.step(seqs, cfg, sharing=sharing).values
             result[f"{key}_params"] = params(trainer)
         else:
-            result[f"{key}_computed"] = trainer.help_update(seqs, cfg, sharing, lambda: claim)
+            # the first micro-batch at once, the next ones once rank 0 has claimed one: both ranks compute
+            # rows, however fast rank 1 is (alone it could claim them all before rank 0 starts)
+            claimed = []
+
+            def may_claim() -> bool:
+                if not claim:
+                    return False
+                if not claimed:
+                    claimed.append(True)
+                    return True
+                return store.add(key, 0) >= 2
+
+            result[f"{key}_computed"] = trainer.help_update(seqs, cfg, sharing, may_claim)
 
     update("both", sequences(1))
     update("rank0", sequences(2), claim=False)
