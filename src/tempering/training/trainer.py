@@ -369,20 +369,23 @@ class Trainer:
             ConfigError: if `sequences` is empty.
             ValueError: with `sharing`, if the step has several updates (`config.batch_size`) or a `scorer`.
         """
+        failed = True
         try:
             if not sequences:
                 raise ConfigError("nothing to train on: every sequence was filtered out")
             if sharing is not None and (scorer is not None or self.count_updates(sequences, config) != 1):
                 raise ValueError("a shared step has one optimizer update (config.batch_size None) and no scorer")
-            return self._undoable(lambda: self._step(sequences, config, on_update, version, scorer, sharing), commit)
+            metrics = self._undoable(lambda: self._step(sequences, config, on_update, version, scorer, sharing), commit)
+            failed = False
+            return metrics
         finally:
-            if sharing is not None:  # failed before its sum: release the other ranks
-                self.release_shared(sharing)
+            if sharing is not None:  # left before its sum: release the other ranks
+                self.release_shared(sharing, failed=failed)
 
-    def release_shared(self, sharing: SharedUpdate) -> None:
-        """Unless this rank already took part in `sharing`'s sum: take part as a failed rank, so that
-        the ranks that share it stop (their part raises DistributedError) instead of waiting."""
-        sharing.abandon(self.rows.grad_buffers, len(STATS))
+    def release_shared(self, sharing: SharedUpdate, *, failed: bool = True) -> None:
+        """Unless this rank already took part in `sharing`'s sum: take part with nothing, so that the
+        ranks that share it do not wait; with `failed`, their part raises DistributedError."""
+        sharing.release(self.rows.grad_buffers, len(STATS), failed=failed)
 
     def _undoable(self, run: Callable[[], StepMetrics], commit: Callable[[], None] | None) -> StepMetrics:
         """`_undoable_on_this_thread` with the trainer's GPU as the calling thread's current CUDA device.
@@ -571,7 +574,7 @@ class Trainer:
                                      may_claim=may_claim)
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
-                self.release_shared(sharing)  # failed before the sum: stop the others
+                self.release_shared(sharing)  # left before the sum (it raised): stop the others
         return self._shared_rows[1] if self._shared_rows is not None else 0
 
     def _accumulate(self, sequences: list[TokenizedSequence], weights: list[float], max_tokens: int,

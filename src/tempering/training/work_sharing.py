@@ -89,14 +89,16 @@ class SharedUpdate:
         except (RuntimeError, NotImplementedError) as exc:  # a store that cannot delete keeps a few bytes
             log.debug("could not delete the claims counter %s: %r", self.key, exc)
 
-    def abandon(self, grad_buffers: list[torch.Tensor], num_stats: int) -> None:
-        """This rank's part when it failed before the sum: claim every micro-batch left, so that no
-        other rank starts one, and join the sum as a failed rank, so that the others stop (their
-        part raises DistributedError). Does nothing once `reduced`.
+    def release(self, grad_buffers: list[torch.Tensor], num_stats: int, *, failed: bool) -> None:
+        """This rank's part when it leaves before the sum (it failed, or had no row to train):
+        claim every micro-batch left, so that no other rank starts one, and join the sum with
+        zeros, so that the others do not wait; with `failed` as a failed rank, so that their part
+        raises DistributedError. Does nothing once `reduced`.
 
         Args:
             grad_buffers: this rank's flat gradient buffers (their shapes and dtypes are the sum's).
             num_stats: the length of the statistics vector the ranks sum beside them.
+            failed: whether this rank's part failed.
         """
         if self.reduced:
             return
@@ -104,7 +106,7 @@ class SharedUpdate:
         self.store.add(self.key, 1 << 40)
         device = grad_buffers[0].device
         self.group.reduce_update([torch.zeros_like(b) for b in grad_buffers], torch.zeros(num_stats, device=device),
-                                 failed=True)
+                                 failed=failed)
         self.close()
 
 
