@@ -215,8 +215,8 @@ class ShardedPoolTransport(httpx.AsyncBaseTransport):
 
     A pool re-examines every one of its connections whenever a request starts or ends, so an RL
     batch's burst of N concurrent requests costs it O(N^2) Python calls; over K pools it costs
-    O(N^2 / K). 256 concurrent completions through one pool spent ~1 s of a 2.8 s gather's host
-    work there (py-spy of `benchmarks/endpoint_overhead.py`, 2-core CPU).
+    O(N^2 / K). With 256 concurrent completions through one pool, py-spy put 4.8 s of a run of
+    `benchmarks/endpoint_overhead.py --iterations 3` there (2.8 s median a gather, 2-core CPU).
     """
 
     def __init__(self, shards: int = 16, limits: httpx.Limits = _LIMITS) -> None:
