@@ -9,6 +9,8 @@ in a fresh directory, and prints one JSON line with, per seed:
   tokens before the step's first update (mean, and the upper edge of the histogram bin holding
   the 99th percentile), as `offpolicy/mismatch_abs_logprob[_p99]` in history.jsonl;
 - `grad_norm_median`, `grad_norm_max`: over the run's steps;
+- `micro_batches`, `micro_batches_shared`: per step, the step's micro-batches and those another
+  rank computed (work sharing in dedicated mode, `--gpus N --dedicated`);
 - `seconds`, and an `error` instead of the figures when a seed's run fails;
 
 and over seeds the mean gain, the smallest gain, the largest per-step mismatch mean and p99,
@@ -18,6 +20,9 @@ and the largest ratio of a step's gradient norm to its run's median.
     python benchmarks/learning.py --device cuda --seeds 0 1 2 3 4
     python benchmarks/learning.py --device cuda --batch-invariant     # exact on-policy
     python benchmarks/learning.py --device cuda --dtype float32       # the float32 reference on a GPU
+    python benchmarks/learning.py --device cuda --gpus 2 --dedicated --train-option micro_batch_tokens=256
+        # GPU 0 trains, GPU 1 serves and computes part of each step (work sharing): small micro-batches
+        # give a step of the demo several to share
 """
 
 from __future__ import annotations
@@ -45,14 +50,15 @@ def _value(text: str):
 
 
 async def one_seed(seed: int, root: Path, device: str | None, train_options: dict, batch_invariant: bool,
-                   dtype: str | None = None) -> dict:
+                   dtype: str | None = None, gpus: int = 1, dedicated: bool = False) -> dict:
     from tempering.demo.run import run_demo_async
     from tempering.storage import read_history
 
     start = time.perf_counter()
     result = await run_demo_async(path=root, seed=seed, name=f"learning-{seed}", device=device,
                                   train_options=train_options or None, echo=lambda line: None,
-                                  engine_config={"batch_invariant": True} if batch_invariant else None, dtype=dtype)
+                                  engine_config={"batch_invariant": True} if batch_invariant else None, dtype=dtype,
+                                  gpus=gpus, dedicated=dedicated)
     rows = [r for r in read_history(result.history_path) if "loss/grad_norm" in r or "offpolicy/mismatch_abs_logprob" in r]
     mismatch = [r["offpolicy/mismatch_abs_logprob"] for r in rows if r.get("offpolicy/mismatch_abs_logprob") is not None]
     p99 = [r["offpolicy/mismatch_abs_logprob_p99"] for r in rows
@@ -67,6 +73,8 @@ async def one_seed(seed: int, root: Path, device: str | None, train_options: dic
         "grad_norm_max_over_median": max(norms, default=math.nan) / median if norms else math.nan,
         "updates_skipped": sum(int(r.get("loss/num_updates_skipped") or 0) for r in rows),
         "bitwise_equal_fraction": [r.get("offpolicy/bitwise_equal_fraction") for r in rows],
+        "micro_batches": [r.get("data/step_micro_batches") for r in rows if "loss/grad_norm" in r],
+        "micro_batches_shared": [r.get("data/step_micro_batches_shared") for r in rows if "loss/grad_norm" in r],
         "seconds": time.perf_counter() - start,
     }
 
@@ -85,6 +93,9 @@ def main() -> None:
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
                         help="torch.set_float32_matmul_precision for a float32 model: highest = exact float32 "
                              "products, high = TF32 tensor cores (cuBLAS and the engine's Triton kernels alike)")
+    parser.add_argument("--gpus", type=int, default=1, help="LocalBackend(gpus=N): one process per GPU")
+    parser.add_argument("--dedicated", action="store_true",
+                        help="with --gpus > 1: GPU 0 trains, the others serve and share each step's micro-batches")
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
     options = dict((k, _value(v)) for k, v in (o.split("=", 1) for o in args.train_option))
@@ -93,7 +104,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 runs.append(asyncio.run(one_seed(seed, Path(tmp), args.device, options, args.batch_invariant,
-                                                 args.dtype)))
+                                                 args.dtype, args.gpus, args.dedicated)))
             except Exception as exc:  # a failed seed is a result too
                 runs.append({"seed": seed, "error": f"{type(exc).__name__}: {exc}"})
     done = [r for r in runs if "error" not in r]
@@ -103,7 +114,10 @@ def main() -> None:
         "benchmark": "learning", "device": device,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "train_options": options, "batch_invariant": args.batch_invariant, "dtype": args.dtype,
-        "matmul_precision": args.matmul_precision, "seeds": args.seeds,
+        "matmul_precision": args.matmul_precision, "seeds": args.seeds, "gpus": args.gpus,
+        "dedicated": args.dedicated,
+        "micro_batches_shared": sum(m or 0 for r in done for m in r["micro_batches_shared"]),
+        "micro_batches": sum(m or 0 for r in done for m in r["micro_batches"]),
         "mean_gain": statistics.mean(gains) if gains else None, "min_gain": min(gains, default=None),
         "num_failed": len(runs) - len(done),
         "max_mismatch_mean": max((m for r in done for m in r["mismatch_mean"]), default=None),

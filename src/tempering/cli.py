@@ -25,6 +25,8 @@ def demo(
                                                  "model directory")] = "SmolLM2-135M-Instruct",
     task: Annotated[str, typer.Option(help="addition, or repeat-word (for a pretrained model that cannot follow the "
                                            "addition prompt, such as gemma-3-270m)")] = "addition",
+    gpus: Annotated[int, typer.Option(help="GPUs to run on, one process each (data parallel)")] = 1,
+    dedicated: Annotated[bool, typer.Option(help="with --gpus > 1: GPU 0 trains, the others serve")] = False,
 ) -> None:
     """Train the default model (SmolLM2-135M-Instruct) on addition and show the reward rising."""
     from transformers.utils import logging as hf_logging
@@ -38,7 +40,7 @@ def demo(
     result = run_demo(
         path=path, steps=steps, groups_per_step=groups_per_step, group_size=group_size,
         learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness, base_model=base_model,
-        task=task, echo=typer.echo,
+        task=task, gpus=gpus, dedicated=dedicated, echo=typer.echo,
     )
     typer.echo("")
     typer.echo(f"validation reward: {result.val_reward_before:.3f} -> {result.val_reward_after:.3f} "

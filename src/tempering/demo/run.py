@@ -77,6 +77,8 @@ async def run_demo_async(
     device: str | None = None,
     engine_config: dict[str, Any] | None = None,
     dtype: str | None = None,
+    gpus: int = 1,
+    dedicated: bool = False,
     echo: Callable[[str], None] = print,
 ) -> DemoResult:
     """Train on `steps` × `groups_per_step` addition problems (`group_size` rollouts each).
@@ -90,6 +92,8 @@ async def run_demo_async(
     `device`: "cpu" or "cuda" (default: CUDA when available).
     `engine_config`: EngineConfig fields (e.g. {"batch_invariant": True}: exact on-policy).
     `dtype`: the model's dtype ("bfloat16", "float32", ...; None: the service's default, float32 for this 135M model on a GPU as on a CPU).
+    `gpus`, `dedicated`: `LocalBackend(gpus=..., dedicated=...)`: data parallel over `gpus` processes, or
+    with `dedicated` GPU 0 training while the others serve (and take part in each step while idle).
     """
     start = time.perf_counter()
     task_name, task = task, TASKS[task]()
@@ -98,7 +102,8 @@ async def run_demo_async(
     model = TrainableModel(name=name, project="tempering-demo", base_model=base_model)
     if dtype is not None:  # ART's option, as a user sets it
         model._internal_config = {"engine_args": {"dtype": dtype}}
-    async with LocalBackend(path=path, device=device, engine_config=engine_config) as backend:
+    async with LocalBackend(path=path, device=device, engine_config=engine_config, gpus=gpus,
+                            dedicated=dedicated) as backend:
         echo(f"loading {base_model} (a built-in model is converted from GGUF on its first run) ...")
         await model.register(backend)
         echo(f"validation before training: {num_val} held-out problems x {val_samples} samples")
