@@ -391,7 +391,7 @@ def data_parallel(args) -> None:
 
     device_type = torch.device(args.device).type
     if int(os.environ.get("RANK", "0")) > 0:  # a worker: its replica, served until rank 0 is done
-        info, conn = join(device_type=device_type, timeout_s=1800)
+        info, conn, _store = join(device_type=device_type, timeout_s=1800)
         if device_type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gpus))
         replica, _, _ = build_replica(args, info.device)

@@ -160,7 +160,7 @@ def data_parallel(args) -> None:
                          f"{os.environ['WORLD_SIZE']}")
     device_type = torch.device(args.device).type
     if is_worker:
-        info, conn = join(device_type=device_type, timeout_s=1800, start_timeout_s=1800)
+        info, conn, _store = join(device_type=device_type, timeout_s=1800, start_timeout_s=1800)
         device = info.device
     else:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))

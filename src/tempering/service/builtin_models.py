@@ -20,6 +20,7 @@ which the package ships as data/GEMMA_TERMS.html.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -162,7 +163,7 @@ def builtin_model_dir(model: BuiltinModel, cache_dir: Path) -> Path:
         MissingDependencyError: if the package that ships the model is not installed.
     """
     target = cache_dir / "models" / model.name
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _complete(target):
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -183,13 +184,30 @@ def builtin_model_dir(model: BuiltinModel, cache_dir: Path) -> Path:
             eos = hf_model.generation_config.eos_token_id
             eos = [eos] if isinstance(eos, int) else list(eos or [])
             hf_model.generation_config.eos_token_id = eos + [i for i in model.extra_eos_token_ids if i not in eos]
+        # transformers writes a model's files on torch.distributed rank 0 only; every rank converting its
+        # own copy (a worker of LocalBackend(gpus=N), a node of its own) must write them
+        hf_model.should_save_on_this_rank = lambda is_main_process: True
         hf_model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        if not _complete(tmp):
+            raise RuntimeError(f"converting {model.name}: {tmp} lacks config.json or model.safetensors after saving")
         try:
             os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent conversion that won
+        except OSError:  # a concurrent conversion won, or an incomplete directory is in the way
+            if not _complete(target):  # (left by a version that renamed a worker's files-less save): set it aside
+                stale = target.parent / f".stale-{target.name}-{uuid.uuid4().hex[:8]}"
+                with contextlib.suppress(OSError):
+                    os.rename(target, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.rename(tmp, target)
+            if not _complete(target):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _complete(directory: Path) -> bool:
+    """Whether `directory` holds a converted model (its config and weights)."""
+    return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
