@@ -50,3 +50,30 @@ def test_a_gpus_free_memory_counts_what_the_caching_allocator_holds_unused(monke
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 50 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
     assert cuda_free_bytes("cuda:0") == (45 * gib, 80 * gib)
+
+
+
+def test_a_worker_rank_converts_a_builtin_model_with_its_weights_and_replaces_an_incomplete_one(
+        tmp_path, monkeypatch, tiny_model_dir):
+    """transformers writes a model's files on torch.distributed rank 0 only; a worker of
+    LocalBackend(gpus=N) converting a built-in model on a fresh cache must still write them, and a
+    weightless directory left in the cache is replaced rather than kept or raised on. (The GGUF's
+    loading is the tiny model's, to keep the test short.)"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+    from tempering.service import builtin_models
+
+    load_model, load_tokenizer = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: load_model(tiny_model_dir))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: load_tokenizer(tiny_model_dir))
+    monkeypatch.setattr(PreTrainedModel, "should_save_on_this_rank", lambda self, is_main_process: False)  # rank 1
+    model = builtin_models.BuiltinModel(name="Tiny", aliases=frozenset(), package="tiny", install="",
+                                        gguf=lambda scratch: scratch / "tiny.gguf")
+    stale = tmp_path / "models" / "Tiny"
+    stale.mkdir(parents=True)
+    (stale / "tokenizer.json").write_text("{}")
+    target = builtin_models.builtin_model_dir(model, tmp_path)
+    assert target == stale
+    assert (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+    assert (target / "tokenizer.json").stat().st_size > 1000
+    assert [p.name for p in target.parent.iterdir()] == ["Tiny"]  # nothing left beside it
