@@ -29,7 +29,11 @@ trains while nothing is left to gather; 3 iterations or more).
                                                   # the same with two gloo processes
 
 In dedicated mode the JSON also says how many of each step's micro-batches the serving GPUs
-computed (`*_micro_batches_shared`, "shared/all").
+computed (`*_micro_batches_shared`, "shared/all"). In every layout `sequential_gather_requests_s`
+gives the client's view of a sequential gather (from its start): when its last `create()` call
+began, and when the first, the median and the last answer came back; with every rollout of the same
+length, first to last answer is the burst of responses, and the first answer less the decoding
+time is the burst of requests and the prefill.
 
 On CUDA the model is built as in gpu_loop.py (random weights: speed does not depend on them) with
 the default model's tokenizer and chat template (`--tokenizer-dir`, default: the converted
@@ -205,12 +209,15 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
     config = art.TrainConfig(learning_rate=1e-5, work_sharing=work_sharing)  # LoRA r8 (the model's default)
     rewards = random.Random(0)
     client = model.openai_client()
+    request_times: list[tuple[float, float]] = []  # (sent, answered) of each request, this process's clock
 
     async def rollout(model, prompt, _config=None):
         traj = art.Trajectory(messages_and_choices=[{"role": "user", "content": prompt}])
+        sent = time.perf_counter()
         completion = await client.chat.completions.create(
             model=model.name, messages=traj.messages(), max_tokens=new_tokens, temperature=1.0,
             extra_body={"ignore_eos": True})
+        request_times.append((sent, time.perf_counter()))
         traj.messages_and_choices.append(completion.choices[0])
         traj.reward = rewards.random()
         return traj
@@ -218,14 +225,20 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
     async def sequential_iteration() -> dict:
         start = time.perf_counter()
         scenarios = [next(prompts) for _ in range(groups)]
+        request_times.clear()
         with DecodeProgress(engine) as progress:
             batch = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(model, p) for _ in range(group_size)) for p in scenarios), pbar_desc=None)
         gathered = time.perf_counter()
+        sent, answered = sorted(t for t, _ in request_times), sorted(t for _, t in request_times)
         result = await model.train(batch, config=config)
         end = time.perf_counter()
         return {"s": end - start, "gather_s": gathered - start, "train_s": end - gathered,
-                "trained_tokens": result.metrics["data/step_completion_tokens"], **progress.summary()}
+                "trained_tokens": result.metrics["data/step_completion_tokens"], **progress.summary(),
+                # the client's view, in any layout: when the last create() call began, and when the
+                # first, the median and the last answer came back (all from the gather's start)
+                "last_call_s": sent[-1] - start, "first_answer_s": answered[0] - start,
+                "median_answer_s": statistics.median(answered) - start, "last_answer_s": answered[-1] - start}
 
     await sequential_iteration()  # warm-up: first requests, the trainer's first step (and CUDA graph captures)
 
@@ -284,6 +297,8 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
         "sequential_gather_phases": {k: round(statistics.mean(it.get(k, 0) for it in sequential), 3)
                                      for k in ("first_token_s", "decoding_s", "tail_s", "preemptions")}
                                     if engine is not None else None,  # measured in the engine's process only
+        "sequential_gather_requests_s": {k: round(statistics.mean(it[k] for it in sequential), 3) for k in
+                                         ("last_call_s", "first_answer_s", "median_answer_s", "last_answer_s")},
         "sequential_trained_tokens_per_s": round(seq_tps, 1),
         "sequential_gpu_busy_fraction": sequential_busy,  # GPU 0's
         "sequential_gpu_busy_fraction_per_gpu": sequential_busy_all,

@@ -159,8 +159,13 @@ def builtin_model(spec: str) -> BuiltinModel | None:
 def builtin_model_dir(model: BuiltinModel, cache_dir: Path) -> Path:
     """The cached float32 safetensors directory of `model`, converting it on first use.
 
+    Every process may call it at once (the ranks of a run on several GPUs do): one conversion is
+    renamed into place and the others are dropped. A directory there without the model's config or
+    weights is replaced.
+
     Raises:
         MissingDependencyError: if the package that ships the model is not installed.
+        RuntimeError: if the conversion wrote no config or weights (nothing enters the cache).
     """
     target = cache_dir / "models" / model.name
     if _complete(target):
