@@ -25,7 +25,7 @@ def demo(
                                                  "model directory")] = "SmolLM2-135M-Instruct",
     task: Annotated[str, typer.Option(help="addition, or repeat-word (for a pretrained model that cannot follow the "
                                            "addition prompt, such as gemma-3-270m)")] = "addition",
-    gpus: Annotated[int, typer.Option(help="GPUs to run on, one process each (data parallel)")] = 1,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs to run on, one process each (data parallel)")] = 1,
     dedicated: Annotated[bool, typer.Option(help="with --gpus > 1: GPU 0 trains, the others serve")] = False,
 ) -> None:
     """Train the default model (SmolLM2-135M-Instruct) on addition and show the reward rising."""
@@ -37,6 +37,9 @@ def demo(
     hf_logging.disable_progress_bar()
     if task not in TASKS:
         raise typer.BadParameter(f"unknown task {task!r}; choose one of {sorted(TASKS)}", param_hint="--task")
+    if dedicated and gpus < 2:
+        raise typer.BadParameter("dedicated mode trains on GPU 0 and serves from the others: add --gpus 2 (or more)",
+                                 param_hint="--dedicated")
     result = run_demo(
         path=path, steps=steps, groups_per_step=groups_per_step, group_size=group_size,
         learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness, base_model=base_model,
