@@ -230,14 +230,14 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
             batch = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(model, p) for _ in range(group_size)) for p in scenarios), pbar_desc=None)
         gathered = time.perf_counter()
-        sent, answered = sorted(t for t, _ in request_times), sorted(t for _, t in request_times)
+        last_call, answered = max(t for t, _ in request_times), sorted(t for _, t in request_times)
         result = await model.train(batch, config=config)
         end = time.perf_counter()
         return {"s": end - start, "gather_s": gathered - start, "train_s": end - gathered,
                 "trained_tokens": result.metrics["data/step_completion_tokens"], **progress.summary(),
                 # the client's view, in any layout: when the last create() call began, and when the
                 # first, the median and the last answer came back (all from the gather's start)
-                "last_call_s": sent[-1] - start, "first_answer_s": answered[0] - start,
+                "last_call_s": last_call - start, "first_answer_s": answered[0] - start,
                 "median_answer_s": statistics.median(answered) - start, "last_answer_s": answered[-1] - start}
 
     await sequential_iteration()  # warm-up: first requests, the trainer's first step (and CUDA graph captures)
