@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import tempering as art
 from tempering.errors import DistributedError
-from tempering.parallel import Driver, RankInfo, WorkerLink, join, serve
+from tempering.parallel import Driver, RankInfo, WorkerLink, serve
 from tempering.parallel.channel import KEEPALIVE_IDLE_S, keep_alive
 
 ENGINE = {"cpu_kv_cache_bytes": 16 << 20, "max_num_seqs": 32}
@@ -267,59 +267,6 @@ def test_a_node_that_loses_several_ranks_is_named_with_all_of_them():
     assert f"ranks 1 (pid {workers[0].pid}), 2 (pid {workers[1].pid})" in message
     assert "start torchrun again on every node" in message
     driver.close(timeout_s=5)
-
-
-def group_worker(env: dict[str, str]) -> None:
-    os.environ.update(env)
-    info, conn, store = join(device_type="cpu", timeout_s=60)
-    store.set(f"group/{info.rank}", dist.new_group([0, 1]).group_name)
-    serve(conn, object(), rank=info.rank)
-    dist.destroy_process_group()
-    os._exit(0)
-
-
-class ForkedWorker:
-    """What the driver uses of a worker's `subprocess.Popen`, for a forked process (a fresh
-    interpreter would spend seconds importing tempering)."""
-
-    def __init__(self, command, env):
-        self.process = multiprocessing.get_context("fork").Process(target=group_worker, args=(env,), daemon=True)
-        self.process.start()
-        self.pid = self.process.pid
-
-    @property
-    def returncode(self):
-        return self.process.exitcode
-
-    def poll(self):
-        return self.process.exitcode
-
-    def wait(self, timeout=None):
-        self.process.join(timeout)
-        if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired("worker", timeout)
-        return self.process.exitcode
-
-    def kill(self):
-        self.process.kill()
-
-
-def test_a_second_run_in_the_driver_process_names_its_groups_anew_on_every_rank(monkeypatch):
-    """torch's symmetric memory keeps the store of each group name for the life of a process, so a
-    second run (a resume in the process that closed the first) that reused the first run's group
-    names hung in its engine's rendezvous: the names go on from the driver's earlier runs."""
-    monkeypatch.setattr("tempering.parallel.launch.subprocess.Popen", ForkedWorker)
-    names = []
-    for _ in range(2):
-        driver = Driver.start(2, device_type="cpu", command=["worker"], timeout_s=60, start_timeout_s=60)
-        try:
-            mine = dist.new_group([0, 1]).group_name
-            names.append((mine, driver.store.get("group/1").decode()))
-        finally:
-            driver.close(timeout_s=10)
-    (first, first_worker), (second, second_worker) = names
-    assert first == first_worker and second == second_worker  # the ranks agree on each name
-    assert second != first
 
 
 def test_the_control_channel_detects_a_silent_machine_with_tcp_keepalives():

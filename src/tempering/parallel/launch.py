@@ -41,9 +41,6 @@ __all__ = ["Driver", "RankInfo", "join"]
 
 log = logging.getLogger("tempering")
 
-# the number this process's next run names its process groups from (`_continue_group_names`)
-_next_group_number = 0
-
 # how long the driver waits, after one rank of another node is lost, for that node's other
 # ranks, so that its error names all of them
 NODE_GRACE_S = 2.0
@@ -114,37 +111,6 @@ def _init_group(store: dist.Store, info: RankInfo, timeout_s: float) -> None:
     dist.init_process_group("nccl" if is_cuda else "gloo", store=dist.PrefixStore(_keys()[1], store),
                             rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=info.device if is_cuda else None)
-    _continue_group_names(store, info)
-
-
-def _continue_group_names(store: dist.Store, info: RankInfo) -> None:
-    """Name this run's process groups after those of the driver's earlier runs, on every rank.
-
-    torch names the groups a run creates "1", "2", ... from a counter that destroying the run's
-    process group resets, while its symmetric memory keeps the store of every group name it has
-    seen for the life of the process (torch 2.11's `set_group_info` refuses a second one). A
-    second tensor-parallel run in one driver process (a backend closed and another opened: a
-    resume) then reused the first run's names, and its engine's symmetric-memory rendezvous waited
-    on the first run's store forever, on every rank. The driver, the one process that can start
-    several runs, publishes where its count stands; each rank continues from it, so the names
-    still agree across ranks. (`_world.group_count` is private to torch; without it, nothing
-    changes.)
-    """
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if not hasattr(world, "group_count"):
-        return
-    key = f"{_keys()[0]}/group-number"
-    if info.rank == 0:
-        store.set(key, str(max(_next_group_number, world.group_count)))
-    world.group_count = max(world.group_count, int(store.get(key)))
-
-
-def _leave_group() -> None:
-    """destroy_process_group, remembering how far this run's group names went."""
-    global _next_group_number
-    world = getattr(dist.distributed_c10d, "_world", None)
-    _next_group_number = max(_next_group_number, getattr(world, "group_count", 0))
-    dist.destroy_process_group()
 
 
 class Driver:
@@ -266,7 +232,7 @@ class Driver:
         # worker killed after this wait, when rank 0 left only after the workers had exited)
         if dist.is_initialized():
             try:
-                _leave_group()
+                dist.destroy_process_group()
             except Exception as exc:
                 log.warning("leaving the process group failed: %r", exc)
         for link in self.links:
