@@ -265,6 +265,41 @@ def test_a_split_that_does_not_divide_the_kv_heads_is_refused_naming_the_sizes()
         sharded_weight_bytes(transformers.LlamaConfig(**{**TINY, "num_attention_heads": 8}), 4, torch.bfloat16)
 
 
+def _count_rendezvous(rank: int, port: int, made: int, results) -> None:
+    """A forked rank: joins a gloo world of 2, says whether its group's rendezvous counts agree."""
+    import torch.distributed as dist
+
+    from tempering.modeling import tensor_parallel
+
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    tensor_parallel._rendezvous_made = made
+    results.put((rank, tensor_parallel.TensorParallel([0, 1]).rendezvous_counts_agree(torch.device("cpu"))))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("made", [(0, 0), (2, 2), (1, 0)])
+def test_ranks_that_made_different_numbers_of_rendezvous_skip_symmetric_memory(made):
+    """torch numbers a process's symmetric-memory rendezvous from its first, so a driver that served a
+    tensor-parallel model in an earlier run and its fresh workers would wait for each other forever
+    (a 72B resume in one process, on four H200s): every rank learns that their counts differ."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    ranks = [context.Process(target=_count_rendezvous, args=(r, port, made[r], results)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    seen = dict(results.get(timeout=60) for _ in ranks)
+    for p in ranks:
+        p.join(30)
+    assert seen == {0: made[0] == made[1], 1: made[0] == made[1]}
+
+
 # ---- a row-parallel layer's partial sums, in bfloat16 ------------------------------------------
 
 

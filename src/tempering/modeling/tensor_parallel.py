@@ -81,6 +81,8 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
 # "0": the engine's all-reduces stay on NCCL (`TensorParallel.use_symmetric_memory`)
 SYMMETRIC_MEMORY_ENV = "TEMPERING_SYMMETRIC_MEMORY"
+# symmetric-memory rendezvous this process has made (`TensorParallel.use_symmetric_memory`)
+_rendezvous_made = 0
 
 log = logging.getLogger(__name__)
 
@@ -197,18 +199,26 @@ class TensorParallel:
 
         Collective over the engine's group (every rank calls it at the same point). Returns whether
         every rank now uses it: not on a CPU, not where this torch build lacks it or a rank could
-        not map the buffer (those all-reduces stay on NCCL, with a warning), nor when the environment
-        variable TEMPERING_SYMMETRIC_MEMORY is "0". Its two-shot kernel loads and stores peers'
-        memory directly: it needs no NVLink multicast (NVLS).
+        not map the buffer (those all-reduces stay on NCCL, with a warning), not when a rank made
+        rendezvous in an earlier run (`rendezvous_counts_agree`), nor when the environment variable
+        TEMPERING_SYMMETRIC_MEMORY is "0". Its two-shot kernel loads and stores peers' memory
+        directly: it needs no NVLink multicast (NVLS).
         """
+        global _rendezvous_made
         if device.type != "cuda":
             return False
         buffer, ok = None, os.environ.get(SYMMETRIC_MEMORY_ENV, "1") != "0"
+        if not self.rendezvous_counts_agree(device) and ok:
+            log.info("the engine's all-reduces stay on NCCL: a rank of this group used symmetric memory in an "
+                     "earlier run of its process (a backend closed and another opened), and torch numbers a "
+                     "process's rendezvous from its first, so the ranks' rendezvous would never meet")
+            ok = False
         if ok:
             try:
                 import torch.distributed._symmetric_memory as symm_mem
 
                 buffer = symm_mem.empty(numel, dtype=torch.float32, device=device)
+                _rendezvous_made += 1
                 symm_mem.rendezvous(buffer, self.engine_group.group_name)
                 ok = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
             except Exception as exc:  # an older torch, or no peer access between these GPUs
@@ -220,6 +230,22 @@ class TensorParallel:
         if self._symmetric is not None:
             log.info("the engine's all-reduces of up to %d float32 values use symmetric memory", numel)
         return self._symmetric is not None
+
+    def rendezvous_counts_agree(self, device: torch.device) -> bool:
+        """Whether every rank of the engine's group has made as many symmetric-memory rendezvous
+        in its process as this one (collective over the engine's group; `device`: where its
+        backend communicates).
+
+        torch keys the store exchange of a rendezvous with a sequence number of its own, counted
+        per process from its first rendezvous (CUDASymmetricMemory's `store_comm_seq_id`, torch
+        2.11). A driver process that served a tensor-parallel model in an earlier run (a backend
+        closed, then another opened: a resume in the same process) is ahead of its new, fresh
+        workers, and their rendezvous waited for each other's keys forever, on every rank (a 72B
+        resume on four H200s). Counting the rendezvous made here tells such a group apart.
+        """
+        counts = torch.tensor([_rendezvous_made, -_rendezvous_made], device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.engine_group)
+        return int(counts[0]) == -int(counts[1])
 
     # ---- the trainer's collectives (autograd-aware) ---------------------------------------------
 
