@@ -50,6 +50,8 @@ def test_importing_tempering_leaves_mcp_alone_and_a_missing_sdk_names_the_extra(
 import sys
 import tempering
 assert "mcp" not in sys.modules, "import tempering imported the MCP SDK"
+# nor torch's compiler stack (PyTorch's varlen_attn imports it): ~2 s of every process's start on a CPU
+assert "torch._dynamo" not in sys.modules, "import tempering imported torch._dynamo"
 sys.modules["mcp"] = None  # as if the SDK were not installed
 try:
     import tempering.mcp

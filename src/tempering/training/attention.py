@@ -20,7 +20,8 @@ another sequence.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,10 +32,18 @@ __all__ = ["PACKED_ATTENTION", "gather_keys", "packed_attention", "padded_causal
 
 PACKED_ATTENTION = "tempering_packed"
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch < 2.10
-    varlen_attn = None
+
+
+@functools.cache
+def _varlen_attn() -> Callable[..., torch.Tensor] | None:
+    """PyTorch's `varlen_attn`, or None before torch 2.10. Imported at its first use on a GPU:
+    importing it loads torch's compiler stack, about 2 s of every process's start on a CPU, where
+    it never runs."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 def packed_attention(
@@ -66,7 +75,7 @@ def uses_varlen(t: torch.Tensor) -> bool:
     """Whether `varlen_causal_attention` runs FlashAttention (one call, graph-safe) for queries of
     `t`'s device and dtype: on CUDA, torch >= 2.10, half precision. Otherwise it loops over the
     sequences on the host."""
-    return t.is_cuda and varlen_attn is not None and t.dtype in (torch.bfloat16, torch.float16)
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
 
 
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
@@ -98,7 +107,8 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         max_len = int(max_seq_len or int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()))
         max_keys = max_keys or max_len
         left = window - 1 if window is not None and window < max_keys else -1
-        return varlen_attn(q, k, v, cu_seq_lens, cu_keys, max_len, max_keys, scale=scale, window_size=(left, 0))
+        return _varlen_attn()(q, k, v, cu_seq_lens, cu_keys, max_len, max_keys, scale=scale,
+                              window_size=(left, 0))
     if q.is_cuda:
         return padded_causal_attention(q, k, v, cu_seq_lens, cu_keys, scale, window=window)
     bounds, key_bounds = cu_seq_lens.tolist(), cu_keys.tolist()
