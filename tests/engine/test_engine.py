@@ -137,7 +137,7 @@ def test_a_full_kv_cache_queues_and_preempts_without_changing_results(setup, def
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         futures = [small.submit(p, params, policy=BasePolicy()) for p in prompts]
         squeezed = [f.result(timeout=300)[0].token_ids for f in futures]
-        roomy = [engine.submit(p, params, policy=BasePolicy()).result()[0].token_ids for p in prompts]
+        roomy = [f.result()[0].token_ids for f in [engine.submit(p, params, policy=BasePolicy()) for p in prompts]]
         assert squeezed == roomy
         assert small.stats.num_preemptions > 0 or small.stats.num_steps > len(prompts) * 40 // 4
         with pytest.raises(ConfigError, match="KV cache"):
