@@ -50,8 +50,10 @@ def test_importing_tempering_leaves_mcp_alone_and_a_missing_sdk_names_the_extra(
 import sys
 import tempering
 assert "mcp" not in sys.modules, "import tempering imported the MCP SDK"
-# nor torch's compiler stack (PyTorch's varlen_attn imports it): ~2 s of every process's start on a CPU
+# nor torch's compiler stack (PyTorch's varlen_attn imports it, ~2 s of a process's start on a CPU), nor the
+# HTTP stack, which only a serving process needs (not a worker rank, not a RemoteBackend's client)
 assert "torch._dynamo" not in sys.modules, "import tempering imported torch._dynamo"
+assert "fastapi" not in sys.modules, "import tempering imported FastAPI"
 sys.modules["mcp"] = None  # as if the SDK were not installed
 try:
     import tempering.mcp

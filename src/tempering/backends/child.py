@@ -31,7 +31,6 @@ import httpx
 
 from ..engine import EngineConfig
 from ..errors import BackendError
-from ..service.auth import generate_api_key
 from .art_mapping import as_engine_config
 from .local import DEFAULT_ROOT, check_local_options
 from .remote import RemoteBackend
@@ -73,6 +72,8 @@ class ChildProcessBackend(RemoteBackend):
         root = Path(path) if path is not None else DEFAULT_ROOT
         root.mkdir(parents=True, exist_ok=True)
         self.log_path = root / "server.log"
+        from ..service.auth import generate_api_key  # with the HTTP stack, which only a serving process needs
+
         api_key = api_key or generate_api_key()
         port = port or _free_port(host)
         engine_config = as_engine_config(engine_config, max_batch_size)

@@ -20,17 +20,14 @@ import asyncio
 import inspect
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..engine import EngineConfig
 from ..errors import BackendError, ConfigError, DistributedError
 from ..parallel import Driver
-from ..service import create_app
-from ..service.auth import generate_api_key
 from ..service.hub import ModelHub
-from ..service.server import ServerThread
 from ..service.worker import worker_command
 from ..types import TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup
 from .art_mapping import (
@@ -44,6 +41,9 @@ from .art_mapping import (
     train_config_from_options,
 )
 from .base import ModelRef, TrainableModelRef, report_nothing_learned
+
+if TYPE_CHECKING:
+    from ..service.server import ServerThread
 
 __all__ = ["DEFAULT_ROOT", "LocalBackend", "check_local_options", "train_config_from_options"]
 
@@ -143,6 +143,8 @@ class LocalBackend:
                 self._driver.close()
             raise
         self._host, self._port = host, port
+        from ..service.auth import generate_api_key  # with the HTTP stack, which only a serving process needs
+
         self._api_key = api_key or generate_api_key()
         self._server: ServerThread | None = None
         self._closed = False
@@ -246,6 +248,10 @@ class LocalBackend:
 
     def _ensure_server(self) -> None:
         if self._server is None:
+            # the HTTP stack (FastAPI, uvicorn) loads here: worker processes never serve
+            from ..service import create_app
+            from ..service.server import ServerThread
+
             server = ServerThread(create_app(self._registry, api_key=self._api_key), host=self._host, port=self._port)
             server.start()
             self._server = server
