@@ -37,7 +37,7 @@ def test_blocking_opponent_wins_first_then_blocks():
 
 def test_recipe_trains_one_step(tmp_path):
     out = run_recipe("tic_tac_toe", tmp_path, "--steps", "1", "--groups-per-step", "2", "--group-size", "2",
-                     "--num-val", "2", "--name", "smoke", "--path", str(tmp_path / "runs"))
+                     "--num-val", "1", "--name", "smoke", "--path", str(tmp_path / "runs"))
     assert "win+draw" in out and "->" in out
     rows = history(tmp_path / "runs", "tic-tac-toe", "smoke")
     (train,) = [r for r in rows if "train/reward" in r]  # logged at the step of the policy that played
