@@ -52,7 +52,6 @@ def test_a_gpus_free_memory_counts_what_the_caching_allocator_holds_unused(monke
     assert cuda_free_bytes("cuda:0") == (45 * gib, 80 * gib)
 
 
-
 def test_a_worker_rank_converts_a_builtin_model_with_its_weights_and_replaces_an_incomplete_one(
         tmp_path, monkeypatch, tiny_model_dir):
     """transformers writes a model's files on torch.distributed rank 0 only; a worker of

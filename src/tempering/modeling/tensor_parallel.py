@@ -208,7 +208,8 @@ class TensorParallel:
         if device.type != "cuda":
             return False
         buffer, ok = None, os.environ.get(SYMMETRIC_MEMORY_ENV, "1") != "0"
-        if not self.rendezvous_counts_agree(device) and ok:
+        counts_agree = self.rendezvous_counts_agree(device)  # collective: every rank calls it, whatever `ok`
+        if ok and not counts_agree:
             log.info("the engine's all-reduces stay on NCCL: a rank of this group used symmetric memory in an "
                      "earlier run of its process (a backend closed and another opened), and torch numbers a "
                      "process's rendezvous from its first, so the ranks' rendezvous would never meet")

@@ -33,7 +33,6 @@ __all__ = ["PACKED_ATTENTION", "gather_keys", "packed_attention", "padded_causal
 PACKED_ATTENTION = "tempering_packed"
 
 
-
 @functools.cache
 def _varlen_attn() -> Callable[..., torch.Tensor] | None:
     """PyTorch's `varlen_attn`, or None before torch 2.10. Imported at its first use on a GPU:
