@@ -7,7 +7,9 @@ one CUDA graph (a 72B model's step at 80 layers) and replayed, for NCCL (`dist.a
 PyTorch's two-shot all-reduce over symmetric memory (`torch.ops.symm_mem.two_shot_all_reduce_`,
 the engine's choice where every rank can map the buffer), with the copy into the buffer that the
 engine makes counted. Sizes: 256 and 64 rows (R's batch, and a quarter of it) of a 72B model's
-8,192 + 64 columns (float32), and bfloat16 for comparison.
+8,192 + 64 columns (float32), and bfloat16 for comparison. Then a whole half-layer (`half_layer`):
+the all-reduce and the add + RMSNorm with the LoRA delta that follows it, against the same work
+sequence parallel (reduce-scatter, the norm on rows / P, the normed rows gathered).
 
     python benchmarks/all_reduce.py --gpus 4      # starts its own ranks (one process per GPU)
     torchrun --nproc-per-node 4 benchmarks/all_reduce.py
@@ -54,6 +56,63 @@ def time_graph(fn, make, reps: int = 20) -> float:
     return (time.perf_counter() - start) / reps / ALL_REDUCES_PER_GRAPH * 1e6
 
 
+def half_layer(rows: int, group: str, device: torch.device, hidden: int = 8192, rank: int = 8) -> dict:
+    """Microseconds per half-layer of a decode step after o or down: the partial output (with x A^T
+    beside it) summed, the LoRA delta, residual add and RMSNorm, and the normed rows on every rank.
+
+    all_reduce: the float32 [rows, hidden + 64] two-shot all-reduce, then the norm on every row
+    (the engine's path). sequence_parallel: a float32 reduce-scatter (each rank gets rows / P
+    summed rows), the norm on those rows written into a bfloat16 symmetric buffer, a barrier, and
+    the P blocks gathered from every rank's buffer into [rows, hidden] (one copy kernel).
+    """
+    import torch.distributed._symmetric_memory as symm_mem
+    from tempering.engine.layers import triton_lora
+
+    P, me = dist.get_world_size(), dist.get_rank()
+    width = hidden + 64
+    per = rows // P
+    partial = symm_mem.empty((rows, width), dtype=torch.float32, device=device)
+    symm_mem.rendezvous(partial, group)
+    normed = symm_mem.empty((rows, hidden), dtype=torch.bfloat16, device=device)
+    handle = symm_mem.rendezvous(normed, group)
+    blocks = [handle.get_buffer(r, (rows, hidden), torch.bfloat16)[r * per:(r + 1) * per] for r in range(P)]
+    BT = torch.randn(rank, hidden, device=device).to(torch.bfloat16) * 0.01
+    weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    residual_all = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
+    residual_mine = residual_all[me * per:(me + 1) * per].clone()
+    scattered = torch.empty(per, width, device=device)
+    gathered = torch.empty(rows, hidden, device=device, dtype=torch.bfloat16)
+
+    def all_reduce(_: torch.Tensor) -> None:
+        torch.ops.symm_mem.two_shot_all_reduce_(partial, "sum", group)
+        triton_lora.add_rms_norm_lora(partial[:, :hidden], partial[:, hidden:hidden + rank], BT, 2.0, residual_all,
+                                      weight, 1e-6)
+
+    def sequence_parallel(_: torch.Tensor) -> None:
+        torch.ops.symm_mem.reduce_scatter_out(partial.view(-1), group, False, scattered.view(-1))  # rows split = the flat array split
+        triton_lora.add_rms_norm_lora(scattered[:, :hidden], scattered[:, hidden:hidden + rank], BT, 2.0,
+                                      residual_mine, weight, 1e-6, out=normed[me * per:(me + 1) * per])
+        handle.barrier(channel=0)
+        torch.cat(blocks, out=gathered)
+
+    partial.normal_()
+    original = partial.clone()
+    sequence_parallel(partial)
+    sp_out = gathered.clone()
+    partial.copy_(original)
+    dist.barrier()
+    torch.ops.symm_mem.two_shot_all_reduce_(partial, "sum", group)
+    ar_out = triton_lora.add_rms_norm_lora(partial[:, :hidden], partial[:, hidden:hidden + rank], BT, 2.0,
+                                           residual_all, weight, 1e-6)[0]
+    torch.cuda.synchronize()
+    equal = bool(torch.equal(sp_out, ar_out))
+    a = time_graph(all_reduce, lambda: partial)
+    partial.normal_()
+    b = time_graph(sequence_parallel, lambda: partial)
+    return {"all_reduce_then_norm": round(a, 1), "sequence_parallel": round(b, 1), "speedup": round(a / b, 2),
+            "bitwise_equal": equal}
+
+
 def run() -> None:
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -79,6 +138,8 @@ def run() -> None:
         symmetric = time_graph(two_shot, lambda: torch.randn(shape, device=device).to(dtype))
         out["us"][name] = {"nccl": round(nccl, 1), "symmetric_two_shot": round(symmetric, 1),
                            "speedup": round(nccl / symmetric, 2)}
+    for rows in (256, 64):
+        out["us"][f"half_layer_{rows}"] = half_layer(rows, group, device)
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()

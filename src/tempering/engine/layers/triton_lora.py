@@ -304,7 +304,7 @@ def _add_rms_norm_lora_kernel(Y, T, BT, R, W, Out, ROut, H, stride_y, stride_t, 
 
 
 def add_rms_norm_lora(y: torch.Tensor, t: torch.Tensor, BT: torch.Tensor, scale: float, residual: torch.Tensor,
-                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`lora_expand_` of one slice over all columns, then `triton_ops.add_rms_norm`, in one launch.
 
     Per row: x = y + scale · t @ BT, residual' = x + residual, out = RMSNorm(residual'). One
@@ -318,12 +318,14 @@ def add_rms_norm_lora(y: torch.Tensor, t: torch.Tensor, BT: torch.Tensor, scale:
         t: [N, r] x A^T, float32 or the model dtype (the spare rows of the same GEMM; rows may be strided).
         BT: [r, H] contiguous, model dtype.
         residual: [N, H]; weight: [H] the norm's gain.
+        out: where to write RMSNorm(x + residual) ([N, H] in residual's dtype, rows may be
+            strided), or None (a new tensor).
 
     Returns:
         (RMSNorm(x + residual), x + residual), each [N, H].
     """
     N, H = y.shape
-    out = torch.empty(N, H, dtype=residual.dtype, device=y.device)
+    out = torch.empty(N, H, dtype=residual.dtype, device=y.device) if out is None else out
     new_residual = torch.empty_like(out)
     _add_rms_norm_lora_kernel[(N,)](
         y, t, BT, residual, weight, out, new_residual, H, y.stride(0), t.stride(0), residual.stride(0), out.stride(0),
