@@ -9,7 +9,9 @@ the engine's choice where every rank can map the buffer), with the copy into the
 engine makes counted. Sizes: 256 and 64 rows (R's batch, and a quarter of it) of a 72B model's
 8,192 + 64 columns (float32), and bfloat16 for comparison. Then a whole half-layer (`half_layer`):
 the all-reduce and the add + RMSNorm with the LoRA delta that follows it, against the same work
-sequence parallel (reduce-scatter, the norm on rows / P, the normed rows gathered).
+sequence parallel (reduce-scatter, the norm on rows / P, the normed rows gathered). Last, a 72B
+decode step's GEMMs and all-reduces at this many ranks, in sequence against two-batch overlap
+(`layer_overlap`).
 
     python benchmarks/all_reduce.py --gpus 4      # starts its own ranks (one process per GPU)
     torchrun --nproc-per-node 4 benchmarks/all_reduce.py
@@ -31,8 +33,8 @@ import torch.distributed as dist
 ALL_REDUCES_PER_GRAPH = 160
 
 
-def time_graph(fn, make, reps: int = 20) -> float:
-    """Microseconds per call of fn over buffers from make(), ALL_REDUCES_PER_GRAPH calls in a CUDA graph."""
+def time_graph(fn, make, reps: int = 20, calls: int = ALL_REDUCES_PER_GRAPH) -> float:
+    """Microseconds per call of fn over buffers from make(), `calls` calls in a CUDA graph."""
     bufs = [make() for _ in range(4)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -43,7 +45,7 @@ def time_graph(fn, make, reps: int = 20) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(ALL_REDUCES_PER_GRAPH):
+        for i in range(calls):
             fn(bufs[i % len(bufs)])
     for _ in range(3):
         graph.replay()
@@ -53,7 +55,7 @@ def time_graph(fn, make, reps: int = 20) -> float:
     for _ in range(reps):
         graph.replay()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps / ALL_REDUCES_PER_GRAPH * 1e6
+    return (time.perf_counter() - start) / reps / calls * 1e6
 
 
 def half_layer(rows: int, group: str, device: torch.device, hidden: int = 8192, rank: int = 8) -> dict:
@@ -113,6 +115,93 @@ def half_layer(rows: int, group: str, device: torch.device, hidden: int = 8192, 
             "bitwise_equal": equal}
 
 
+def layer_overlap(group: str, device: torch.device, rows: int = 256, layers: int = 80) -> dict:
+    """Milliseconds per decode step of a 72B model's per-rank GEMMs at TP 4 with their two float32
+    all-reduces per layer (attention and the elementwise kernels left out, a cast standing in for
+    each norm): in sequence (the engine's schedule), with the all-reduces left out (the bound), and
+    as two-batch overlap: the rows split in two halves, each half's all-reduce on a second stream
+    beside the other half's GEMMs."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    P = dist.get_world_size()
+    hidden, inter, q, kv, spare = 8192, 29568 // P, 8192 // P, 2 * 1024 // P, 64
+    bf = torch.bfloat16
+
+    def weights() -> dict:
+        return {"qkv": torch.randn(q + kv + spare, hidden, device=device, dtype=bf) * 0.01,
+                "o": torch.randn(hidden + spare, q, device=device, dtype=bf) * 0.01,
+                "gate_up": torch.randn(2 * inter + spare, hidden, device=device, dtype=bf) * 0.01,
+                "down": torch.randn(hidden + spare, inter, device=device, dtype=bf) * 0.01}
+
+    sets = [weights(), weights()]  # alternating, so that no layer finds its weights in L2
+    buffers = []
+    for part in ((rows,), (rows // 2,), (rows // 2,)):
+        b = symm_mem.empty((part[0], hidden + spare), dtype=torch.float32, device=device)
+        symm_mem.rendezvous(b, group)
+        buffers.append(b)
+    x0 = torch.randn(rows, hidden, device=device, dtype=bf)
+
+    def half(x: torch.Tensor, w: dict, buf: torch.Tensor, stage: str, reduce) -> torch.Tensor:
+        if stage == "attn":
+            qkv = x @ w["qkv"].T
+            torch.mm(qkv[:, :q], w["o"].T, out_dtype=torch.float32, out=buf)
+        else:
+            act = (x @ w["gate_up"].T)[:, :inter]
+            torch.mm(act, w["down"].T, out_dtype=torch.float32, out=buf)
+        reduce(buf)
+        return buf[:, :hidden].to(bf)
+
+    def two_shot(buf: torch.Tensor) -> None:
+        torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)
+
+    def sequential(reduce) -> None:
+        x = x0
+        for i in range(layers):
+            w = sets[i % 2]
+            x = half(half(x, w, buffers[0], "attn", reduce), w, buffers[0], "mlp", reduce)
+
+    comm = torch.cuda.Stream()
+
+    def overlapped() -> None:
+        main = torch.cuda.current_stream()
+        xs = [x0[: rows // 2], x0[rows // 2:]]
+        done = [None, None]  # half h's all-reduce, which its next GEMM waits for
+        for i in range(layers):
+            w = sets[i % 2]
+            for stage in ("attn", "mlp"):
+                for h in (0, 1):
+                    buf = buffers[1 + h]
+                    if done[h] is not None:
+                        main.wait_event(done[h])
+                        xs[h] = buf[:, :hidden].to(bf)
+                    if stage == "attn":
+                        qkv = xs[h] @ w["qkv"].T
+                        torch.mm(qkv[:, :q], w["o"].T, out_dtype=torch.float32, out=buf)
+                    else:
+                        act = (xs[h] @ w["gate_up"].T)[:, :inter]
+                        torch.mm(act, w["down"].T, out_dtype=torch.float32, out=buf)
+                    ready = torch.cuda.Event()
+                    ready.record(main)
+                    comm.wait_event(ready)
+                    with torch.cuda.stream(comm):  # beside the other half's GEMMs
+                        torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)
+                        done[h] = torch.cuda.Event()
+                        done[h].record(comm)
+        for h in (0, 1):
+            main.wait_event(done[h])
+        main.wait_stream(comm)
+
+    def step_ms(fn) -> float:
+        return time_graph(lambda _: fn(), lambda: x0, reps=10, calls=1) / 1e3
+
+    out = {"rows": rows, "layers": layers, "gpus": P,
+           "sequential_ms": round(step_ms(lambda: sequential(two_shot)), 2),
+           "gemms_only_ms": round(step_ms(lambda: sequential(lambda b: None)), 2),
+           "two_batch_overlap_ms": round(step_ms(overlapped), 2)}
+    out["overlap_speedup"] = round(out["sequential_ms"] / out["two_batch_overlap_ms"], 3)
+    return out
+
+
 def run() -> None:
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -140,6 +229,7 @@ def run() -> None:
                            "speedup": round(nccl / symmetric, 2)}
     for rows in (256, 64):
         out["us"][f"half_layer_{rows}"] = half_layer(rows, group, device)
+    out["decode_step_72b"] = layer_overlap(group, device)
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()
