@@ -109,8 +109,10 @@ _START = time.perf_counter()
 
 
 def progress(what: str, device: torch.device) -> None:
-    """One line on stderr: this rank, seconds since start, what just finished, GPU memory allocated."""
-    memory = f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated" if device.type == "cuda" else ""
+    """One line on stderr: this rank, seconds since start, what just finished, GPU memory allocated
+    (and reserved by PyTorch's caching allocator)."""
+    memory = (f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated "
+              f"({torch.cuda.memory_reserved(device) / 2**30:.1f} reserved)" if device.type == "cuda" else "")
     rank = os.environ.get("RANK", "0")
     print(f"[rank {rank} {time.perf_counter() - _START:7.1f} s] {what}{memory}", file=sys.stderr, flush=True)
 
