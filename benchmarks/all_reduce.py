@@ -68,6 +68,7 @@ def half_layer(rows: int, group: str, device: torch.device, hidden: int = 8192, 
     the P blocks gathered from every rank's buffer into [rows, hidden] (one copy kernel).
     """
     import torch.distributed._symmetric_memory as symm_mem
+
     from tempering.engine.layers import triton_lora
 
     P, me = dist.get_world_size(), dist.get_rank()
