@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--rows", type=int, nargs="+", default=[256])
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_gemm.py times GPU kernels: it needs a CUDA GPU")
     import triton
 
     from tempering.engine.layers import triton_matmul
