@@ -86,13 +86,14 @@ def half_layer(rows: int, group: str, device: torch.device, hidden: int = 8192, 
     scattered = torch.empty(per, width, device=device)
     gathered = torch.empty(rows, hidden, device=device, dtype=torch.bfloat16)
 
-    def all_reduce(_: torch.Tensor) -> None:
+    def all_reduce(_: torch.Tensor) -> torch.Tensor:
         torch.ops.symm_mem.two_shot_all_reduce_(partial, "sum", group)
-        triton_lora.add_rms_norm_lora(partial[:, :hidden], partial[:, hidden:hidden + rank], BT, 2.0, residual_all,
-                                      weight, 1e-6)
+        return triton_lora.add_rms_norm_lora(partial[:, :hidden], partial[:, hidden:hidden + rank], BT, 2.0,
+                                             residual_all, weight, 1e-6)[0]
 
     def sequence_parallel(_: torch.Tensor) -> None:
-        torch.ops.symm_mem.reduce_scatter_out(partial.view(-1), group, False, scattered.view(-1))  # rows split = the flat array split
+        # split by rows = the flat array split in P (the op takes 1-D tensors)
+        torch.ops.symm_mem.reduce_scatter_out(partial.view(-1), group, False, scattered.view(-1))
         triton_lora.add_rms_norm_lora(scattered[:, :hidden], scattered[:, hidden:hidden + rank], BT, 2.0,
                                       residual_mine, weight, 1e-6, out=normed[me * per:(me + 1) * per])
         handle.barrier(channel=0)
@@ -104,9 +105,7 @@ def half_layer(rows: int, group: str, device: torch.device, hidden: int = 8192, 
     sp_out = gathered.clone()
     partial.copy_(original)
     dist.barrier()
-    torch.ops.symm_mem.two_shot_all_reduce_(partial, "sum", group)
-    ar_out = triton_lora.add_rms_norm_lora(partial[:, :hidden], partial[:, hidden:hidden + rank], BT, 2.0,
-                                           residual_all, weight, 1e-6)[0]
+    ar_out = all_reduce(partial)
     torch.cuda.synchronize()
     equal = bool(torch.equal(sp_out, ar_out))
     a = time_graph(all_reduce, lambda: partial)
@@ -117,8 +116,8 @@ def half_layer(rows: int, group: str, device: torch.device, hidden: int = 8192, 
 
 
 def layer_overlap(group: str, device: torch.device, rows: int = 256, layers: int = 80) -> dict:
-    """Milliseconds per decode step of a 72B model's per-rank GEMMs at TP 4 with their two float32
-    all-reduces per layer (attention and the elementwise kernels left out, a cast standing in for
+    """Milliseconds per decode step of a 72B model's per-rank GEMMs at TP P (this many ranks) with
+    their two float32 all-reduces per layer (attention and the elementwise kernels left out, a cast standing in for
     each norm): in sequence (the engine's schedule), with the all-reduces left out (the bound), and
     as two-batch overlap: the rows split in two halves, each half's all-reduce on a second stream
     beside the other half's GEMMs."""
@@ -135,20 +134,24 @@ def layer_overlap(group: str, device: torch.device, rows: int = 256, layers: int
                 "down": torch.randn(hidden + spare, inter, device=device, dtype=bf) * 0.01}
 
     sets = [weights(), weights()]  # alternating, so that no layer finds its weights in L2
-    buffers = []
-    for part in ((rows,), (rows // 2,), (rows // 2,)):
-        b = symm_mem.empty((part[0], hidden + spare), dtype=torch.float32, device=device)
+    buffers = []  # the whole batch's, then each half's
+    for n in (rows, rows // 2, rows // 2):
+        b = symm_mem.empty((n, hidden + spare), dtype=torch.float32, device=device)
         symm_mem.rendezvous(b, group)
         buffers.append(b)
     x0 = torch.randn(rows, hidden, device=device, dtype=bf)
 
-    def half(x: torch.Tensor, w: dict, buf: torch.Tensor, stage: str, reduce) -> torch.Tensor:
+    def gemms(x: torch.Tensor, w: dict, buf: torch.Tensor, stage: str) -> None:
+        """A half-layer's two products, the second's float32 partial output written into `buf`."""
         if stage == "attn":
             qkv = x @ w["qkv"].T
             torch.mm(qkv[:, :q], w["o"].T, out_dtype=torch.float32, out=buf)
         else:
             act = (x @ w["gate_up"].T)[:, :inter]
             torch.mm(act, w["down"].T, out_dtype=torch.float32, out=buf)
+
+    def half(x: torch.Tensor, w: dict, buf: torch.Tensor, stage: str, reduce) -> torch.Tensor:
+        gemms(x, w, buf, stage)
         reduce(buf)
         return buf[:, :hidden].to(bf)
 
@@ -175,12 +178,7 @@ def layer_overlap(group: str, device: torch.device, rows: int = 256, layers: int
                     if done[h] is not None:
                         main.wait_event(done[h])
                         xs[h] = buf[:, :hidden].to(bf)
-                    if stage == "attn":
-                        qkv = xs[h] @ w["qkv"].T
-                        torch.mm(qkv[:, :q], w["o"].T, out_dtype=torch.float32, out=buf)
-                    else:
-                        act = (xs[h] @ w["gate_up"].T)[:, :inter]
-                        torch.mm(act, w["down"].T, out_dtype=torch.float32, out=buf)
+                    gemms(xs[h], w, buf, stage)
                     ready = torch.cuda.Event()
                     ready.record(main)
                     comm.wait_event(ready)

@@ -284,11 +284,8 @@ def test_ranks_that_made_different_numbers_of_rendezvous_skip_symmetric_memory(m
     tensor-parallel model in an earlier run and its fresh workers would wait for each other forever
     (a 72B resume in one process, on four H200s): every rank learns that their counts differ."""
     import multiprocessing
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rank_processes.free_port()
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     ranks = [context.Process(target=_count_rendezvous, args=(r, port, made[r], results)) for r in (0, 1)]
