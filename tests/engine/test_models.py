@@ -265,6 +265,48 @@ def test_sampling_inside_the_decode_graph_draws_what_the_eager_step_draws(lora):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_bucket_whose_capture_failed_runs_eagerly_is_tried_again_and_its_adapter_can_be_unloaded(monkeypatch):
+    """A decode graph whose capture fails (here: forced) leaves its bucket to run eagerly, with the
+    tokens a graph gives; the capture is tried again after `retry_after` eager steps, `max_attempts`
+    times in all; unloading the adapter drops its failed buckets with its graphs."""
+    from tempering.engine.cuda_graphs import DecodeGraphs
+
+    model = tiny("qwen2", "cuda", torch.bfloat16)
+    peft_model = with_lora(model, ALL)
+    prompt = list(range(3, 20))
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)  # 15 decode steps of 4 rows
+    record = DecodeGraphs._record
+    monkeypatch.setattr(DecodeGraphs, "retry_after", 3)
+    outputs = {}
+    for failing in (0, 1, 99):  # captures of bucket 4 that fail before one succeeds
+        tries = []
+
+        def record_failing(self, step, what, failing=failing, tries=tries):  # as a failed capture returns
+            if what == "decode bucket 4":
+                tries.append(what)
+                if len(tries) <= failing:
+                    return None, None
+            return record(self, step, what)
+
+        monkeypatch.setattr(DecodeGraphs, "_record", record_failing)
+        engine = Engine(engine_model_for(model, 512), NullTokenizer(), stop_token_ids=[0], lock=threading.RLock(),
+                        config=EngineConfig(num_kv_blocks=64, block_size=16), max_seq_len=512,
+                        peft_model=lambda: peft_model)
+        try:
+            outputs[failing] = engine.submit(prompt, params, n=4, policy=AdapterPolicy("default")).result(timeout=300)
+            (captured,) = [v for k, v in engine.runner.graphs.graphs.items() if k[0] == 4]
+            assert len(tries) == min(failing + 1, DecodeGraphs.max_attempts)
+            assert (captured is None) == (failing >= DecodeGraphs.max_attempts)
+            with engine.lock:
+                engine.forget_adapter("default")  # raised AttributeError on the None of a failed capture
+            assert not engine.runner.graphs.graphs and not engine.runner.graphs.failures
+        finally:
+            engine.close()
+    for failing in (1, 99):
+        assert [c.token_ids for c in outputs[failing]] == [c.token_ids for c in outputs[0]]
+
+
 def test_unsupported_architectures_fall_back_with_a_log_line(caplog):
     import transformers
 

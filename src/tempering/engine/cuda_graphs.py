@@ -72,7 +72,14 @@ class DecodeGraphs:
             warm-ups run collectives; `stage` of a graph not captured runs it eagerly.
         on_capture: called as on_capture(bucket, adapter, sample) right before a graph's warm-ups
             (a tensor-parallel leader tells its followers to capture too).
+
+    A capture that fails (memory the trainer holds at that moment, say) is logged and its bucket
+    runs eagerly; the leader tries it again after `retry_after` eager steps of it, `max_attempts`
+    times in all.
     """
+
+    retry_after = 1024
+    max_attempts = 3
 
     def __init__(self, model: Any, kv_cache: torch.Tensor, *, max_batch_size: int, max_blocks_per_seq: int,
                  last_tokens: torch.Tensor, forward_only: bool = False,
@@ -97,6 +104,7 @@ class DecodeGraphs:
         self.last_tokens = last_tokens
         self.logprobs = torch.zeros(size, dtype=torch.float32, device=device)  # written by sampling graphs
         self.graphs: dict[tuple[int, int, bool], _Captured | None] = {}  # None: capture failed, run eagerly
+        self.failures: dict[tuple[int, int, bool], list[int]] = {}  # key: [failed captures, eager steps before the next]
         # masked sampling (structured outputs): hidden states in, bitmasks and each row's mask row
         self.hidden = None  # [size, H], allocated on first use, as are the bitmasks [size, W] int32
         self.mask_bits = None
@@ -144,12 +152,12 @@ class DecodeGraphs:
             self.context_lens[B:bucket].zero_()
             self.sources[B:bucket].fill_(-1)
         key = (bucket, id(adapter) if adapter is not None else 0, sample)
-        if key not in self.graphs:
+        if key not in self.graphs or (self.graphs[key] is None and self._retry_due(key)):
             if self.forward_only:  # captured only with the leader (`capture`)
                 return StagedDecode(B, bucket, adapter, sample, None)
             if self.on_capture is not None:
                 self.on_capture(bucket, adapter, sample)
-            self.graphs[key] = self._capture(bucket, adapter, sample)
+            self._capture(key, adapter)
         return StagedDecode(B, bucket, adapter, sample, self.graphs[key])
 
     def capture(self, bucket: int, adapter: EngineAdapter | None, sample: bool) -> None:
@@ -161,8 +169,7 @@ class DecodeGraphs:
         self.positions[:bucket].zero_()
         self.slot_mapping[:bucket].zero_()
         self.context_lens[:bucket].zero_()
-        key = (bucket, id(adapter) if adapter is not None else 0, sample)
-        self.graphs[key] = self._capture(bucket, adapter, sample)
+        self._capture((bucket, id(adapter) if adapter is not None else 0, sample), adapter)
 
     def replay(self, staged: StagedDecode, sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
                ) -> torch.Tensor | None:
@@ -202,10 +209,30 @@ class DecodeGraphs:
         self.logprobs[:bucket].copy_(logprobs)
         return None
 
-    def _capture(self, bucket: int, adapter: EngineAdapter | None, sample: bool) -> _Captured | None:
-        """Capture a graph; on failure log it and return None (that bucket then runs eagerly)."""
+    def _capture(self, key: tuple[int, int, bool], adapter: EngineAdapter | None) -> None:
+        """Capture the graph of `key` (bucket, adapter id, sample) into `graphs`; on failure store None
+        (the bucket runs eagerly) and count the failure for `_retry_due`."""
+        bucket, _, sample = key
         graph, hidden = self._record(lambda: self._forward(bucket, adapter, sample), f"decode bucket {bucket}")
-        return _Captured(graph, hidden, adapter) if graph is not None else None
+        if graph is not None:
+            self.graphs[key] = _Captured(graph, hidden, adapter)
+            self.failures.pop(key, None)
+            return
+        self.graphs[key] = None
+        failed = self.failures.setdefault(key, [0, 0])
+        failed[0] += 1
+        failed[1] = self.retry_after
+        if failed[0] < self.max_attempts and not self.forward_only:
+            log.warning("decode bucket %d runs eagerly; its capture is tried again after %d of its steps (attempt %d of %d)",
+                        bucket, self.retry_after, failed[0] + 1, self.max_attempts)
+
+    def _retry_due(self, key: tuple[int, int, bool]) -> bool:
+        """Count one eager step of a bucket whose capture failed: True when its next capture is due."""
+        failed = self.failures.get(key)
+        if failed is None or failed[0] >= self.max_attempts:
+            return False
+        failed[1] -= 1
+        return failed[1] <= 0
 
     def _record(self, step: Callable[[], Any], what: str) -> tuple[torch.cuda.CUDAGraph | None, Any]:
         """Warm `step` up twice on the capture stream, then capture it: (graph, what the captured
@@ -301,8 +328,10 @@ class DecodeGraphs:
         self.num_allowed[:bucket].copy_(num_allowed)
 
     def forget(self, adapter: EngineAdapter) -> None:
-        """Drop the graphs that read `adapter`'s tensors (it is being unloaded)."""
-        self.graphs = {k: v for k, v in self.graphs.items() if v.adapter is not adapter}
+        """Drop the graphs that read `adapter`'s tensors (it is being unloaded), and the buckets whose
+        capture with it failed (kept as None, they no longer hold the adapter, only its id)."""
+        self.graphs = {k: v for k, v in self.graphs.items() if k[1] != id(adapter)}
+        self.failures = {k: v for k, v in self.failures.items() if k[1] != id(adapter)}
 
     def release(self) -> None:
         """Free every captured graph and the memory pool (the engine is closing).
@@ -321,5 +350,6 @@ class DecodeGraphs:
             if graph is not None:
                 graph.reset()
         self.graphs.clear()
+        self.failures.clear()
         self.sample_graphs.clear()
         self.pool = None
