@@ -255,10 +255,10 @@ def test_unknown_base_model_is_a_clear_error(tmp_path, loop):
     loop.run_until_complete(check())
 
 
-def test_delete_checkpoints_keeps_the_latest_and_the_best(tmp_path, loop, default_model_dir):
+def test_delete_checkpoints_keeps_the_latest_and_the_best(tmp_path, loop, tiny_model_dir):
     async def check():
         async with art.LocalBackend(path=tmp_path) as backend:
-            model = art.TrainableModel(name="prune", project="tests", base_model=str(default_model_dir))
+            model = art.TrainableModel(name="prune", project="tests", base_model=str(tiny_model_dir))
             await model.register(backend)  # a local HF model directory as base_model
             for reward in (0.2, 0.9, 0.1):
                 await model.train(await gather(model, group_size=2), config=art.TrainConfig(learning_rate=1e-5))

@@ -80,16 +80,17 @@ def test_the_jsonl_helper_reads_chat_examples_with_tools_and_names_bad_lines(tmp
         art.read_sft_jsonl(bad)
 
 
-def test_checkpoints_are_listed_with_metrics_and_forked_into_a_new_model(tmp_path, default_model_dir):
+def test_checkpoints_are_listed_with_metrics_and_forked_into_a_new_model(tmp_path, tiny_model_dir):
+    """The bookkeeping of checkpoints (listing, forking), on the tiny random Llama: the model does not matter."""
     async def main():
         async with art.LocalBackend(path=tmp_path) as backend:
-            parent = art.TrainableModel(name="parent", project="tests", base_model="SmolLM2-135M-Instruct")
+            parent = art.TrainableModel(name="parent", project="tests", base_model=str(tiny_model_dir))
             await parent.register(backend)
             await parent.train_sft(sft_examples(), config=art.TrainSFTConfig(learning_rate=1e-3))
             await parent.log([art.Trajectory(messages_and_choices=[], reward=0.3)], split="val")
             [checkpoint] = await backend.list_checkpoints(parent)
             assert checkpoint["step"] == 1 and checkpoint["metrics"]["val/reward"] == 0.3
-            child = art.TrainableModel(name="child", project="tests", base_model="SmolLM2-135M-Instruct")
+            child = art.TrainableModel(name="child", project="tests", base_model=str(tiny_model_dir))
             assert await backend._experimental_fork_checkpoint(child, from_model="parent") == 1
             await child.register(backend)
             assert await child.get_step() == 1

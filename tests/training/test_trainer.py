@@ -1,4 +1,7 @@
-"""The trainer on the real default model (CPU, fp32): on-policy ratio, resume, KL, corrections."""
+"""The trainer (CPU, fp32): the on-policy ratio of the engine's own samples on the real default model;
+resume, KL, ratio corrections, the losses and failure handling on a 2-layer random Llama with the
+default model's tokenizer (`tiny_model_dir`), since they test the trainer's bookkeeping, not the
+model, and take a fraction of the time there."""
 
 from __future__ import annotations
 
@@ -14,10 +17,10 @@ from tempering.training import TokenizedSequence, Trainer
 from tempering.types import LoRAConfig, TrainConfig
 
 
-def load(default_model_dir):
+def load(model_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
 def random_sequences(n=8, seed=0):
@@ -66,19 +69,19 @@ def test_the_first_step_is_on_policy_for_tokens_the_engine_sampled(default_model
     assert metrics["loss/clip_fraction"] == 0.0
 
 
-def test_stopping_after_a_step_and_resuming_gives_the_same_next_step(default_model_dir, tmp_path):
+def test_stopping_after_a_step_and_resuming_gives_the_same_next_step(tiny_model_dir, tmp_path):
     config = TrainConfig(learning_rate=1e-3, batch_size=3)  # several shuffled mini-batches per step
     first, second = random_sequences(seed=1), random_sequences(seed=2)
 
-    uninterrupted = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=7)
+    uninterrupted = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4), seed=7)
     uninterrupted.step(first, config)
     uninterrupted.step(second, config)
 
-    stopped = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=7)
+    stopped = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4), seed=7)
     stopped.step(first, config)
     stopped.save(tmp_path, step=1)
     random.random(), torch.rand(3)  # the rest of the process moves the global RNGs on
-    resumed = Trainer.from_adapter(load(default_model_dir), tmp_path)
+    resumed = Trainer.from_adapter(load(tiny_model_dir), tmp_path)
     resumed.load_state(tmp_path)
     resumed.step(second, config)
 
@@ -87,8 +90,8 @@ def test_stopping_after_a_step_and_resuming_gives_the_same_next_step(default_mod
         assert torch.equal(a, b)
 
 
-def test_kl_penalty_is_zero_at_the_start_and_grows_after_updates(default_model_dir):
-    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4))
+def test_kl_penalty_is_zero_at_the_start_and_grows_after_updates(tiny_model_dir):
+    trainer = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4))
     seqs = random_sequences()
     config = TrainConfig(learning_rate=5e-3, kl_penalty_coef=0.1)
     first = trainer.step(seqs, config).values
@@ -97,8 +100,8 @@ def test_kl_penalty_is_zero_at_the_start_and_grows_after_updates(default_model_d
     assert second["loss/kl"] > 1e-6
 
 
-def test_ratio_corrections_and_their_metrics(default_model_dir):
-    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4))
+def test_ratio_corrections_and_their_metrics(tiny_model_dir):
+    trainer = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4))
     seqs = random_sequences()  # made-up sampled logprobs: far from the model's, ratios far from 1
     metrics = trainer.step(seqs, TrainConfig(learning_rate=1e-4, truncated_importance_sampling=2.0,
                                              importance_ratio_mask=(0.5, 2.0))).values
@@ -108,12 +111,12 @@ def test_ratio_corrections_and_their_metrics(default_model_dir):
 
 
 @pytest.mark.parametrize("loss_fn", ["ppo", "cispo", "gspo"])
-def test_each_loss_takes_a_finite_step_and_checkpointing_does_not_change_it(default_model_dir, loss_fn):
+def test_each_loss_takes_a_finite_step_and_checkpointing_does_not_change_it(tiny_model_dir, loss_fn):
     """Recomputation comes before any loss, so it is compared once (PPO's step with and without it)."""
     seqs = random_sequences()
     results = []
     for checkpointing in (True, False) if loss_fn == "ppo" else (True,):
-        trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4))
+        trainer = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4))
         metrics = trainer.step(seqs, TrainConfig(learning_rate=1e-3, loss_fn=loss_fn,
                                                  gradient_checkpointing=checkpointing, micro_batch_tokens=64)).values
         assert torch.isfinite(torch.tensor(metrics["loss/train"])) and metrics["loss/grad_norm"] > 0
@@ -123,14 +126,14 @@ def test_each_loss_takes_a_finite_step_and_checkpointing_does_not_change_it(defa
             assert torch.allclose(a, b, atol=1e-6)
 
 
-def test_a_failed_step_puts_the_adapter_and_optimizer_back_exactly(default_model_dir):
+def test_a_failed_step_puts_the_adapter_and_optimizer_back_exactly(tiny_model_dir):
     config = TrainConfig(learning_rate=1e-3)
     first, second = random_sequences(seed=1), random_sequences(seed=2)
-    reference = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    reference = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4), seed=3)
     reference.step(first, config)
     reference.step(second, config)
 
-    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    trainer = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4), seed=3)
     trainer.step(first, config)
     before = lora_state(trainer)
 
@@ -145,8 +148,8 @@ def test_a_failed_step_puts_the_adapter_and_optimizer_back_exactly(default_model
     assert all(torch.equal(a, b) for a, b in zip(lora_state(trainer), lora_state(reference)))
 
 
-def test_an_update_with_a_non_finite_gradient_is_skipped_and_counted_not_fatal(default_model_dir):
-    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+def test_an_update_with_a_non_finite_gradient_is_skipped_and_counted_not_fatal(tiny_model_dir):
+    trainer = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4), seed=3)
     config = TrainConfig(learning_rate=1e-3, batch_size=4)  # two updates of four trajectories
     before = lora_state(trainer)
     hook = trainer.params[0].register_hook(lambda grad: grad * float("nan"))
@@ -161,18 +164,18 @@ def test_an_update_with_a_non_finite_gradient_is_skipped_and_counted_not_fatal(d
     assert not all(torch.equal(a, b) for a, b in zip(lora_state(trainer), before))
 
 
-def test_every_update_bumps_the_adapters_version_counters_even_with_a_fused_optimizer(default_model_dir):
+def test_every_update_bumps_the_adapters_version_counters_even_with_a_fused_optimizer(tiny_model_dir):
     """The engine's copies of the live adapter (A in spare rows, B^T shadows) refresh when a tensor's
     version counter moves; a fused AdamW (the trainer's on CUDA) writes in place without moving it,
     and the engine then sampled a stale mix of old and new adapter tensors."""
-    trainer = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    trainer = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4), seed=3)
     trainer.optimizer = torch.optim.AdamW(trainer.params, lr=1e-3, fused=True)  # as on CUDA
     before = [p._version for p in trainer.params]
     trainer.step(random_sequences(), TrainConfig(learning_rate=1e-3))
     assert all(p._version > v for p, v in zip(trainer.params, before))
 
 
-def test_with_a_scorer_the_objective_takes_its_values_and_the_trainers_gradient(default_model_dir):
+def test_with_a_scorer_the_objective_takes_its_values_and_the_trainers_gradient(tiny_model_dir):
     """Exact on-policy (a batch-invariant engine as the scorer): the logprobs' values come from the
     scorer, so a scorer that reproduces the sampled logprobs makes every ratio exactly 1; the
     gradient is the trainer's own, so the update is the one without a scorer where the ratio is 1
@@ -180,7 +183,7 @@ def test_with_a_scorer_the_objective_takes_its_values_and_the_trainers_gradient(
     from tempering.training.batching import pack_sequences
 
     seqs = random_sequences()
-    base = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    base = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4), seed=3)
     with torch.no_grad():  # the trainer's own logprobs as the sampled ones: ratio 1 to rounding without a scorer
         for s in seqs:
             k = s.loss_mask.index(True)
@@ -193,7 +196,7 @@ def test_with_a_scorer_the_objective_takes_its_values_and_the_trainers_gradient(
         return [sampled[tuple(ids)] for ids in token_ids]
 
     config = TrainConfig(learning_rate=1e-3)
-    exact = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3)
+    exact = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4), seed=3)
     init = lora_state(exact)
     copies = [TokenizedSequence(s.token_ids, list(s.loss_mask), list(s.sampled_logprobs), advantage=s.advantage,
                                 group_index=s.group_index, trajectory_index=s.trajectory_index) for s in seqs]
@@ -209,7 +212,7 @@ def test_with_a_scorer_the_objective_takes_its_values_and_the_trainers_gradient(
                                    group_index=s.group_index, trajectory_index=s.trajectory_index) for s in seqs]
     for s in on_policy:
         s.on_policy = True
-    again = Trainer.new(load(default_model_dir), LoRAConfig(rank=4), seed=3).step(on_policy, config, scorer=scorer).values
+    again = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4), seed=3).step(on_policy, config, scorer=scorer).values
     assert len(asked) == 1 and again["offpolicy/rescored_fraction"] == 0.0
     assert again["offpolicy/bitwise_equal_fraction"] == 1.0
     moved = torch.cat([(a - i).flatten() for a, i in zip(lora_state(exact), init)])
