@@ -101,13 +101,29 @@ def test_kl_penalty_is_zero_at_the_start_and_grows_after_updates(tiny_model_dir)
 
 
 def test_ratio_corrections_and_their_metrics(tiny_model_dir):
+    """Sampled logprobs set off the trainer's own by fixed amounts: ratios of e^1.5 (capped by
+    truncated importance sampling at 2 and masked), 1 and e^-0.5 (kept) and e^-1.5 (masked)."""
+    from tempering.training.batching import pack_sequences
+
     trainer = Trainer.new(load(tiny_model_dir), LoRAConfig(rank=4))
-    seqs = random_sequences()  # made-up sampled logprobs: far from the model's, ratios far from 1
+    seqs = random_sequences()
+    offsets = [-1.5, 0.0, 0.5, 1.5]  # sampled = own + offset: ratio = exp(-offset)
+    counts = {o: 0 for o in offsets}
+    with torch.no_grad():
+        for s in seqs:
+            k = s.loss_mask.index(True)
+            own = trainer._logprobs(pack_sequences([s], max_tokens=4096)[0])[0].tolist()  # tokens k..
+            for i, value in enumerate(own):
+                offset = offsets[i % 4]
+                s.sampled_logprobs[k + i] = value + offset
+                counts[offset] += 1
+    n = sum(counts.values())
     metrics = trainer.step(seqs, TrainConfig(learning_rate=1e-4, truncated_importance_sampling=2.0,
                                              importance_ratio_mask=(0.5, 2.0))).values
-    assert 0 < metrics["offpolicy/masked_fraction"] <= 1
-    assert 0 <= metrics["offpolicy/tis_capped_fraction"] <= metrics["offpolicy/masked_fraction"]
-    assert metrics["offpolicy/mismatch_abs_logprob"] > 0.1
+    assert metrics["offpolicy/tis_capped_fraction"] == pytest.approx(counts[-1.5] / n)
+    assert metrics["offpolicy/masked_fraction"] == pytest.approx((counts[-1.5] + counts[1.5]) / n)
+    assert metrics["offpolicy/mismatch_abs_logprob"] == pytest.approx(sum(abs(o) * c for o, c in counts.items()) / n,
+                                                                       abs=1e-4)
 
 
 @pytest.mark.parametrize("loss_fn", ["ppo", "cispo", "gspo"])
