@@ -54,7 +54,8 @@ def profile_decoding(engine: Engine, prompts: list[list[int]], n: int, policy, w
         f.result()
     kernels = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
     kernel_us = sum(e.self_device_time_total for e in kernels)
-    return {"gpu_busy": round(kernel_us / 1e6 / wall, 3), "kernel_us_per_step": round(kernel_us / steps, 1),
+    return {"gpu_busy": round(kernel_us / 1e6 / wall, 3), "wall_us_per_step": round(wall * 1e6 / steps, 1),
+            "kernel_us_per_step": round(kernel_us / steps, 1),
             "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1),
             "top_kernels_us_per_step": {e.key[:60]: round(e.self_device_time_total / steps, 1) for e in kernels[:12]}}
 
