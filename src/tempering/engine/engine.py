@@ -173,7 +173,8 @@ class Engine:
             raise EngineError("this engine is a tensor-parallel follower (TP rank > 0): submit requests to the "
                               "group's leader (TP rank 0), which runs them on every rank")
         request = new_request(prompt_ids, params, n, policy, on_token, max_seq_len=self.max_seq_len,
-                              limits=f"context {self.max_seq_len}, KV cache {self.blocks.capacity_tokens} tokens")
+                              limits=f"context {self.max_seq_len}, KV cache {self.blocks.capacity_tokens} tokens",
+                              vocab_size=self.model.embed.shape[0])
         with self._cond:
             if self._group_error is not None:
                 raise self._group_error
@@ -220,11 +221,10 @@ class Engine:
         if self._masks is not None:
             self._masks.close()
         error = EngineError("the engine was closed before this request finished")
-        for request in list(self._inbox):
-            request.future.set_exception(error)
-        for seqs in self._pending.values():
-            if not seqs[0].request.future.done():
-                seqs[0].request.future.set_exception(error)
+        for future in [r.future for r in list(self._inbox)] + [seqs[0].request.future for seqs in
+                                                                list(self._pending.values()) + list(self._awaiting)]:
+            if not future.done():  # (a queued request may have been cancelled: `abort`)
+                future.set_exception(error)
 
     # ---- tensor parallelism: a training step between two engine steps -------------------------
 
@@ -354,7 +354,11 @@ class Engine:
                 aborts = list(self._aborts)
                 self._aborts.clear()
             for request in arrivals:
-                self._admit(request)
+                try:
+                    self._admit(request)
+                except Exception as exc:  # this request alone: the worker goes on
+                    log.exception("admitting a request failed")
+                    self._fail_request(request, EngineError(f"the request could not be admitted: {exc!r}"))
             for future in aborts:
                 self._abort(future)
             if not self.scheduler.has_work and not self._launched:
@@ -452,6 +456,19 @@ class Engine:
         key = next((k for k, seqs in self._pending.items() if seqs[0].request.future is future), None)
         if key is None:  # finished (or failed) meanwhile
             return
+        self._end_samples(key)
+        if not future.done():
+            future.set_exception(RequestAborted("the request was aborted (its client went away or cancelled it)"))
+
+    def _fail_request(self, request: GenerationRequest, error: BaseException) -> None:
+        """End one request's samples and fail its future with `error`; the others go on."""
+        if id(request) in self._pending:
+            self._end_samples(id(request))
+        if not request.future.done():
+            request.future.set_exception(error)
+
+    def _end_samples(self, key: int) -> None:
+        """Finish every sample of the pending request `key` now and free its blocks."""
         for seq in self._pending.pop(key):
             if seq.is_finished:
                 continue
@@ -461,8 +478,6 @@ class Engine:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
             self.runner.release(seq)
-        if not future.done():
-            future.set_exception(RequestAborted("the request was aborted (its client went away or cancelled it)"))
 
     def _step(self) -> None:
         """One turn of the pipeline: collect the older launched step, launch the next one.
@@ -559,7 +574,12 @@ class Engine:
             seq.finish_reason = finish_reason_at(seq.token_ids, index, index + 1 - seq.num_prompt_tokens,
                                                  seq.request.params, seq.max_tokens, self._stop_ids, self.tokenizer)
             if seq.request.on_token is not None:
-                seq.request.on_token(seq.sample_index, token_id, logprob, top)
+                try:
+                    seq.request.on_token(seq.sample_index, token_id, logprob, top)
+                except Exception as exc:  # this request's streaming failed: stop it alone
+                    log.warning("a request's token callback raised %r; that request is stopped", exc)
+                    self._fail_request(seq.request, EngineError(f"the request's token callback raised {exc!r}"))
+                    continue
             if seq.finish_reason is not None:
                 del seq.token_ids[index + 1:]  # a token launched after this one
                 seq.num_pending = 0

@@ -144,7 +144,9 @@ class HFEngine:
             self._cond.notify_all()
         self._thread.join(timeout=60)
         while self._queue:
-            self._queue.popleft().future.set_exception(EngineError("the engine was closed before this request ran"))
+            future = self._queue.popleft().future
+            if not future.done():  # (a queued request may have been cancelled: `abort`)
+                future.set_exception(EngineError("the engine was closed before this request ran"))
 
     # ---- worker -----------------------------------------------------------------------------
 

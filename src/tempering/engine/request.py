@@ -102,17 +102,23 @@ class GenerationRequest:
 
 
 def new_request(prompt_ids: list[int], params: SamplingParams, n: int, policy: Policy, on_token: TokenCallback | None,
-                *, max_seq_len: int, limits: str) -> GenerationRequest:
+                *, max_seq_len: int, limits: str, vocab_size: int | None = None) -> GenerationRequest:
     """A validated request (both engines' `submit`).
 
     Raises:
-        ConfigError: if the prompt is empty, leaves no room for a token (`limits` says which
-            limits apply), or n < 1.
+        ConfigError: if the prompt is empty, holds an id outside [0, vocab_size), leaves no room
+            for a token (`limits` says which limits apply), or n < 1.
     """
     from ..errors import ConfigError
 
     if not prompt_ids:
         raise ConfigError("the prompt is empty: send at least one message or token")
+    if vocab_size is not None:
+        low, high = min(prompt_ids), max(prompt_ids)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ConfigError(f"the prompt holds token id {bad}, outside the model's vocabulary [0, {vocab_size}); "
+                              "tokenize it with this model's tokenizer")
     if len(prompt_ids) >= max_seq_len:
         raise ConfigError(f"the prompt has {len(prompt_ids)} tokens but at most {max_seq_len - 1} fit ({limits}); shorten it")
     if n < 1:

@@ -201,14 +201,18 @@ def _invert_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     chunk_lse = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, C]
     C = chunk_lse.shape[1]
     chunk_cdf = chunk_lse.double().exp().cumsum(-1)  # [B, C]
-    target = (u * chunk_cdf[:, -1])[:, None]  # [B, 1] float64
-    chunk = torch.searchsorted(chunk_cdf, target, right=True).clamp_(max=C - 1)  # [B, 1]
+    tiny = torch.finfo(torch.float64).tiny
+    # the first chunk (then token) whose CDF reaches the target, the target kept in (0, total]: the
+    # pick then always has mass, also where the chunk masses (float32 log-sum-exps) and the sums
+    # inside a chunk (float64) round apart; an excluded (-inf) token is never drawn
+    target = (u * chunk_cdf[:, -1])[:, None].clamp(min=tiny)  # [B, 1] float64
+    chunk = torch.searchsorted(chunk_cdf, target).clamp_(max=C - 1)  # [B, 1]
     before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
     index = chunk * _CHUNK + torch.arange(_CHUNK, device=logprobs.device)  # [B, CHUNK]
     inside = logprobs.gather(1, index.clamp(max=V - 1)).masked_fill(index >= V, float("-inf"))
     inner = inside.double().exp().cumsum(-1)
-    offset = torch.searchsorted(inner, target - before, right=True).clamp_(max=_CHUNK - 1)
-    return (chunk * _CHUNK + offset).squeeze(1).clamp_(max=V - 1)
+    offset = torch.searchsorted(inner, torch.minimum(target - before, inner[:, -1:]).clamp(min=tiny))
+    return (chunk * _CHUNK + offset.clamp_(max=_CHUNK - 1)).squeeze(1)
 
 
 def gumbel_sample_reference(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,

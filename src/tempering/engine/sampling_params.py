@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,8 @@ class SamplingParams:
             shares the batch; the n samples of one request use different streams.
         stop: strings that end a sample; the returned text stops before the first one.
         stop_token_ids: ids that end a sample besides the model's end-of-turn ids.
-        ignore_eos: keep sampling past end-of-turn ids (benchmarks).
+        ignore_eos: keep sampling past the model's end-of-turn ids (benchmarks); `stop_token_ids`
+            still end a sample, as in vLLM.
         num_top_logprobs: how many most likely alternatives to return per token (0-20).
         grammar: a compiled grammar (engine/grammar) every sample must follow, or None.
         return_routed_experts: a mixture of experts returns each token's experts per MoE layer
@@ -68,6 +70,11 @@ class SamplingParams:
             raise ConfigError(f"top_logprobs must be in [0, 20], got {self.num_top_logprobs}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+        if self.seed is not None:
+            try:
+                self.seed = operator.index(self.seed)
+            except TypeError:
+                raise ConfigError(f"seed must be an integer, got {self.seed!r}") from None
 
     @property
     def is_greedy(self) -> bool:

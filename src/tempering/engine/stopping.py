@@ -29,7 +29,7 @@ def finish_reason_at(
     """`finish_reason_of` for the token at `index` of `token_ids`, the `num_completion_tokens`-th
     of its completion, without copying the completion (the engine checks every token)."""
     last = token_ids[index]
-    if not params.ignore_eos and (last in stop_token_ids or last in params.stop_token_ids):
+    if last in params.stop_token_ids or (not params.ignore_eos and last in stop_token_ids):
         return "stop"
     if params.stop:
         window = max(len(s) for s in params.stop) + 4
