@@ -107,3 +107,44 @@ def test_the_inverse_cdf_never_draws_an_excluded_token_even_at_the_edges_of_u():
         logprobs = logprobs.masked_fill(~keep, float("-inf"))
         for u in (2.0 ** -33, 0.5, 1 - 2.0 ** -33):
             assert keep[int(_invert_cdf(logprobs, torch.tensor([u], dtype=torch.float64)))], (trial, u)
+
+
+def test_a_request_whose_adapter_is_unloaded_fails_alone(model):
+    """A server unloads the least recently used saved step's adapter; requests on it then fail with
+    the reason, and the others go on (they all failed: the step could not find the adapter)."""
+    from test_models import AdapterPolicy, with_lora
+
+    peft = with_lora(tiny("llama3", "cpu", torch.float32), ("q_proj", "v_proj"), adapters=("default", "step-0001"))
+    engine = Engine(engine_model_for(peft.get_base_model(), 512), NullTokenizer(), stop_token_ids=[0],
+                    lock=threading.RLock(), config=EngineConfig(num_kv_blocks=64, block_size=16), max_seq_len=512,
+                    peft_model=lambda: peft)
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        on_old = engine.submit([1, 2, 3], params, policy=AdapterPolicy("step-0001", 1))
+        on_base = engine.submit([4, 5, 6], params, policy=BasePolicy())
+        while not engine.stats.num_decode_tokens:
+            time.sleep(0.01)
+        assert engine.adapter_in_use("step-0001") and not engine.adapter_in_use("default")
+        with engine.lock:  # as the service unloads one: under the engine's lock
+            peft.delete_adapter("step-0001")
+            engine.forget_adapter("step-0001")
+        with pytest.raises(EngineError, match="'step-0001' is not loaded .*send the request again"):
+            on_old.result(timeout=60)
+        assert len(on_base.result(timeout=60)[0].token_ids) == 200
+    finally:
+        engine.close()
+
+
+def test_the_service_unloads_the_least_recently_used_saved_step_no_request_samples_with():
+    import collections
+    from types import SimpleNamespace
+
+    from tempering.service.service import ModelService
+
+    busy = {"step-0001"}
+    service = SimpleNamespace(engine=SimpleNamespace(adapter_in_use=lambda name: name in busy),
+                              _step_adapters=collections.OrderedDict((s, f"step-{s:04d}") for s in (1, 2, 3)))
+    assert ModelService._evictable_step_adapter(service) == "step-0002"  # step 1 is in use
+    busy.add("step-0003")
+    assert ModelService._evictable_step_adapter(service) is None  # 3 is the newest: kept; 1 in use
+    assert list(service._step_adapters) == [1, 3]

@@ -122,7 +122,8 @@ class Engine:
                               "LlamaFamilyModel(tp=...)): make them equal")
         self.link = StepLink(tp, model.device) if tp is not None else None
         self.is_follower = tp is not None and not tp.is_leader
-        self.runner = ModelRunner(model, self.config, self._adapter_weights, max_seq_len, link=self.link)
+        self._batch_adapters: dict[str, EngineAdapter] = {}  # the scheduled batch's, resolved once (_step)
+        self.runner = ModelRunner(model, self.config, self._adapter_for_batch, max_seq_len, link=self.link)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.max_seq_len = min(max_seq_len, self.blocks.capacity_tokens)
@@ -335,6 +336,40 @@ class Engine:
         for key in [k for k in self._adapters if k[0] == name]:
             self.runner.forget_adapter(self._adapters.pop(key))
 
+    def _adapter_for_batch(self, name: str) -> EngineAdapter:
+        """The runner's lookup: the adapter resolved for the scheduled batch, else the current one."""
+        adapter = self._batch_adapters.get(name)
+        return adapter if adapter is not None else self._adapter_weights(name)
+
+    def adapter_in_use(self, name: str) -> bool:
+        """Whether a queued or running request samples with adapter `name` (a snapshot: a request
+        may arrive the next moment; one whose adapter is gone when its step comes fails alone)."""
+        requests = list(self._inbox) + [seqs[0].request for seqs in list(self._pending.values())]
+        return any(r.policy.adapter_name == name for r in requests)
+
+    def _without_unloaded_adapters(self, batch):
+        """`batch` less the samples whose adapter was unloaded while they waited or ran; their
+        requests fail with the reason, the others go on."""
+        names = {seq.request.policy.adapter_name for seq, _ in batch.items()} - {None}
+        resolved, gone = {}, {}
+        for name in names:
+            try:
+                resolved[name] = self._adapter_weights(name)
+            except EngineError as exc:
+                gone[name] = exc
+        self._batch_adapters = resolved  # the step's, even if one is unloaded before it is prepared
+        if not gone:
+            return batch
+        for seq, _ in batch.items():
+            name = seq.request.policy.adapter_name
+            if name in gone and not seq.is_finished:
+                self._fail_request(seq.request, EngineError(
+                    f"{gone[name]} (unloaded while this request waited or ran: a server keeps the most recently "
+                    f"used saved steps loaded); send the request again"))
+        batch.decode = [s for s in batch.decode if not s.is_finished]
+        batch.prefill = [(s, n) for s, n in batch.prefill if not s.is_finished]
+        return batch
+
     # ---- worker ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -512,7 +547,7 @@ class Engine:
             advance_grammars(consume)
         if sampled is not None:
             self._process(sampled)
-        batch = self.scheduler.schedule()
+        batch = self._without_unloaded_adapters(self.scheduler.schedule())
         if masks is not None:  # let the helper into its fill call (the GIL: see MaskWorker)
             masks.wait_filling()
         prepared = self.runner.prepare(batch, newest) if batch else None

@@ -363,12 +363,23 @@ class ModelService:
                 self.peft_model.set_adapter(ADAPTER_NAME)
                 with self._step_adapters_lock:
                     self._step_adapters[step] = name
-                    evicted = self._step_adapters.popitem(last=False)[1] if len(self._step_adapters) > self._max_step_adapters else None
+                    evicted = self._evictable_step_adapter() if len(self._step_adapters) > self._max_step_adapters else None
                 if evicted is not None:
                     self.peft_model.delete_adapter(evicted)
                     if isinstance(self.engine, Engine):
                         self.engine.forget_adapter(evicted)
         return AdapterPolicy(self.trainer.peft_model, name, step)
+
+    def _evictable_step_adapter(self) -> str | None:
+        """Pop and return the least recently used saved-step adapter that no queued or running
+        request samples with; None when every one is in use (the cap is then exceeded until a later
+        load finds one free). Call under `_step_adapters_lock` with the engine held (`gate`)."""
+        in_use = getattr(self.engine, "adapter_in_use", lambda name: False)
+        for step, name in list(self._step_adapters.items())[:-1]:  # never the one just loaded
+            if not in_use(name):
+                del self._step_adapters[step]
+                return name
+        return None
 
     def _is_saved(self, step: int) -> bool:
         """Whether `step` has a checkpoint; False for step 0 without one, or the latest step trained
