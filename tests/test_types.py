@@ -97,3 +97,18 @@ def test_train_config_defaults_and_validation():
         art.TrainConfig(learning_rate=-1)
     with pytest.raises(ValueError, match="importance_ratio_mask"):
         art.TrainConfig(importance_ratio_mask=(1.5, 2.0))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: art.TrainConfig(learning_rate=float("inf")),
+    lambda: art.TrainConfig(weight_decay=float("inf")),
+    lambda: art.TrainConfig(kl_penalty_coef=float("nan")),
+    lambda: art.TrainSFTConfig(learning_rate=float("nan")),
+    lambda: art.TrainSFTConfig(learning_rate=[1e-4, float("inf")]),
+    lambda: art.types.LoRAConfig(alpha=float("inf")),
+], ids=["lr-inf", "weight-decay-inf", "kl-nan", "sft-lr-nan", "sft-lr-list-inf", "lora-alpha-inf"])
+def test_values_that_would_make_the_adapter_non_finite_are_refused(make):
+    """An infinite learning rate wrote NaN into the live adapter and its checkpoint."""
+    with pytest.raises((ValueError, art.ConfigError)):
+        make()
+    assert art.TrainConfig(epsilon_high=float("inf")).epsilon_high == float("inf")  # "no upper clip" stays valid

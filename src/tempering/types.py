@@ -288,7 +288,7 @@ class LoRAConfig(BaseModel):
     recommends for RL.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or NaN would poison the adapter
 
     rank: int = Field(default=8, ge=1, le=1024)
     alpha: float = Field(default=16.0, gt=0)
@@ -359,7 +359,7 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    learning_rate: float = Field(default=5e-5, gt=0)
+    learning_rate: float = Field(default=5e-5, gt=0, allow_inf_nan=False)
     loss_fn: Literal["ppo", "cispo", "gspo"] = "ppo"
     epsilon: float | None = Field(default=None, gt=0, description="clip low; default by loss_fn")
     epsilon_high: float | None = Field(default=None, gt=0, description="clip high; default by loss_fn")
@@ -370,10 +370,11 @@ class TrainConfig(BaseModel):
     batch_size: int | None = Field(default=None, ge=1, description="trajectories per optimizer update")
     micro_batch_tokens: int = Field(default=16384, ge=64, description="tokens per forward/backward pass")
     max_grad_norm: float | None = Field(default=1.0, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     lora_rank: int | None = Field(default=None, ge=1, description="LoRA rank; fixed by the model's first step")
-    lora_alpha: float | None = Field(default=None, gt=0, description="LoRA alpha; fixed by the model's first step")
-    kl_penalty_coef: float = Field(default=0.0, ge=0)
+    lora_alpha: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                     description="LoRA alpha; fixed by the model's first step")
+    kl_penalty_coef: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     beta: float | None = Field(default=None, ge=0, description="ART <= 0.4 name of kl_penalty_coef")
     truncated_importance_sampling: float | None = Field(default=None, gt=0)
@@ -435,7 +436,7 @@ class TrainSFTConfig(BaseModel):
     trajectories, one optimizer update each, and saves one checkpoint.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or NaN would poison the adapter
 
     learning_rate: float | list[float] = Field(default=5e-5, description="a list gives one value per batch")
     batch_size: int | Literal["auto"] = "auto"
@@ -448,7 +449,7 @@ class TrainSFTConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> TrainSFTConfig:
         rates = self.learning_rate if isinstance(self.learning_rate, list) else [self.learning_rate]
-        if not rates or any(r <= 0 for r in rates):
+        if not rates or any(not math.isfinite(r) or r <= 0 for r in rates):
             raise ConfigError(f"learning_rate must be positive (or a non-empty list of positive values), got {self.learning_rate}")
         if isinstance(self.batch_size, int) and self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1 or 'auto', got {self.batch_size}")

@@ -7,6 +7,7 @@ from tempering.storage import ModelPaths, delete_checkpoints, latest_step, list_
 def _write_adapter(tag):
     def write(tmp):
         (tmp / "adapter_config.json").write_text("{}")
+        (tmp / "adapter_model.safetensors").write_bytes(b"")
         (tmp / "tag").write_text(tag)
     return write
 
@@ -31,6 +32,8 @@ def test_latest_step_ignores_incomplete_and_foreign_directories(tmp_path):
     for step in (1, 3):
         write_atomically(ckpts / f"{step:04d}", _write_adapter(str(step)))
     (ckpts / "0007").mkdir()  # no adapter inside: not a checkpoint
+    (ckpts / "0008").mkdir()
+    (ckpts / "0008" / "adapter_config.json").write_text("{}")  # a config without weights: neither
     (ckpts / ".tmp-0009-abcd").mkdir()
     assert [c.step for c in list_checkpoints(ckpts)] == [1, 3]
     assert latest_step(ckpts) == 3
@@ -43,6 +46,9 @@ def test_delete_keeps_the_requested_steps(tmp_path):
         write_atomically(ckpts / f"{step:04d}", _write_adapter(str(step)))
     assert delete_checkpoints(ckpts, [2, 4]) == [1, 3]
     assert [c.step for c in list_checkpoints(ckpts)] == [2, 4]
+    # the highest saved step always stays (a live step 5 trained with save_checkpoint=False has none)
+    assert delete_checkpoints(ckpts, [5]) == [2]
+    assert [c.step for c in list_checkpoints(ckpts)] == [4]
 
 
 @pytest.mark.parametrize("name", ["../evil", "a/b", "", ".hidden", "x" * 200, "name@3"])

@@ -13,6 +13,7 @@ over several machines `root` must be one shared directory; the hub checks that i
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import json
 import os
@@ -307,9 +308,13 @@ class ModelHub:
                 for c in list_checkpoints(self.paths(project, name).checkpoints_dir)]
 
     def delete_checkpoints(self, project: str, name: str, keep_steps: list[int]) -> list[int]:
-        """Delete every checkpoint but `keep_steps` and the latest (the live policy)."""
-        keep = set(keep_steps) | {self.step(project, name)}
-        return delete_checkpoints(self.paths(project, name).checkpoints_dir, keep)
+        """Delete every checkpoint but `keep_steps`, the live policy's step and the highest saved
+        one (also when the last step was trained with save_checkpoint=False). A registered model's
+        running training step finishes first (its new checkpoint is then the latest)."""
+        service = self.registry.get(name)
+        with service.train_lock if service is not None else contextlib.nullcontext():
+            keep = set(keep_steps) | {self.step(project, name)}
+            return delete_checkpoints(self.paths(project, name).checkpoints_dir, keep)
 
     def fork(self, *, project: str, name: str, from_project: str, from_name: str, step: int | None = None,
              not_after_step: int | None = None) -> int:

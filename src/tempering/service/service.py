@@ -65,6 +65,7 @@ from ..parallel import Router, WorkerLink
 from ..parallel.shard_load import dummy_model, load_llama_shards
 from ..modeling.tensor_parallel import TensorParallel
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
+from ..storage.checkpoints import is_complete
 from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
 from ..training.data_parallel import DataParallel
 from ..training.policy_age import policy_age_metrics
@@ -388,7 +389,7 @@ class ModelService:
         Raises:
             UnknownModelError: for any other step without a checkpoint.
         """
-        if (self.paths.checkpoint(step) / "adapter_config.json").is_file():
+        if is_complete(self.paths.checkpoint(step)):
             return True
         if step in (0, self.step):
             return False

@@ -26,13 +26,21 @@ class CheckpointInfo:
     path: Path
 
 
+WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's, new and old
+
+
+def is_complete(checkpoint_dir: Path) -> bool:
+    """Whether a checkpoint directory holds an adapter's config and its weights."""
+    return (checkpoint_dir / "adapter_config.json").is_file() and any((checkpoint_dir / f).is_file() for f in WEIGHTS_FILES)
+
+
 def list_checkpoints(checkpoints_dir: Path) -> list[CheckpointInfo]:
-    """Complete checkpoints (named by their step, holding an adapter), oldest first."""
+    """Complete checkpoints (named by their step, holding an adapter's config and weights), oldest first."""
     if not checkpoints_dir.is_dir():
         return []
     found = []
     for entry in checkpoints_dir.iterdir():
-        if entry.name.isdigit() and (entry / "adapter_config.json").is_file():
+        if entry.name.isdigit() and is_complete(entry):
             found.append(CheckpointInfo(int(entry.name), entry))
     return sorted(found, key=lambda c: c.step)
 
@@ -75,10 +83,12 @@ def write_atomically(final_dir: Path, write: Callable[[Path], None]) -> Path:
 
 
 def delete_checkpoints(checkpoints_dir: Path, keep_steps: Iterable[int]) -> list[int]:
-    """Delete every checkpoint whose step is not in `keep_steps`; return the deleted steps."""
-    keep = set(keep_steps)
+    """Delete every checkpoint whose step is not in `keep_steps`, the highest saved step always
+    kept (a resume starts there); return the deleted steps."""
+    saved = list_checkpoints(checkpoints_dir)
+    keep = set(keep_steps) | ({saved[-1].step} if saved else set())
     deleted = []
-    for info in list_checkpoints(checkpoints_dir):
+    for info in saved:
         if info.step not in keep:
             shutil.rmtree(info.path)
             deleted.append(info.step)
