@@ -264,6 +264,12 @@ def test_forced_token_flags_reach_the_trainer_and_can_be_left_out_of_the_loss(se
     dropped = run(served, backend.train(model, [group], learning_rate=1e-6, save_checkpoint=False, exclude_forced_tokens=True))
     num_forced = sum(sum(t.messages_and_choices[1].grammar_forced) for t in trajectories)
     assert kept.metrics["data/step_completion_tokens"] - dropped.metrics["data/step_completion_tokens"] == num_forced
+    # every token forced and left out: nothing to train on, said as such (it ran a step on no token)
+    for traj in trajectories:
+        for choice in [m for m in traj.messages_and_choices if isinstance(m, art.types.Choice)]:
+            choice.grammar_forced = [True] * len(choice.token_ids)
+    nothing = run(served, backend.train(model, [group], learning_rate=1e-6, save_checkpoint=False, exclude_forced_tokens=True))
+    assert nothing.is_adapter_unchanged and nothing.num_groups_trainable == 0
 
 
 def test_guided_completion_params_make_the_student_repeat_the_teachers_text_and_tool_call(served):

@@ -749,6 +749,9 @@ class ModelService:
             advantages = group_advantages(rewards_G[g], normalize=mode == "group")
             if batch_std is not None:
                 advantages = [a / (batch_std + 1e-6) for a in advantages]
+            # a sequence with no token in the loss (every sampled token forced by a grammar, with
+            # exclude_forced_tokens) teaches nothing: a group of only those is not trainable
+            per_trajectory = [[s for s in seqs if any(s.loss_mask)] for seqs in per_trajectory]
             trained = [(i, a, seqs) for i, (a, seqs) in enumerate(zip(advantages, per_trajectory)) if a != 0.0 and seqs]
             num_trainable += bool(trained)
             for i, advantage, seqs in trained:
