@@ -268,6 +268,7 @@ def test_clear_messages_for_common_mistakes(served):
     assert "backtrace" not in message
     long = {"messages": [{"role": "user", "content": "word " * 9000}]}
     refused(post(served, long), 400, "the prompt has", "at most 8191 fit")
+    refused(post(served, {**long, "stream": True}), 400, "the prompt has")  # not a stream cut after its 200
     refused(post(served, {"prompt": [1] * 8192}, "/completions"), 400, "the prompt has 8192 tokens but at most 8191 fit")
     still_serving(served)
 

@@ -22,7 +22,7 @@ from typing import Any
 from ..chat.tools import TOOL_CALL_START
 from ..engine import Completion
 
-__all__ = ["StreamState", "sse_chat_stream"]
+__all__ = ["StreamState", "sse_chat_stream", "start_stream"]
 
 
 def _held_back(text: str, patterns: list[str]) -> int:
@@ -84,9 +84,31 @@ class StreamState:
         return final_content[len(self.emitted):] if final_content.startswith(self.emitted) else ""
 
 
+def start_stream(submit: Callable[..., Any]) -> tuple[Any, asyncio.Queue]:
+    """Queue a streamed request now, in the route (call it on the event loop): a request the
+    engine refuses (a prompt too long for the KV cache, a closed engine) raises here and gets its
+    HTTP error, instead of cutting a stream whose 200 was already sent.
+
+    Args:
+        submit: `submit(on_token)` queues the request and returns its concurrent Future.
+
+    Returns:
+        (the Future, the queue of its tokens, then None once it is done), for `sse_chat_stream`.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def on_token(index: int, token_id: int, logprob: float, top: list) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (index, token_id, logprob, top))
+
+    future = submit(on_token)
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+    return future, queue
+
+
 async def sse_chat_stream(
     *,
-    submit: Callable[..., Any],
+    started: tuple[Any, asyncio.Queue],
     abort: Callable[[Any], None],
     model: str,
     prompt_ids: list[int],
@@ -99,7 +121,7 @@ async def sse_chat_stream(
     """Server-sent events of one streamed chat completion.
 
     Args:
-        submit: `submit(on_token)` queues the request and returns its concurrent Future.
+        started: `start_stream`'s (future, queue) of the request.
         abort: `abort(future)` stops the generation; called when the stream ends early (the
             client disconnected: Starlette cancels the stream's task).
         states: one StreamState per choice.
@@ -110,14 +132,7 @@ async def sse_chat_stream(
             with "grammar_forced" for a constrained choice and "routed_experts" when asked for
             (sent in its last chunk).
     """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def on_token(index: int, token_id: int, logprob: float, top: list) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (index, token_id, logprob, top))
-
-    future = submit(on_token)
-    future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+    future, queue = started
     try:
         chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

@@ -57,7 +57,7 @@ from ..engine import Completion, SamplingParams
 from ..engine.grammar import CompiledGrammar, GrammarSpec, llguidance_installed
 from ..errors import ConfigError, UnknownModelError
 from ..modeling.routing_format import encode_routed_experts
-from .chat_stream import StreamState, sse_chat_stream
+from .chat_stream import StreamState, sse_chat_stream, start_stream
 from .registry import ServiceRegistry
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .structured import compile_checked, request_spec, tool_call_spec
@@ -154,9 +154,10 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         if body.stream:
             states = [StreamState(lambda ids: service.tokenizer.decode(ids, skip_special_tokens=True), prefix=prefix,
                                   tools_on=bool(tools), stop=params.stop) for _ in range(body.n)]
+            started = start_stream(
+                lambda on_token: service.submit(prompt_ids, params, n=body.n, step=step, on_token=on_token))
             events = sse_chat_stream(
-                submit=lambda on_token: service.submit(prompt_ids, params, n=body.n, step=step, on_token=on_token),
-                abort=service.abort,
+                started=started, abort=service.abort,
                 model=body.model, prompt_ids=prompt_ids, n=body.n, states=states,
                 token_entry=(lambda t, lp, top: _logprob_entry(decode, t, lp, top, num_top)) if body.logprobs else None,
                 finish=lambda i, c: finish(c), include_usage=bool((body.stream_options or {}).get("include_usage")),
