@@ -275,6 +275,24 @@ def test_delete_checkpoints_keeps_the_latest_and_the_best(tmp_path, loop, tiny_m
     loop.run_until_complete(check())
 
 
+def test_registering_a_name_twice_at_once_loads_it_once_and_another_base_model_is_refused(tmp_path, loop, tiny_model_dir):
+    async def check():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            loads = []
+            load = backend.hub._load
+            backend.hub._load = lambda *args, **kwargs: loads.append(1) or load(*args, **kwargs)
+            twins = [art.TrainableModel(name="twice", project="tests", base_model=str(tiny_model_dir)) for _ in range(2)]
+            await asyncio.gather(*(m.register(backend) for m in twins))
+            assert len(loads) == 1  # each loaded a copy, and the second one was never closed
+            other = art.TrainableModel(name="twice", project="tests", base_model="SmolLM2-135M-Instruct")
+            with pytest.raises(art.ConfigError, match="registered with base model .*Register it with base_model="):
+                await other.register(backend)
+            model_json = json.loads((tmp_path / "tests" / "models" / "twice" / "model.json").read_text())
+            assert model_json["base_model"] == str(tiny_model_dir)  # not overwritten by the refused one
+
+    loop.run_until_complete(check())
+
+
 def test_a_plain_model_logs_metrics_without_a_trainer(tmp_path, loop):
     async def check():
         async with art.LocalBackend(path=tmp_path) as backend:

@@ -91,6 +91,9 @@ class ModelHub:
         self.train_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tempering-train")
         self._projects: dict[str, str] = {}  # model name -> project (names are global: requests use them)
         self._lock = threading.Lock()
+        # one model loads at a time: a second registration of a name waits and finds it loaded (two
+        # would each load a copy), and transformers' lazy imports are not thread-safe
+        self._load_lock = threading.Lock()
         if driver is not None and len(driver.nodes) > 1:
             self._check_shared_root()
 
@@ -145,9 +148,19 @@ class ModelHub:
         try:
             paths.model_dir.mkdir(parents=True, exist_ok=True)
             service = self.registry.get(name)
-            if base_model is not None and service is None:  # loads the weights: fails for an unknown base model
-                service = self._load(paths, base_model, lora=lora, engine_config=engine_config or self.engine_config,
-                                     max_seq_len=max_seq_len, dtype=dtype, dedicated=dedicated)
+            if base_model is not None and service is None:
+                with self._load_lock:
+                    service = self.registry.get(name)  # loaded meanwhile by a concurrent registration
+                    if service is None:  # loads the weights: fails for an unknown base model
+                        self._check_same_base(paths, name, base_model, None)
+                        service = self._load(paths, base_model, lora=lora,
+                                             engine_config=engine_config or self.engine_config,
+                                             max_seq_len=max_seq_len, dtype=dtype, dedicated=dedicated)
+                        _write_json_atomically(paths.model_json, model_json)
+                        self.registry.add(name, service)
+                        return service.step
+            if base_model is not None:
+                self._check_same_base(paths, name, base_model, service)
             _write_json_atomically(paths.model_json, model_json)
         except BaseException:
             # leave nothing behind: no model.json (nor directories) for a model that does not exist
@@ -157,11 +170,24 @@ class ModelHub:
                 with self._lock:
                     self._projects.pop(name, None)
             raise
-        if service is None:
-            return 0
-        if self.registry.get(name) is None:
-            self.registry.add(name, service)
-        return service.step
+        return service.step if service is not None else 0
+
+    @staticmethod
+    def _check_same_base(paths: ModelPaths, name: str, base_model: str, service: ModelService | None) -> None:
+        """Refuse a registration whose base model differs from the one the name serves, or trained on.
+
+        Raises:
+            ConfigError: naming both base models.
+        """
+        if service is not None:
+            previous = service.base_model
+        elif latest_step(paths.checkpoints_dir) > 0 and paths.model_json.is_file():
+            previous = json.loads(paths.model_json.read_text()).get("base_model")
+        else:
+            return  # nothing trained yet: any base model
+        if previous is not None and previous != base_model:
+            raise ConfigError(f"{name!r} is registered with base model {previous!r}, not {base_model!r}: its adapter "
+                              f"fits that base only. Register it with base_model={previous!r}, or use a new model name")
 
     def _load(self, paths: ModelPaths, base_model: str, **options: Any) -> ModelService:
         """The model's service here, and (multi-GPU) on every worker, loading at the same time.
