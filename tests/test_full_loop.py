@@ -143,6 +143,10 @@ def test_bad_input_is_rejected_and_nothing_changes(trained, loop):
         ])
         with pytest.raises(TrajectoryError, match="nothing to train on"):
             await model.train([no_choice])
+        groups = await gather(model, group_size=2)
+        groups[0].trajectories[1].messages_and_choices[-1].token_ids[0] = 10**6  # a Choice of another model
+        with pytest.raises(TrajectoryError, match="group 0, trajectory 1: token id 1000000 is outside the model's vocab"):
+            await model.train(groups)  # an IndexError; on a GPU a device-side assert that ends the server
         assert await model.get_step() == 1
         assert_same_policy(await probe_logprobs(model), probes["after"])
 

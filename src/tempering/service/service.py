@@ -214,6 +214,7 @@ class ModelService:
         self.renderer = ChatRenderer(self.tokenizer, stop_token_ids=stop_ids)
         self.turns = TurnCache(self.tokenizer)
         vocab_size = self.model.get_output_embeddings().weight.shape[0]  # the logits' width
+        self.vocab_size = vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, stop_token_ids=self.renderer.stop_token_ids, vocab_size=vocab_size)
 
         self.trainer: Trainer | None = None
@@ -546,7 +547,7 @@ class ModelService:
         per_trajectory = []
         for i, trajectory in enumerate(trajectories):
             try:
-                per_trajectory.append(sft_sequences(trajectory, self.renderer, max_seq_len=self.max_seq_len))
+                per_trajectory.append(self._in_vocabulary(sft_sequences(trajectory, self.renderer, max_seq_len=self.max_seq_len)))
             except TrajectoryError as exc:
                 raise TrajectoryError(f"trajectory {i}: {exc}") from None
         with self.train_lock:
@@ -731,9 +732,9 @@ class ModelService:
             per_trajectory = []
             for i, trajectory in enumerate(group):
                 try:
-                    per_trajectory.append(tokenize_trajectory(trajectory, self.renderer, max_seq_len=self.max_seq_len,
-                                                              exclude_forced_tokens=config.exclude_forced_tokens,
-                                                              routing_replay=config.moe_routing_replay))
+                    per_trajectory.append(self._in_vocabulary(tokenize_trajectory(
+                        trajectory, self.renderer, max_seq_len=self.max_seq_len,
+                        exclude_forced_tokens=config.exclude_forced_tokens, routing_replay=config.moe_routing_replay)))
                 except TrajectoryError as exc:
                     raise TrajectoryError(f"group {g}, trajectory {i}: {exc}") from None
             sequences_G.append(per_trajectory)
@@ -762,6 +763,21 @@ class ModelService:
                     seq.on_policy = on_policy
                     sequences.append(seq)
         return sequences, num_trainable, len(groups), num_without_tokens
+
+    def _in_vocabulary(self, sequences: list) -> list:
+        """`sequences` (TokenizedSequence), after checking every token id is one of the model's: a
+        Choice sampled from another model, or ids built by hand, would index past the embedding
+        (on a GPU a device-side assert that ends the process's CUDA context).
+
+        Raises:
+            TrajectoryError: naming the id and the vocabulary size.
+        """
+        for seq in sequences:
+            if seq.token_ids and (min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab_size):
+                bad = next(t for t in seq.token_ids if not 0 <= t < self.vocab_size)
+                raise TrajectoryError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size}): were its "
+                                      "Choices sampled from another model? Sample them through model.openai_client()")
+        return sequences
 
     @contextlib.contextmanager
     def _on_train_stream(self):
