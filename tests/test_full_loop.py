@@ -297,6 +297,26 @@ def test_registering_a_name_twice_at_once_loads_it_once_and_another_base_model_i
     loop.run_until_complete(check())
 
 
+def test_a_train_call_still_queued_when_the_backend_closes_fails_with_backend_error(tmp_path, loop, tiny_model_dir):
+    import threading
+
+    async def check():
+        backend = art.LocalBackend(path=tmp_path)
+        model = art.TrainableModel(name="closing", project="tests", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        groups = await gather(model, group_size=2)
+        busy = threading.Event()
+        backend.hub.train_executor.submit(busy.wait, 30)  # the training thread is taken: the next call queues
+        queued = asyncio.ensure_future(backend.train(model, groups))
+        await asyncio.sleep(0.1)
+        await backend.close()
+        busy.set()
+        with pytest.raises(art.BackendError, match="closed before this training call ran"):
+            await queued  # a bare CancelledError, as if the caller's own task had been cancelled
+
+    loop.run_until_complete(check())
+
+
 def test_a_plain_model_logs_metrics_without_a_trainer(tmp_path, loop):
     async def check():
         async with art.LocalBackend(path=tmp_path) as backend:

@@ -300,15 +300,26 @@ class LocalBackend:
         groups = list(trajectory_groups)
         if any(getattr(g, "is_pending", False) for g in groups):
             raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
-        return await asyncio.get_running_loop().run_in_executor(
-            self.hub.train_executor, self.hub.train, model.name, groups, config, on_event
-        )
+        return await self._on_train_thread(self.hub.train, model.name, groups, config, on_event)
 
     async def _train_sft(self, model: TrainableModelRef, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
         self._check_open()
-        return await asyncio.get_running_loop().run_in_executor(
-            self.hub.train_executor, self.hub.train_sft, model.name, list(trajectories), config, on_event
-        )
+        return await self._on_train_thread(self.hub.train_sft, model.name, list(trajectories), config, on_event)
+
+    async def _on_train_thread(self, fn, *args) -> TrainResult:
+        """`fn(*args)` on the hub's training thread (one call at a time).
+
+        Raises:
+            BackendError: if the backend was closed while the call waited for the thread (its
+                queued call is dropped, not run).
+        """
+        future = self.hub.train_executor.submit(fn, *args)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if future.cancelled() and self._closed:  # dropped by close(), not the caller's own cancellation
+                raise BackendError("the backend was closed before this training call ran; nothing was trained") from None
+            raise
 
     # ---- logs and checkpoints -----------------------------------------------------------------
 
