@@ -108,6 +108,33 @@ def test_engine_returns_the_experts_transformers_routes_each_token_to(device, dt
         engine.close()
 
 
+def test_a_sample_preempted_while_its_last_token_is_sampled_returns_its_experts():
+    """The KV cache holds 3 blocks: y's first decode needs the block x holds, so x (prompt of 17,
+    one new token) is preempted while that token is being sampled, and finishes with it, its
+    blocks already freed. Its routed experts are the ones kept at the preemption (an IndexError
+    reading freed slots failed every request before)."""
+    model = tiny_moe()
+    engine = engine_for(model, num_kv_blocks=4)
+    try:
+        y = engine.submit(list(range(1, 17)), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                          policy=BasePolicy())
+        prompt = list(range(30, 47))
+        x = engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0, return_routed_experts=True),
+                          policy=BasePolicy())
+        [routed], [other] = x.result(timeout=60), y.result(timeout=60)
+        assert engine.stats.num_preemptions >= 1 and len(other.token_ids) == 20
+        alone = engine_for(tiny_moe())
+        try:
+            [expected] = alone.submit(prompt, SamplingParams(max_tokens=1, temperature=0, return_routed_experts=True),
+                                      policy=BasePolicy()).result(timeout=60)
+        finally:
+            alone.close()
+        assert routed.token_ids == expected.token_ids
+        assert (routed.routed_experts == expected.routed_experts).all() and routed.routed_experts.shape == (17, 2, 2)
+    finally:
+        engine.close()
+
+
 @pytest.mark.filterwarnings("ignore:.*_pattern keys did not match any targeted module")  # PEFT's own fused-expert patterns
 @pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])
 def test_engine_with_a_live_expert_lora_matches_peft_and_follows_in_place_updates(device, dtype):

@@ -126,6 +126,8 @@ class Engine:
         self.runner = ModelRunner(model, self.config, self._adapter_for_batch, max_seq_len, link=self.link)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
+        if self.runner.routing is not None:
+            self.scheduler.on_preempt = self._keep_routing
         self.max_seq_len = min(max_seq_len, self.blocks.capacity_tokens)
         self._inbox: collections.deque[GenerationRequest] = collections.deque()
         self._aborts: collections.deque = collections.deque()  # futures of requests to stop
@@ -620,17 +622,27 @@ class Engine:
                 seq.num_pending = 0
                 finished.append(seq)
                 if seq.request.params.return_routed_experts and self.runner.routing is not None:
-                    # the slots of every token that was an input, read before its blocks are freed
-                    seq.routing = token_slots(seq.block_table, len(seq.token_ids) - 1, self.runner.block_size)
+                    if seq.block_table:  # the slots of every token that was an input, read before its blocks are freed
+                        seq.routing = token_slots(seq.block_table, len(seq.token_ids) - 1, self.runner.block_size)
+                    else:  # preempted while this last token was being sampled: the experts kept then
+                        seq.routing = seq.routing_at_preemption
                 self.scheduler.finish(seq)
                 self.runner.release(seq)
-        routed = [s for s in finished if s.routing is not None]
+        routed = [s for s in finished if s.routing is not None and not isinstance(s.routing, tuple)]
         if routed:  # one gather for the step, queued before any later step can reuse the freed blocks
             pending = self.runner.routing.gather([s.routing for s in routed])
             for i, s in enumerate(routed):
                 s.routing = (pending, i)
         for seq in finished:
             self._maybe_complete(seq.request)
+
+    def _keep_routing(self, seq: Sequence) -> None:
+        """(The scheduler, before freeing a preempted sample's blocks.) A sample that asked for its
+        routed experts and has a token being sampled may finish with that token before it is
+        recomputed: start copying its inputs' experts now, while their slots still hold them."""
+        if seq.num_pending and seq.request.params.return_routed_experts:
+            slots = token_slots(seq.block_table, seq.num_computed_tokens, self.runner.block_size)
+            seq.routing_at_preemption = (self.runner.routing.gather([slots]), 0)
 
     def _maybe_complete(self, request: GenerationRequest) -> None:
         seqs = self._pending.get(id(request))
@@ -648,8 +660,8 @@ class Engine:
             c = completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params,
                               self.tokenizer, forced=s.forced if s.grammar is not None else None,
                               policy_versions=s.policy_versions)
-            if s.routing is not None:
-                c.routed_experts = s.routing[0].array(s.routing[1])
+            if s.routing is not None:  # (kept at a preemption it may hold a token launched after the last)
+                c.routed_experts = s.routing[0].array(s.routing[1])[:len(s.token_ids) - 1]
             completions.append(c)
         seqs[0].request.future.set_result(completions)
 

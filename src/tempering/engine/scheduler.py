@@ -11,6 +11,7 @@ still cached).
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -51,6 +52,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_preempt: Callable[[Sequence], None] | None = None  # called before a victim's blocks are freed
 
     @property
     def has_work(self) -> bool:
@@ -122,6 +124,8 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
         self.blocks.free(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING

@@ -60,6 +60,7 @@ class Sequence:
     grammar: Any = None  # engine.grammar.GrammarMatcher | None
     forced: list[bool] = field(default_factory=list)
     routing: Any = None  # (routing.PendingRouting, index) once finished, when the request asked for its experts
+    routing_at_preemption: Any = None  # (PendingRouting, index): its inputs' experts, gathered when it was preempted
 
     @classmethod
     def from_request(cls, request: GenerationRequest, sample_index: int, seed: int, max_tokens: int) -> Sequence:
