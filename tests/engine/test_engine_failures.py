@@ -148,3 +148,26 @@ def test_the_service_unloads_the_least_recently_used_saved_step_no_request_sampl
     busy.add("step-0003")
     assert ModelService._evictable_step_adapter(service) is None  # 3 is the newest: kept; 1 in use
     assert list(service._step_adapters) == [1, 3]
+
+
+def test_cancelling_an_asyncio_caller_stops_its_running_request(model):
+    import asyncio
+
+    engine = engine_for(model)
+    try:
+        async def cancel_midway():
+            task = asyncio.ensure_future(engine.generate([1, 2, 3], SamplingParams(max_tokens=400, temperature=0,
+                                                                                   ignore_eos=True), policy=BasePolicy()))
+            while not engine.stats.num_decode_tokens:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancel_midway())
+        deadline = time.time() + 10
+        while not engine.is_idle and time.time() < deadline:  # its samples stop (they ran on for nobody)
+            time.sleep(0.01)
+        assert engine.is_idle and engine.stats.num_decode_tokens < 400
+    finally:
+        engine.close()

@@ -188,8 +188,13 @@ class Engine:
         return request.future
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1, policy: Policy) -> list[Completion]:
-        """`submit` for asyncio callers."""
-        return await asyncio.wrap_future(self.submit(prompt_ids, params, n=n, policy=policy))
+        """`submit` for asyncio callers; cancelling the caller aborts the request (`abort`)."""
+        future = self.submit(prompt_ids, params, n=n, policy=policy)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # a running request's future cannot be cancelled: stop its samples
+            self.abort(future)
+            raise
 
     def abort(self, future) -> None:
         """Stop the request behind `future` (from `submit`), e.g. when its client went away.
