@@ -168,6 +168,6 @@ def test_cancelling_an_asyncio_caller_stops_its_running_request(model):
         deadline = time.time() + 10
         while not engine.is_idle and time.time() < deadline:  # its samples stop (they ran on for nobody)
             time.sleep(0.01)
-        assert engine.is_idle and engine.stats.num_decode_tokens < 400
+        assert engine.is_idle and engine.stats.num_decode_tokens < 200  # 399 when it ran to the end
     finally:
         engine.close()
