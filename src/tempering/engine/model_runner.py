@@ -181,11 +181,6 @@ class ModelRunner:
                 link.tp.use_symmetric_memory(self.device, max(config.max_num_seqs, config.max_graph_batch_size) * width)
         shape = (model.num_layers, 2, self.num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
-        if self.is_cuda:  # before any graph is captured
-            # the budget counted the caching allocator's unused blocks as free; those the cache did not
-            # take go back to the driver: a graph's private pool cannot take them, and a capture cannot
-            # free them (a 72B rank holding 28.6 GiB of them failed to capture a decode graph)
-            torch.cuda.empty_cache()
         # a mixture of experts records each cached token's experts beside its K/V (routing.py)
         allocate_routing = getattr(model, "allocate_routing", None)
         self.routing = allocate_routing(self.num_blocks * self.block_size) if allocate_routing is not None else None
