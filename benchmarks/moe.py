@@ -23,6 +23,9 @@ each expert its own A and B), A and B non-zero, the trainer's tensors, as every 
   maximum without replay. With `--tiny` the routers are scaled by 0.3 (near-tied experts) and the
   experts by 8 (so that a flip shows); in bf16 (`--dtype bfloat16`) rounding differences between
   the engine's and the trainer's kernels then flip some tokens' experts.
+- `--baseline-grouped-delta` (CUDA): then R again with the expert LoRA as two grouped GEMMs per
+  projection (`modeling.experts._add_delta_`, the trainer's path) instead of the engine's Triton
+  kernels (engine/layers/triton_moe_lora.py), and the speedup of the kernels.
 - `--profile` (CUDA): after the timed rollouts, a window of R's steady decoding under torch.profiler
   (decode_scaling.py's): the fraction of the wall time the GPU ran kernels, the kernel time and
   count per decode step, and the longest kernels.
@@ -124,9 +127,16 @@ def rollout_part(args, model, trainer: Trainer, device: torch.device, record: di
             return ""
 
     work = TINY_R if args.tiny else R
-    engine = Engine(engine_model_for(model, 4096), _Tok(), stop_token_ids=[151645], lock=threading.RLock(),
-                    config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, cpu_kv_cache_bytes=1 << 28),
-                    max_seq_len=4096, peft_model=lambda: trainer.peft_model)
+
+    def make_engine(grouped_delta: bool = False) -> Engine:
+        decoder = engine_model_for(model, 4096)
+        if grouped_delta:  # the expert LoRA as two grouped GEMMs (the trainer's path), not the engine's kernels
+            decoder.add_expert_delta = None
+        return Engine(decoder, _Tok(), stop_token_ids=[151645], lock=threading.RLock(),
+                      config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, cpu_kv_cache_bytes=1 << 28),
+                      max_seq_len=4096, peft_model=lambda: trainer.peft_model)
+
+    engine = make_engine()
     policy = AdapterPolicy(trainer.peft_model, "default", 1)
     prompts = make_prompts(work["num_prompts"], None, model.config.vocab_size, seed=1)
     runs: dict[str, list[float]] = {"routed": [], "plain": []}
@@ -155,6 +165,17 @@ def rollout_part(args, model, trainer: Trainer, device: torch.device, record: di
         gc.collect()  # (the engine's reference cycles)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if device.type == "cuda" and args.baseline_grouped_delta:  # the same R, the expert LoRA as grouped GEMMs
+        engine = make_engine(grouped_delta=True)
+        try:
+            grouped = time_rollouts(engine, prompts, work, policy, routed=False)
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        record["rollout"]["lora_tok_per_s_grouped_gemm_delta"] = round(grouped, 1)
+        record["rollout"]["expert_lora_kernels_speedup"] = round(record["rollout"]["lora_tok_per_s"] / grouped, 3)
 
 
 def train_part(args, model, trainer: Trainer, device: torch.device, record: dict) -> None:
@@ -291,6 +312,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--vllm", action="store_true", help="also run R through vLLM + LoRA (subprocess, first)")
+    parser.add_argument("--baseline-grouped-delta", action="store_true",
+                        help="CUDA: also time R (without routed experts) with the expert LoRA as two grouped GEMMs "
+                             "per projection (the trainer's path) instead of the engine's kernels, in the same run")
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: profile a window of R's steady decoding after the timed runs: the GPU's busy "
                              "fraction, kernel time and count per step, and the longest kernels")

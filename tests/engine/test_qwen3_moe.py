@@ -190,3 +190,35 @@ def test_moe_decode_graphs_sample_what_the_eager_steps_sample():
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
         assert (a.routed_experts == b.routed_experts).mean() > 0.99
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rank", [8, 16])
+def test_the_expert_lora_kernels_add_what_the_grouped_gemms_add(dtype, rank):
+    """engine/layers/triton_moe_lora.py against modeling.experts._add_delta_ (per-expert products),
+    experts with no rows and with more rows than a tile included, with and without a row mask."""
+    from tempering.engine.layers.triton_moe_lora import moe_lora_add_
+    from tempering.modeling.experts import _add_delta_, sort_by_expert
+
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    E, K, N, tokens, k = 16, 200, 300, 40, 4
+    ids = torch.randint(0, E - 2, (tokens, k), device="cuda", generator=g)  # experts E-2, E-1: no rows
+    ids[:20, 0] = 3  # expert 3: more than a 16-row tile
+    batch = sort_by_expert(ids, E, host_counts=False)
+    x = torch.randn(tokens * k, K, device="cuda", generator=g).to(dtype)
+    lora = (torch.randn(E, rank, K, device="cuda", generator=g).to(dtype) * 0.1,
+            torch.randn(E, N, rank, device="cuda", generator=g).to(dtype) * 0.1)
+    y = torch.randn(tokens * k, N, device="cuda", generator=g).to(dtype)
+    rows = torch.rand(tokens, device="cuda", generator=g) < 0.5
+    for mask in (None, rows):
+        expected = _add_delta_(y.clone(), x, lora, batch, mask, impl="loop")
+        got = moe_lora_add_(y.clone(), x, lora, batch, mask)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        else:  # t and the delta rounded to bfloat16 after sums taken in another order: a last-bit difference at most
+            assert ((got.float() - expected.float()).abs() <= 2 * expected.float().abs() * 2 ** -8 + 1e-2).all()
+            assert (got == expected).float().mean() > 0.9
+        if mask is not None:  # the rows of tokens the adapter does not serve are y's own
+            untouched = ~mask[batch.token]
+            assert torch.equal(got[untouched], y[untouched])

@@ -254,7 +254,7 @@ def _add_delta_(y: torch.Tensor, x: torch.Tensor, lora: tuple[torch.Tensor, torc
 
 def sparse_moe(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, top_k: int,
                normalize: bool, silu_and_mul, deltas: list[MoEDelta] = (), replay: torch.Tensor | None = None,
-               impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               impl: str = "auto", add_delta=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A sparse MoE block: route, grouped SwiGLU experts (with LoRA), the weighted sum over the k.
 
     Args:
@@ -265,6 +265,8 @@ def sparse_moe(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, dow
         deltas: the adapters' expert LoRAs.
         replay: [N, k] expert ids to route to instead (see `route`), or None.
         impl: `grouped_linear`'s, for every projection.
+        add_delta: adds an adapter's expert LoRA delta, `_add_delta_`'s signature (None: it, two
+            grouped GEMMs; the engine passes its decode kernels, engine/layers/triton_moe_lora.py).
 
     Returns:
         (out [N, H] in h's dtype, ids [N, k] int64 the experts used).
@@ -272,16 +274,17 @@ def sparse_moe(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, dow
     N, H = h.shape
     weights, ids = route(F.linear(h, router), top_k, normalize, replay)  # [N, k] each
     batch = sort_by_expert(ids, router.shape[0], host_counts=not h.is_cuda)  # a sync only where it costs nothing
+    add_delta = add_delta or _add_delta_
     xs = h[batch.token]  # [M, H], M = N·k rows sorted by expert
     y = grouped_linear(xs, gate_up, batch, impl=impl)  # [M, 2I]
     for d in deltas:
         if d.gate_up is not None:
-            y = _add_delta_(y, xs, d.gate_up, batch, d.rows, impl)
+            y = add_delta(y, xs, d.gate_up, batch, d.rows, impl)
     act = silu_and_mul(y)  # [M, I]
     y = grouped_linear(act, down, batch, impl=impl)  # [M, H]
     for d in deltas:
         if d.down is not None:
-            y = _add_delta_(y, act, d.down, batch, d.rows, impl)
+            y = add_delta(y, act, d.down, batch, d.rows, impl)
     y = y[batch.inverse].view(N, top_k, H)  # back to token order
     out = torch.bmm(weights.to(h.dtype)[:, None, :], y)[:, 0]  # [N, H]: Σ_j w_j y_j, no [N, k, H] product
     return out, ids

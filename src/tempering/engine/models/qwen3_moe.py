@@ -5,7 +5,8 @@ LoRA on q/k/v and o), with the same building blocks as the Llama family (llama.p
 most layers is a sparse MoE block (modeling/experts.py): router softmax, top-k experts with
 renormalized weights, the experts' SwiGLU as grouped GEMMs over the tokens sorted by expert
 (`torch._grouped_mm`; a loop over experts where torch lacks it), and the live adapter's rank-r LoRA
-on each expert's gate/up and down as two more grouped GEMMs each. Layers named in
+on each expert's gate/up and down (on a GPU two Triton kernels each, layers/triton_moe_lora.py; on
+the CPU two more grouped GEMMs, as the trainer computes it). Layers named in
 `mlp_only_layers` (or off `decoder_sparse_step`) keep a dense SwiGLU MLP.
 
 Each forward records every token's experts per MoE layer at its KV slot (engine/routing.py),
@@ -124,6 +125,11 @@ class Qwen3MoeModel:
         self.lm_head = hf_model.lm_head.weight
         self.rotary = RotaryTable(inner.rotary_emb, max_positions, self.dtype, self.device)
         self.ops = ops_for(self.device)
+        self.add_expert_delta = None  # the expert LoRA's delta: two grouped GEMMs (modeling/experts.py)
+        if self.device.type == "cuda":  # or per-expert Triton kernels, ~20x faster at decode sizes
+            from ..layers.triton_moe_lora import moe_lora_add_
+
+            self.add_expert_delta = moe_lora_add_
         self.spare_rows = None  # the Llama family's spare-rows LoRA path is not implemented here
         self.layers: list[_Layer] = []
         self.hf_layers = []  # what collect_adapter reads: attention, and the dense MLPs only
@@ -250,7 +256,7 @@ class Qwen3MoeModel:
             if layer.moe is not None:
                 x, ids = sparse_moe(h, layer.router, layer.gate_up, layer.down, top_k=self.top_k,
                                     normalize=self.normalize, silu_and_mul=ops.silu_and_mul,
-                                    deltas=deltas[i] if deltas else ())
+                                    deltas=deltas[i] if deltas else (), add_delta=self.add_expert_delta)
                 if self.routing is not None:
                     self.routing.write(layer.moe_index, ctx.slot_mapping, ids)
                 continue
