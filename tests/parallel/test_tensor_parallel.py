@@ -70,11 +70,24 @@ def assert_same_greedy(got: tuple[list, list], want: tuple[list, list], device: 
         assert max((abs(a - b) for a, b in zip(logprobs[:same], ref_logprobs[:same])), default=0.0) <= logprob_tol
 
 
+CPU_ENGINE_SPECS = ["cpu-bf16", "cpu-bf16-spare", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def cpu_engine_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    """The engine scenario on two CPU ranks for every CPU variant, in one launch: {spec: ranks' results}."""
+    ranks = run_ranks("engine", tmp_path_factory.mktemp("engine-cpu"), "+".join(CPU_ENGINE_SPECS))
+    return {spec: [r[spec] for r in ranks] for spec in CPU_ENGINE_SPECS}
+
+
 @pytest.fixture(scope="module", params=["cpu-bf16", "cpu-bf16-spare", *DEVICES])
 def served(request, tmp_path_factory):
     """The engine scenario on two ranks, and the same on one process."""
     device = request.param
-    ranks = run_ranks("engine", tmp_path_factory.mktemp(f"engine-{device}"), device)
+    if device in CPU_ENGINE_SPECS:
+        ranks = request.getfixturevalue("cpu_engine_ranks")[device]
+    else:
+        ranks = run_ranks("engine", tmp_path_factory.mktemp(f"engine-{device}"), device)
     model = tiny_llama(device=device)
     peft = wrap_with_adapter(model, full_adapter())
     threads = torch.get_num_threads()

@@ -1,6 +1,10 @@
 """One rank of the tensor-parallel tests (run by test_tensor_parallel.py with torchrun's env vars).
 
-    python tp_rank.py SCENARIO OUT_DIR [cpu|cuda]
+    python tp_rank.py SCENARIO OUT_DIR [SPEC[+SPEC...]]
+
+SPEC: cpu, cpu-bf16, cpu-bf16-spare, cuda or cuda-f32; several joined by "+" run the scenario once
+each in the same process group (one launch for the test's CPU variants), and OUT_DIR/rank{RANK}.pt
+then maps each SPEC to its results.
 
 "engine": the tiny model sharded over the ranks; rank 0's engine generates greedily with the
 base model and with a LoRA adapter while rank 1's engine follows (rank 1 wraps its shards with
@@ -157,17 +161,20 @@ def train(tp: TensorParallel, result: dict, out: Path, device: torch.device) -> 
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     global SPARE_ROWS
-    spec = sys.argv[3] if len(sys.argv) > 3 else "cpu"  # "cpu", "cpu-bf16", "cpu-bf16-spare", "cuda" or "cuda-f32"
-    rank, device = start_rank(spec.split("-")[0])
-    if spec.startswith("cpu-bf16"):
-        device = spec  # tiny_llama's spec for the CPU in bfloat16 (tp_model.placement)
-        SPARE_ROWS = True if spec.endswith("-spare") else None
-    elif spec == "cuda-f32":
-        device = f"{device}-f32"  # this rank's GPU, float32
+    specs = (sys.argv[3] if len(sys.argv) > 3 else "cpu").split("+")
+    rank, rank_device = start_rank(specs[0].split("-")[0])
     tp = TensorParallel()
-    result: dict = {}
-    {"engine": engine, "train": train}[scenario](tp, result, out, device)
-    torch.save(to_cpu(result), out / f"rank{rank}.pt")
+    results: dict = {}
+    for spec in specs:
+        device, SPARE_ROWS = rank_device, None
+        if spec.startswith("cpu-bf16"):
+            device = spec  # tiny_llama's spec for the CPU in bfloat16 (tp_model.placement)
+            SPARE_ROWS = True if spec.endswith("-spare") else None
+        elif spec == "cuda-f32":
+            device = f"{rank_device}-f32"  # this rank's GPU, float32
+        results[spec] = {}
+        {"engine": engine, "train": train}[scenario](tp, results[spec], out, device)
+    torch.save(to_cpu(results if len(specs) > 1 else results[specs[0]]), out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
