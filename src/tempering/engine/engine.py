@@ -601,6 +601,7 @@ class Engine:
         """Fill in a collected step's tokens; finish the samples that end with them."""
         tops = sampled.top
         finished: list[Sequence] = []
+        to_gather: list[tuple[Sequence, Any]] = []  # finished samples' routed experts: (sample, their slots)
         for j, seq in enumerate(sampled.seqs):
             if seq.is_finished:  # ended at an earlier token; this one was computed for nothing
                 continue
@@ -628,15 +629,14 @@ class Engine:
                 finished.append(seq)
                 if seq.request.params.return_routed_experts and self.runner.routing is not None:
                     if seq.block_table:  # the slots of every token that was an input, read before its blocks are freed
-                        seq.routing = token_slots(seq.block_table, len(seq.token_ids) - 1, self.runner.block_size)
+                        to_gather.append((seq, token_slots(seq.block_table, len(seq.token_ids) - 1, self.runner.block_size)))
                     else:  # preempted while this last token was being sampled: the experts kept then
                         seq.routing = seq.routing_at_preemption
                 self.scheduler.finish(seq)
                 self.runner.release(seq)
-        routed = [s for s in finished if s.routing is not None and not isinstance(s.routing, tuple)]
-        if routed:  # one gather for the step, queued before any later step can reuse the freed blocks
-            pending = self.runner.routing.gather([s.routing for s in routed])
-            for i, s in enumerate(routed):
+        if to_gather:  # one gather for the step, queued before any later step can reuse the freed blocks
+            pending = self.runner.routing.gather([slots for _, slots in to_gather])
+            for i, (s, _) in enumerate(to_gather):
                 s.routing = (pending, i)
         for seq in finished:
             self._maybe_complete(seq.request)
