@@ -101,6 +101,13 @@ class GenerationRequest:
     on_token: TokenCallback | None = None
 
 
+def out_of_vocabulary(token_ids: list[int], vocab_size: int) -> int | None:
+    """The first id of `token_ids` outside [0, vocab_size), or None (a min and a max in the usual case)."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return None
+    return next(t for t in token_ids if not 0 <= t < vocab_size)
+
+
 def new_request(prompt_ids: list[int], params: SamplingParams, n: int, policy: Policy, on_token: TokenCallback | None,
                 *, max_seq_len: int, limits: str, vocab_size: int | None = None) -> GenerationRequest:
     """A validated request (both engines' `submit`).
@@ -113,12 +120,9 @@ def new_request(prompt_ids: list[int], params: SamplingParams, n: int, policy: P
 
     if not prompt_ids:
         raise ConfigError("the prompt is empty: send at least one message or token")
-    if vocab_size is not None:
-        low, high = min(prompt_ids), max(prompt_ids)
-        if low < 0 or high >= vocab_size:
-            bad = low if low < 0 else high
-            raise ConfigError(f"the prompt holds token id {bad}, outside the model's vocabulary [0, {vocab_size}); "
-                              "tokenize it with this model's tokenizer")
+    if vocab_size is not None and (bad := out_of_vocabulary(prompt_ids, vocab_size)) is not None:
+        raise ConfigError(f"the prompt holds token id {bad}, outside the model's vocabulary [0, {vocab_size}); "
+                          "tokenize it with this model's tokenizer")
     if len(prompt_ids) >= max_seq_len:
         raise ConfigError(f"the prompt has {len(prompt_ids)} tokens but at most {max_seq_len - 1} fit ({limits}); shorten it")
     if n < 1:

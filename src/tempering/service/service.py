@@ -60,6 +60,7 @@ from ..engine import Engine, EngineConfig, HFEngine, Policy, SamplingParams, eng
 from ..engine.grammar import GrammarCompiler
 from ..engine.memory import release_free_memory
 from ..engine.models import fallback_reason
+from ..engine.request import out_of_vocabulary
 from ..errors import ConfigError, DistributedError, TrajectoryError, UnknownModelError
 from ..parallel import Router, WorkerLink
 from ..parallel.shard_load import dummy_model, load_llama_shards
@@ -213,9 +214,9 @@ class ModelService:
         stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or [])
         self.renderer = ChatRenderer(self.tokenizer, stop_token_ids=stop_ids)
         self.turns = TurnCache(self.tokenizer)
-        vocab_size = self.model.get_output_embeddings().weight.shape[0]  # the logits' width
-        self.vocab_size = vocab_size
-        self.grammars = GrammarCompiler(self.tokenizer, stop_token_ids=self.renderer.stop_token_ids, vocab_size=vocab_size)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # the logits' width
+        self.grammars = GrammarCompiler(self.tokenizer, stop_token_ids=self.renderer.stop_token_ids,
+                                        vocab_size=self.vocab_size)
 
         self.trainer: Trainer | None = None
         self.step = latest_step(paths.checkpoints_dir)
@@ -773,8 +774,7 @@ class ModelService:
             TrajectoryError: naming the id and the vocabulary size.
         """
         for seq in sequences:
-            if seq.token_ids and (min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab_size):
-                bad = next(t for t in seq.token_ids if not 0 <= t < self.vocab_size)
+            if (bad := out_of_vocabulary(seq.token_ids, self.vocab_size)) is not None:
                 raise TrajectoryError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size}): were its "
                                       "Choices sampled from another model? Sample them through model.openai_client()")
         return sequences
