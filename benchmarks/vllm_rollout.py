@@ -1,13 +1,15 @@
 """The rollout workloads of `rollout.py` through vLLM, as its subprocess (prints one JSON line).
 
-    python benchmarks/vllm_rollout.py MODEL_DIR LORA_DIR|- '{"R": {"num_prompts": 32, "n": 8, "max_new": 256}}' [TP]
+    python benchmarks/vllm_rollout.py MODEL_DIR LORA_DIR|- '{"R": {"num_prompts": 32, "n": 8, "max_new": 256}}' [TP [ROUNDS]]
 
 MODEL_DIR holds only a config.json (weights are random: `load_format="dummy"`); LORA_DIR a PEFT
 adapter of rank 8 (every request uses it), or "-" for the base model. One process per mode, so
 that each vLLM instance has the GPU to itself. Same settings as the reference measurement (reference/VLLM_GPU.md): bf16,
 prefix caching, max_num_seqs 256, the logprob of each sampled token (`logprobs=0`), EOS ignored,
 temperature 1, 128-token random prompts; each workload is warmed up with the same prompts first.
-TP (default 1): vLLM's tensor_parallel_size. `launch` runs it from another benchmark.
+TP (default 1): vLLM's tensor_parallel_size. ROUNDS (default 2): timed runs of each workload on the
+one vLLM instance; the figure is the best, `{mode}_tok_per_s_runs` lists them all. `launch` runs it
+from another benchmark.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 def main() -> None:
     model_dir, lora_dir, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     tensor_parallel_size = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 2
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -47,15 +50,18 @@ def main() -> None:
                                 temperature=1.0, detokenize=False)
         warm = SamplingParams(n=work["n"], max_tokens=8, ignore_eos=True, logprobs=0, temperature=1.0, detokenize=False)
         llm.generate(prompts, warm, lora_request=lora, use_tqdm=False)
-        llm.reset_prefix_cache()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        results = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
-        assert tokens == work["num_prompts"] * work["n"] * work["max_new"]
-        out["workloads"][name] = {f"{mode}_tok_per_s": round(tokens / seconds, 1)}
+        runs = []
+        for _ in range(rounds):
+            llm.reset_prefix_cache()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            results = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
+            assert tokens == work["num_prompts"] * work["n"] * work["max_new"]
+            runs.append(round(tokens / seconds, 1))
+        out["workloads"][name] = {f"{mode}_tok_per_s": max(runs), f"{mode}_tok_per_s_runs": runs}
     print(json.dumps(out))
 
 
@@ -83,13 +89,14 @@ def write_model_and_lora(config, directory: Path, rank: int = 8) -> tuple[Path, 
 
 
 def launch(model_dir: str | Path, lora_dir: str | Path | None, spec: dict, path: str | None = None,
-           tensor_parallel_size: int = 1, timeout_s: float = 3000) -> dict:
+           tensor_parallel_size: int = 1, timeout_s: float = 3000, rounds: int = 2) -> dict:
     """Run this script in a subprocess (vLLM then has the GPUs to itself until it exits).
 
     Args:
         model_dir: a directory with the model's config.json; lora_dir: a PEFT adapter (None: the base model).
         spec: the workloads ({"R": {"num_prompts": ..., "n": ..., "max_new": ...}}).
         path: directories put first on the subprocess's PYTHONPATH (where vLLM and its pins are).
+        rounds: timed runs of each workload (the figure is the best of them).
 
     Returns:
         The subprocess's JSON line, or {"error": the end of its output}.
@@ -98,7 +105,7 @@ def launch(model_dir: str | Path, lora_dir: str | Path | None, spec: dict, path:
     if path:
         env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
     args = [sys.executable, str(Path(__file__)), str(model_dir), str(lora_dir) if lora_dir else "-", json.dumps(spec),
-            str(tensor_parallel_size)]
+            str(tensor_parallel_size), str(rounds)]
     # a session of its own: a timeout ends vLLM's worker processes too (they hold the GPUs)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
