@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -119,3 +120,61 @@ def test_every_rank_of_a_multi_gpu_registration_gets_the_same_options_and_dtype(
     (method, sent), = Link.calls
     assert method == "register" and sent["dtype"] == "bfloat16" and sent["max_seq_len"] == 64
     assert sent["base_model"] == "base" and loaded["dtype"] is torch.bfloat16 and loaded["max_seq_len"] == 64
+
+
+def test_deleting_checkpoints_during_a_training_step_leaves_the_event_loop_serving(tmp_path, tiny_model_dir):
+    """A deletion waits for the model's running training step (its new checkpoint is then the
+    latest); it waits in a thread, so the event loop, which also serves inference (the server's) or
+    runs the user's rollouts (LocalBackend's caller), goes on meanwhile."""
+    import threading
+    import time
+
+    async def check():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            model = art.TrainableModel(name="busy", project="p", base_model=str(tiny_model_dir))
+            await model.register(backend)
+            app = create_app(backend.hub.registry, api_key="k", hub=backend.hub, jobs=TrainJobs(backend.hub))
+            held, release = threading.Event(), threading.Event()
+
+            def training_step():  # holds the train lock as a step does, 3 s at most
+                with backend.hub.service("busy").train_lock:
+                    held.set()
+                    release.wait(3)
+
+            holder = threading.Thread(target=training_step)
+            holder.start()
+            held.wait()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         headers={"Authorization": "Bearer k"}) as client:
+                local = asyncio.ensure_future(model.delete_checkpoints())
+                remote = asyncio.ensure_future(client.post("/v1/models/busy/checkpoints/delete", json={"keep_steps": []}))
+                await asyncio.sleep(0.1)
+                start = time.perf_counter()
+                health = await client.get("/health")
+                assert health.status_code == 200 and time.perf_counter() - start < 1.0
+                assert not local.done() and not remote.done()  # both still wait for the step
+                release.set()
+                assert (await remote).status_code == 200 and await local == []
+            holder.join()
+
+    asyncio.run(check())
+
+
+def test_a_training_job_that_raises_a_base_exception_ends_failed_and_frees_the_model(tmp_path, monkeypatch):
+    hub = ModelHub(tmp_path, device="cpu")
+    monkeypatch.setattr(hub, "service", lambda name: None)  # a registered model
+    jobs = TrainJobs(hub)
+
+    def interrupted(on_event):
+        raise KeyboardInterrupt
+
+    try:
+        job = jobs.start("m", "request-1", interrupted)
+        for _ in range(100):
+            if job.status != "running":
+                break
+            time.sleep(0.05)
+        assert job.status == "failed" and job.events[-1]["error"]["type"] == "KeyboardInterrupt"
+        assert jobs.start("m", "request-2", lambda on_event: None) is not job  # no 409: the model is free
+    finally:
+        hub.close()

@@ -323,18 +323,22 @@ class LocalBackend:
 
     # ---- logs and checkpoints -----------------------------------------------------------------
 
+    # file I/O, and a deletion waits for a running training step: each in a thread, so that the
+    # caller's event loop (its rollouts) goes on meanwhile
+
     async def _log(self, model: ModelRef, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
-        self.hub.log(model.project, model.name, split=split, step=step, metrics=metrics, groups=groups)
+        await asyncio.to_thread(self.hub.log, model.project, model.name, split=split, step=step, metrics=metrics,
+                                groups=groups)
 
     async def _read_history(self, model: ModelRef) -> list[dict[str, Any]]:
-        return self.hub.history(model.project, model.name)
+        return await asyncio.to_thread(self.hub.history, model.project, model.name)
 
     async def _delete_checkpoint_files(self, model: TrainableModelRef, steps_to_keep: list[int]) -> list[int]:
-        return self.hub.delete_checkpoints(model.project, model.name, list(steps_to_keep))
+        return await asyncio.to_thread(self.hub.delete_checkpoints, model.project, model.name, list(steps_to_keep))
 
     async def list_checkpoints(self, model: ModelRef) -> list[dict[str, Any]]:
         """Saved steps of `model` with the metrics logged for them."""
-        return self.hub.checkpoints(model.project, model.name)
+        return await asyncio.to_thread(self.hub.checkpoints, model.project, model.name)
 
     async def fork_checkpoint(self, model: ModelRef, *, from_project: str, from_model: str, step: int | None = None,
                               not_after_step: int | None = None) -> int:

@@ -103,8 +103,11 @@ class TrainJobs:
     def _run(self, job: TrainJob, work: Callable[[Callable[[dict], None]], Any]) -> None:
         try:
             result = work(job.add)
-        except Exception as exc:  # reported to the client as an event, never a dead server
+        except BaseException as exc:  # reported to the client as an event, never a dead server
+            # (nor a job left "running", which would refuse every later step of the model with a 409)
             job.end("failed", {"type": "failed", "error": {"type": type(exc).__name__, "message": str(exc)}})
+            if not isinstance(exc, Exception):
+                raise
             return
         job.end("finished", {"type": "finished", "result": result.model_dump(mode="json")})
 

@@ -1,7 +1,8 @@
 """Training routes of a tempering server: register, train (as jobs), step, logs, checkpoints, fork.
 
 Model names are global on a server (requests for inference name them), so routes take the name;
-its project is the one it was registered with.
+its project is the one it was registered with. Routes that touch files or wait for a training step
+run their work in a thread: the event loop also serves inference.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def build_train_router(hub: ModelHub, jobs: TrainJobs) -> APIRouter:
 
     @router.get("/models/{name}/step", summary="The model's latest trained step")
     async def get_step(name: str) -> dict[str, int]:
-        return {"step": hub.step(project(name), name)}
+        return {"step": await asyncio.to_thread(hub.step, project(name), name)}
 
     @router.post("/models/{name}/train", status_code=202, summary="Start one training step; read its events")
     async def train(name: str, body: TrainRequest) -> dict[str, Any]:
@@ -72,20 +73,22 @@ def build_train_router(hub: ModelHub, jobs: TrainJobs) -> APIRouter:
 
     @router.post("/models/{name}/log", summary="Append a history row and store trajectories")
     async def log(name: str, body: LogRequest) -> dict[str, str]:
-        hub.log(project(name), name, split=body.split, step=body.step, metrics=body.metrics, groups=list(body.groups))
+        await asyncio.to_thread(hub.log, project(name), name, split=body.split, step=body.step, metrics=body.metrics,
+                                groups=list(body.groups))
         return {"status": "ok"}
 
     @router.get("/models/{name}/history", summary="The model's history.jsonl rows")
     async def history(name: str) -> dict[str, Any]:
-        return {"rows": hub.history(project(name), name)}
+        return {"rows": await asyncio.to_thread(hub.history, project(name), name)}
 
     @router.get("/models/{name}/checkpoints", summary="Saved steps with their logged metrics")
     async def checkpoints(name: str) -> dict[str, Any]:
-        return {"checkpoints": hub.checkpoints(project(name), name)}
+        return {"checkpoints": await asyncio.to_thread(hub.checkpoints, project(name), name)}
 
     @router.post("/models/{name}/checkpoints/delete", summary="Delete every checkpoint but these steps and the latest")
     async def delete(name: str, body: CheckpointDeleteRequest) -> dict[str, Any]:
-        return {"deleted": hub.delete_checkpoints(project(name), name, body.keep_steps)}
+        # waits for a running training step of the model: in a thread, so that inference goes on
+        return {"deleted": await asyncio.to_thread(hub.delete_checkpoints, project(name), name, body.keep_steps)}
 
     @router.post("/models/{name}/fork", summary="Copy another model's checkpoint into this (not yet registered) model")
     async def fork(name: str, body: ForkRequest) -> dict[str, int]:
