@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -101,6 +102,13 @@ def test_checkpoints_are_listed_with_metrics_and_forked_into_a_new_model(tmp_pat
             assert max(abs(x - y) for x, y in zip(a.choices[0].sampled_logprobs, b.choices[0].sampled_logprobs)) < 1e-4
             with pytest.raises(art.ConfigError, match="registered"):
                 await backend.fork_checkpoint(child, from_project="tests", from_model="parent")
+            # a target with a later checkpoint would resume there, not at the fork: refused, nothing copied
+            grown = art.TrainableModel(name="grown", project="tests", base_model=str(tiny_model_dir))
+            later = tmp_path / "tests" / "models" / "grown" / "checkpoints" / "0002"
+            shutil.copytree(tmp_path / "tests" / "models" / "parent" / "checkpoints" / "0001", later)
+            with pytest.raises(art.ConfigError, match=r"checkpoints after step 1 \(\[2\]\).*would resume at step 2"):
+                await backend.fork_checkpoint(grown, from_project="tests", from_model="parent")
+            assert sorted(p.name for p in later.parent.iterdir()) == ["0002"]
 
     asyncio.run(main())
 

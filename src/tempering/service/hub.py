@@ -351,7 +351,8 @@ class ModelHub:
 
         Raises:
             UnknownModelError: if the source has no such checkpoint.
-            ConfigError: if the target is already registered or already has that step.
+            ConfigError: if the target is already registered, already has that step, or has later
+                checkpoints (registering it would resume at those).
         """
         if self.registry.get(name) is not None:
             raise ConfigError(f"{name!r} is registered and serving; fork into a new model name, then register it")
@@ -370,6 +371,11 @@ class ModelHub:
         target = self.paths(project, name)
         if (target.checkpoint(step) / "adapter_config.json").exists():
             raise ConfigError(f"{project}/{name} already has a checkpoint of step {step}")
+        later = [c.step for c in list_checkpoints(target.checkpoints_dir) if c.step > step]
+        if later:  # registering would resume at the latest of them, not at the fork
+            raise ConfigError(f"{project}/{name} already has checkpoints after step {step} ({later}): registered, it "
+                              f"would resume at step {max(later)}, not at the fork; fork into a new model name, or "
+                              f"delete those checkpoints first")
         write_atomically(target.checkpoint(step), lambda tmp: shutil.copytree(saved[step], tmp, dirs_exist_ok=True))
         return step
 
