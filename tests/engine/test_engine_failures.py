@@ -171,3 +171,29 @@ def test_cancelling_an_asyncio_caller_stops_its_running_request(model):
         assert engine.is_idle and engine.stats.num_decode_tokens < 200  # 399 when it ran to the end
     finally:
         engine.close()
+
+
+def test_closing_while_the_worker_is_stuck_in_a_step_fails_queued_requests_now_and_running_ones_when_it_returns(model):
+    engine = engine_for(model)
+    running = engine.submit([1, 2, 3], GREEDY, policy=BasePolicy())
+    running.result(timeout=60)  # warm: a step launches at once below
+    release = threading.Event()
+    step = engine._step
+
+    def stuck_step():  # a step that waits (as one waiting for a long training step's weights does)
+        release.wait(30)
+        step()
+
+    engine._step = stuck_step
+    running = engine.submit([1, 2, 3], GREEDY, policy=BasePolicy())
+    time.sleep(0.3)  # admitted: the worker is inside its step
+    queued = engine.submit([4, 5, 6], GREEDY, policy=BasePolicy())
+    engine.close(timeout_s=0.2)  # read the worker's structures while it ran
+    with pytest.raises(EngineError, match="closed"):
+        queued.result(timeout=1)
+    assert not running.done()  # the worker's own, until its step returns
+    release.set()
+    with pytest.raises(EngineError, match="closed"):
+        running.result(timeout=30)
+    engine._thread.join(timeout=30)
+    assert not engine._thread.is_alive()

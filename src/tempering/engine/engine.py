@@ -35,6 +35,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,27 +211,45 @@ class Engine:
                 self._aborts.append(future)
                 self._cond.notify()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
         """Stop the worker; unfinished requests fail with EngineError. A second call does nothing.
 
         A tensor-parallel leader also stops its followers (unless its group failed: they wait in
-        a collective and cannot hear it); a follower waits (up to 60 s) for that.
+        a collective and cannot hear it); a follower waits (up to `timeout_s`) for that. A worker
+        still inside a step after `timeout_s` (e.g. waiting for a long training step's weights)
+        fails its own unfinished requests when the step returns; the queued ones fail at once.
         """
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=60)
-        if self.link is not None and not self.is_follower and not self._thread.is_alive() and self._group_error is None:
+        self._thread.join(timeout=timeout_s)
+        stopped = not self._thread.is_alive()
+        if self.link is not None and not self.is_follower and stopped and self._group_error is None:
             self.link.send_stop()
-        if not self._thread.is_alive():  # (a worker still running may replay them)
+        if stopped:  # (a worker still running may replay them)
             self.runner.close()
         if self._masks is not None:
             self._masks.close()
+        with self._cond:  # the worker takes no request from the inbox once closed
+            futures = [r.future for r in self._inbox]
+            self._inbox.clear()
+        if stopped:
+            futures += self._unfinished()
+        else:  # the worker owns its requests until it returns (it fails them then: `_loop`)
+            log.warning("the engine's worker did not stop within %.0f s; its running requests fail when its step "
+                        "returns", timeout_s)
+        self._fail_futures(futures)
+
+    def _unfinished(self) -> list[Future]:
+        """The futures of every admitted request not yet completed (the worker's, or after it stopped)."""
+        return [seqs[0].request.future for seqs in list(self._pending.values()) + list(self._awaiting)]
+
+    @staticmethod
+    def _fail_futures(futures: list[Future]) -> None:
         error = EngineError("the engine was closed before this request finished")
-        for future in [r.future for r in list(self._inbox)] + [seqs[0].request.future for seqs in
-                                                                list(self._pending.values()) + list(self._awaiting)]:
+        for future in futures:
             if not future.done():  # (a queued request may have been cancelled: `abort`)
                 future.set_exception(error)
 
@@ -389,7 +408,8 @@ class Engine:
                     release_free_memory()  # going idle: hand the step's temporaries back to the OS
                 while not self._inbox and not self.scheduler.has_work and not self._launched and not self._closed:
                     self._cond.wait()
-                if self._closed:
+                if self._closed:  # its own requests fail here (close() fails them too if it saw the worker stop)
+                    self._fail_futures(self._unfinished())
                     return
                 arrivals = list(self._inbox)
                 self._inbox.clear()
