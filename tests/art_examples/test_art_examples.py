@@ -62,6 +62,8 @@ def test_temporal_clue_trains_one_step_with_backend_train_and_logs_val(tmp_path)
     val = [r for r in rows if "val/reward" in r]
     train = [r for r in rows if "data/step_num_groups_submitted" in r]
     assert len(val) == 1 and val[0]["val/num_trajectories"] == 128
+    # backend.train logs nothing, as ART's: the script's model.log(..., step=result.step) is the one row
+    assert [r["step"] for r in rows if "train/reward" in r] == [1]
     assert train and train[0]["train/num_trajectories"] == 16
     # the puzzles are made so that groups have reward spread: the step really updates the adapter
     assert train[0]["data/step_num_groups_trainable"] >= 1 and "loss/grad_norm" in train[0]

@@ -185,6 +185,8 @@ class TrainRequest(_Strict):
     request_id: str = Field(min_length=8, max_length=128, description="the same id on a retry returns the same job")
     groups: list[TrajectoryGroup] = Field(max_length=100_000)
     config: TrainConfig = Field(default_factory=TrainConfig)
+    log: bool = Field(default=True, description="append the step's history row and write its trajectories "
+                      "(model.train); ART's backend.train leaves that to the caller's model.log")
 
 
 class TrainSFTRequest(_Strict):

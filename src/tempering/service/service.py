@@ -445,11 +445,16 @@ class ModelService:
 
     # ---- training ---------------------------------------------------------------------------
 
-    def train(self, groups: list[TrajectoryGroup], config: TrainConfig, on_event=None) -> TrainResult:
+    def train(self, groups: list[TrajectoryGroup], config: TrainConfig, on_event=None, log: bool = True) -> TrainResult:
         """One RL step on `groups`; saves checkpoint step + 1 and serves it.
 
         `on_event(dict)` receives progress: {"type": "started", ...}, one {"type": "update", ...}
         per optimizer update, {"type": "checkpoint", "step": ...}.
+
+        `log`: append the step's row (group summaries and training metrics, at the step the groups
+        were sampled from) to history.jsonl and write its trajectories, as ART's `model.train` did.
+        ART >= 0.5.18's `backend.train` leaves that to the caller (`model.log(groups,
+        metrics=result.metrics, step=result.step, split="train")`) and passes False.
 
         A trajectory with no assistant turn at all (tokenize.py) counts in its group's advantages
         and in `data/step_num_trajectories_without_tokens`, and adds no tokens.
@@ -512,9 +517,10 @@ class ModelService:
                     timings["time/step_send_adapter_s"] = time.perf_counter() - sending
                 self._publish(new_step)
         release_free_memory()
-        writing = time.perf_counter()
-        write_trajectories(self.paths.trajectories("train", data_step), groups)
-        timings["time/step_write_trajectories_s"] = time.perf_counter() - writing
+        if log:
+            writing = time.perf_counter()
+            write_trajectories(self.paths.trajectories("train", data_step), groups)
+            timings["time/step_write_trajectories_s"] = time.perf_counter() - writing
         metrics.update(ages)
         metrics.update(timings)
         metrics.update({
@@ -526,7 +532,8 @@ class ModelService:
             "time/step_wall_s": time.perf_counter() - start,
         })
         row = {"step": data_step, **summarize_groups(groups, split="train"), **metrics}
-        append_history(self.paths.history, row)
+        if log:
+            append_history(self.paths.history, row)
         return TrainResult(
             step=new_step,
             metrics={k: float(v) for k, v in row.items() if isinstance(v, int | float) and k != "step"},
