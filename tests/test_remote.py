@@ -249,6 +249,14 @@ def test_serve_refuses_to_start_without_a_key(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tempering.cli", "serve", "--root", str(tmp_path), "--host", "0.0.0.0", "--insecure"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "loopback" in out.stdout + out.stderr
+    # `--api-key "$KEY"` with KEY unset: an empty key matched an empty bearer token (every route open)
+    out = subprocess.run([sys.executable, "-m", "tempering.cli", "serve", "--root", str(tmp_path), "--host", "0.0.0.0",
+                          "--api-key", " "], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "API key is empty" in out.stdout + out.stderr
+    from tempering.service.auth import require_api_key
+
+    with pytest.raises(ValueError, match="empty"):
+        require_api_key("")
 
 
 def test_a_remote_backend_reports_an_unreachable_server():

@@ -121,6 +121,9 @@ def serve(
     from .service.worker import main as worker_main
     from .service.worker import worker_command
 
+    if api_key is not None and not api_key.strip():  # e.g. `--api-key "$KEY"` with KEY unset: no key at all
+        raise typer.BadParameter("the API key is empty: pass a non-empty --api-key or TEMPERING_API_KEY (a blank "
+                                 "one would let any 'Authorization: Bearer' header in)")
     if api_key is None:
         try:
             loopback = ipaddress.ip_address(host).is_loopback

@@ -18,7 +18,12 @@ def require_api_key(expected: str | None):
     """A FastAPI dependency that checks `Authorization: Bearer <key>` in constant time.
 
     `expected=None` turns authentication off (only for servers bound to loopback on request).
+
+    Raises:
+        ValueError: for an empty or blank key, which an empty bearer token would match.
     """
+    if expected is not None and not expected.strip():
+        raise ValueError("the API key is empty; pass a non-empty key, or None (no authentication, loopback only)")
 
     async def check(request: Request) -> None:
         if expected is None:
