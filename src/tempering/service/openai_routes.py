@@ -259,7 +259,11 @@ def _checked_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # OpenAI fields that change nothing sampled here
-_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# parallel_tool_calls: a turn ends after its first call (the engine hands the call back to the agent),
+# which both values allow: false forbids several calls in a turn, true permits them (LangChain's
+# with_structured_output(method="function_calling") sends false)
+_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                       "parallel_tool_calls"})
 # Fields (OpenAI's and vLLM's) that would change the results: refused unless they hold the value that
 # changes nothing (null always does). field: (that value, what to do instead); None: any value is refused.
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -277,8 +281,6 @@ _UNSUPPORTED_CHAT = {
     **_UNSUPPORTED,
     "functions": (None, 'send them as tools=[{"type": "function", "function": {...}}]'),
     "function_call": (None, "use tool_choice"),
-    # true (or null) is what tempering does: every call the model writes in its turn is returned
-    "parallel_tool_calls": (True, "every call the model makes in its turn is returned; send true or leave it out"),
     "prediction": (None, "leave it out"),
     "modalities": (["text"], 'only text output is supported; send ["text"] or leave it out'),
     "audio": (None, "only text output is supported"),
