@@ -157,7 +157,8 @@ def serve(
             driver.close()
         if isinstance(exc, ConfigError):  # a device this machine lacks, --dedicated on one GPU, an unshared --root
             hint = ("--dedicated" if "dedicated" in str(exc) else "--root" if "storage root" in str(exc)
-                    else "--dtype" if "dtype" in str(exc) else "--device")
+                    else "--dtype" if "dtype" in str(exc) else "--tensor-parallel-size"
+                    if "tensor_parallel_size" in str(exc) else "--device")
             raise typer.BadParameter(str(exc), param_hint=hint) from None
         raise
     application = create_app(hub.registry, api_key=api_key, hub=hub, jobs=TrainJobs(hub), max_body_bytes=max_body_mb << 20)

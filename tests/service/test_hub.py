@@ -78,6 +78,10 @@ def test_a_device_this_machine_cannot_run_on_is_refused_at_once(tmp_path):
         with pytest.raises(ConfigError, match="CUDA is not available"):
             ModelHub(tmp_path, device="cuda")
     ModelHub(tmp_path, device="cpu").close()  # fine
+    from tempering.engine import EngineConfig
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 splits each model over 2 GPUs .* this run has 1"):
+        ModelHub(tmp_path, device="cpu", engine_config=EngineConfig(tensor_parallel_size=2))
 
 
 def test_every_rank_of_a_multi_gpu_registration_gets_the_same_options_and_dtype(tmp_path, monkeypatch):

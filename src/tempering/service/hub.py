@@ -81,6 +81,11 @@ class ModelHub:
         self.dp = DataParallel(store=driver.store) if driver is not None else None
         self.device = str(driver.device) if driver is not None else device
         self.engine_config = engine_config or EngineConfig()
+        world = driver.info.world_size if driver is not None else 1
+        tp = self.engine_config.tensor_parallel_size
+        if world % tp:  # refused here, at startup, not when a model is registered
+            raise ConfigError(f"tensor_parallel_size {tp} splits each model over {tp} GPUs (processes), but this run "
+                              f"has {world}: start it with a multiple of {tp} (--gpus {tp}, LocalBackend(gpus={tp}))")
         dtype_named(dtype)  # a name it does not know fails here, at startup
         self.dtype = dtype  # every model's unless its registration names one
         if dedicated:
