@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,12 @@ def test_bad_input_is_refused_at_submit_and_the_engine_serves_on(model):
         with pytest.raises(ConfigError, match="seed must be an integer"):
             SamplingParams(seed=1.5)
         assert SamplingParams(seed=torch.tensor(3).numpy()).seed == 3  # an integer of any kind
+        # settings from JSON (`serve --engine-config`): "no" would have been a true bool
+        with pytest.raises(ConfigError, match="enable_prefix_caching must be bool, got 'no'"):
+            EngineConfig(enable_prefix_caching="no")
+        with pytest.raises(ConfigError, match="max_num_seqs must be int, got 2.5"):
+            EngineConfig(max_num_seqs=2.5)
+        assert EngineConfig(max_num_seqs=np.int64(8), gpu_memory_fraction=1 / 3).max_num_seqs == 8  # any integer
         assert len(engine.submit([1, 2, 3], GREEDY, policy=BasePolicy()).result(timeout=60)[0].token_ids) == 40
     finally:
         engine.close()

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields
 
 from ..errors import ConfigError
 
 __all__ = ["EngineConfig"]
+
+# each field's annotation -> the types its value may have (bool is an int in Python: not for int fields)
+_TYPES = {"int": (numbers.Integral,), "int | None": (numbers.Integral, type(None)), "float": (numbers.Real,),
+          "bool": (bool,), "str": (str,)}
 
 
 @dataclass(slots=True)
@@ -53,6 +58,10 @@ class EngineConfig:
     load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # e.g. from JSON (`serve --engine-config`): "no" would be a true bool
+            value, allowed = getattr(self, f.name), _TYPES[f.type]
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                raise ConfigError(f"{f.name} must be {f.type.replace(' | None', ' or None')}, got {value!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' (the checkpoint's weights) or 'dummy' (random weights), "
                               f"got {self.load_format!r}")
