@@ -84,7 +84,7 @@ def serve(
     api_key: Annotated[str | None, typer.Option(envvar="TEMPERING_API_KEY", help="bearer key clients must send")] = None,
     root: Annotated[Path, typer.Option(help="storage root of the models")] = Path(".tempering"),
     device: Annotated[str | None, typer.Option(help="cpu, cuda, ... (default: cuda when available)")] = None,
-    max_body_mb: Annotated[int, typer.Option(help="largest request body, in MiB")] = 64,
+    max_body_mb: Annotated[int, typer.Option(min=1, help="largest request body, in MiB")] = 64,
     insecure: Annotated[bool, typer.Option(help="allow no API key (loopback hosts only)")] = False,
     gpus: Annotated[int, typer.Option(min=1, help="GPUs to serve and train on, one process each "
                                       "(under torchrun: its processes)")] = 1,
