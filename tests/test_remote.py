@@ -108,6 +108,8 @@ def test_a_remote_client_runs_the_whole_loop(server, loop):
             assert "loss/train" in result.metrics
             result = await backend.train(model, await gather(model), learning_rate=1e-3)  # ART >= 0.5.18 style
             assert result.step == 2
+            # which, as ART's, logs nothing: model.train's step 0 is the one train row
+            assert [r["step"] for r in await backend._read_history(model) if "train/reward" in r] == [0]
             await model.log([art.Trajectory(messages_and_choices=[], reward=0.7)], split="val")
             checkpoints = await backend.list_checkpoints(model)
             assert [c["step"] for c in checkpoints] == [1, 2]

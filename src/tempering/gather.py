@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .types import GatherContext, Trajectory, TrajectoryGroup, gather_context
+from .types import GatherContext, Trajectory, TrajectoryGroup, gather_context, gather_item
 
 __all__ = ["gather_trajectories", "gather_trajectory_groups"]
 
@@ -24,7 +24,7 @@ class _Progress:
         self.rewards: list[float] = []
         self.num_exceptions = 0
 
-    def update(self, trajectories: list[Trajectory], num_exceptions: int) -> None:
+    def update(self, trajectories: list[Trajectory], num_exceptions: int, total: int | None = None) -> None:
         self.rewards += [t.reward for t in trajectories]
         self.num_exceptions += num_exceptions
         postfix: dict[str, Any] = {}
@@ -32,6 +32,8 @@ class _Progress:
             postfix["reward"] = f"{sum(self.rewards) / len(self.rewards):.3f}"
         if self.num_exceptions:
             postfix["exceptions"] = self.num_exceptions
+        if total:  # a coroutine item's group size is known once it runs
+            self.bar.total = total
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(len(trajectories) + num_exceptions)
 
@@ -55,32 +57,48 @@ async def gather_trajectory_groups(
             return TrajectoryGroups.
         pbar_desc: progress bar label (None hides the bar).
         max_exceptions: how many failed rollouts to tolerate across all groups (a value in (0, 1)
-            is a fraction of all rollouts); failed rollouts are kept in `group.exceptions`.
-            One more failure re-raises that exception and cancels the rest.
+            is a fraction of all rollouts, a coroutine item counting as the rollouts of the group
+            it awaits once that is known, as 1 before); failed rollouts are kept in
+            `group.exceptions`. A coroutine item that raises itself counts as one failure and its
+            group is left out (as in ART). One failure more re-raises that exception and cancels
+            the rest.
         after_each: `async f(group)` run on each group as soon as it is done (e.g. RULER
             scoring); returning None drops the group, a list replaces it with several.
         pbar_total_completion_tokens, max_metrics: accepted for ART compatibility.
 
     Returns:
         The groups; a group that is empty because all its rollouts failed is still returned.
+
+    Raises:
+        Exception: the failure past `max_exceptions`, whatever the rollout raised.
+        TypeError: a coroutine item that returns something other than a TrajectoryGroup.
     """
     items = list(groups)
-    total = sum(len(g._pending) + len(g.trajectories) for g in items if isinstance(g, TrajectoryGroup))
-    context = GatherContext(max_exceptions=max_exceptions, num_trajectories=total)
-    progress = _Progress(pbar_desc, total or None)
+    context = GatherContext(max_exceptions=max_exceptions)
+    for item in items:
+        if isinstance(item, TrajectoryGroup):
+            context.count_group(item)
+        else:  # 1 until the group it awaits is known (GatherContext.count_group)
+            context.num_trajectories += 1
+    progress = _Progress(pbar_desc, context.num_trajectories or None)
 
     async def run(item: Awaitable[TrajectoryGroup] | TrajectoryGroup) -> list[TrajectoryGroup]:
         gather_context.set(context)
-        if isinstance(item, TrajectoryGroup):
-            before = len(item.trajectories), len(item.exceptions)
+        is_group = isinstance(item, TrajectoryGroup)
+        gather_item.set(None if is_group else id(item))
+        before = (len(item.trajectories), len(item.exceptions)) if is_group else (0, 0)
+        try:
             group = await item
-        else:
-            before = (0, 0)
-            group = await item
-            if not isinstance(group, TrajectoryGroup):
-                raise TypeError(f"gather_trajectory_groups expects TrajectoryGroups, got {type(group).__name__}")
-            group = await group  # a coroutine may return a pending group
-        progress.update(group.trajectories[before[0]:], len(group.exceptions) - before[1])
+        except Exception:
+            if is_group or not context.allows_one_more_exception():
+                raise
+            context.num_exceptions += 1  # the coroutine itself failed: drop its group, as ART does
+            progress.update([], 1, context.num_trajectories)
+            return []
+        if not isinstance(group, TrajectoryGroup):
+            raise TypeError(f"gather_trajectory_groups expects TrajectoryGroups, got {type(group).__name__}")
+        group = await group  # a coroutine may return a pending group
+        progress.update(group.trajectories[before[0]:], len(group.exceptions) - before[1], context.num_trajectories)
         if after_each is None:
             return [group]
         result = after_each(group)
@@ -108,17 +126,22 @@ async def gather_trajectories(
     pbar_desc: str | None = "gather",
     pbar_total_completion_tokens: bool = False,
     max_exceptions: int | float = 0,
-) -> list[Trajectory | BaseException]:
-    """Run rollouts concurrently and return their trajectories in input order (flattened).
+) -> list[Trajectory | list[Trajectory] | BaseException]:
+    """Run rollouts concurrently and return one result per awaitable, in input order (as ART).
 
-    With `max_exceptions > 0`, failed rollouts appear in place as their exceptions while the
-    budget lasts; past it (or with the default 0) the first failure is raised.
+    An awaitable that gives a Trajectory gives it; one that gives several (e.g. both players of a
+    self-play game) gives them as a list. With `max_exceptions > 0` (a value in (0, 1) is a
+    fraction of the awaitables), a failed rollout appears in place as its exception while the
+    budget lasts.
+
+    Raises:
+        Exception: the failure past `max_exceptions` (with the default 0, the first one).
     """
     items = list(trajectories)
     context = GatherContext(max_exceptions=max_exceptions, num_trajectories=len(items))
     progress = _Progress(pbar_desc, len(items))
 
-    async def run(awaitable: Awaitable[Any]) -> list[Trajectory | BaseException]:
+    async def run(awaitable: Awaitable[Any]) -> Trajectory | list[Trajectory] | BaseException:
         try:
             result = await awaitable
         except Exception as exc:
@@ -126,14 +149,17 @@ async def gather_trajectories(
                 raise
             context.num_exceptions += 1
             progress.update([], 1)
-            return [exc]
-        out = [result] if isinstance(result, Trajectory) else list(result)
-        progress.update([t for t in out if isinstance(t, Trajectory)], 0)
-        return out
+            return exc
+        if isinstance(result, Trajectory):
+            progress.update([result], 0)
+            return result
+        result = list(result)
+        progress.update([t for t in result if isinstance(t, Trajectory)], 0)
+        return result
 
     tasks = [asyncio.ensure_future(run(a)) for a in items]
     try:
-        results = await asyncio.gather(*tasks)
+        return await asyncio.gather(*tasks)
     except BaseException:
         for task in tasks:
             task.cancel()
@@ -141,6 +167,3 @@ async def gather_trajectories(
         raise
     finally:
         progress.close()
-    return [t for result in results for t in result]
-
-

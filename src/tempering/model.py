@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 
-from .backends.art_mapping import lora_config_from_art, resolve_internal_config, train_config_from_options
+from .backends.art_mapping import (
+    ArtOptionWarning,
+    lora_config_from_art,
+    resolve_internal_config,
+    train_config_from_options,
+)
 from .backends.base import report_nothing_learned
 from .capture import capturing_http_client
-from .errors import BackendError, TrajectoryError
+from .errors import BackendError, ConfigError, TrajectoryError
 from .progress import TrainProgress
 from .tracking import WandbReporter, wandb_wanted
 from .types import (
@@ -123,7 +129,7 @@ class Model(BaseModel):
 
     async def log(
         self,
-        trajectories: Iterable[Trajectory | TrajectoryGroup] | None = None,
+        trajectories: Iterable[Trajectory | BaseException] | Iterable[TrajectoryGroup] | None = None,
         split: str = "val",
         *,
         metrics: dict[str, float] | None = None,
@@ -132,22 +138,26 @@ class Model(BaseModel):
         """Log metrics of `trajectories` (and any extra `metrics`) as one history row of `split`.
 
         Rewards and numeric `trajectory.metrics` are averaged into `<split>/reward`,
-        `<split>/<metric>`, ...; the trajectories are stored as JSONL. Returns the logged metrics.
+        `<split>/<metric>`, ...; the trajectories are stored as JSONL. Exception items (what
+        `gather_trajectories(..., max_exceptions=...)` returns for failed rollouts) count in
+        `<split>/exception_rate`. Returns the logged metrics.
 
         Raises:
             TrajectoryError: if a reward is not a finite number.
             BackendError: if the model is not registered.
+            TypeError: for an item that is not a Trajectory, an exception or a TrajectoryGroup.
         """
         backend = self._require_backend()
         groups: list[TrajectoryGroup] = []
-        loose: list[Trajectory] = []
+        loose: list[Trajectory | BaseException] = []
         for item in trajectories or []:
             if isinstance(item, TrajectoryGroup):
                 groups.append(item)
-            elif isinstance(item, Trajectory):
+            elif isinstance(item, Trajectory | BaseException):
                 loose.append(item)
             else:
-                raise TypeError(f"model.log() takes Trajectory or TrajectoryGroup items, got {type(item).__name__}")
+                raise TypeError(
+                    f"model.log() takes Trajectory, exception or TrajectoryGroup items, got {type(item).__name__}")
         if loose:
             groups.append(TrajectoryGroup(loose))
         for g, group in enumerate(groups):
@@ -203,9 +213,33 @@ class TrainableModel(Model):
             return LoRAConfig(**lora_config_from_art(value))
         return value
 
-    async def register(self, backend: Backend) -> None:
+    async def register(self, backend: Backend, _openai_client_config: Mapping[str, Any] | None = None) -> None:
+        """Attach the model to `backend`, which loads it (or resumes it from its checkpoints) and serves it.
+
+        `_openai_client_config` (ART's `art.dev.OpenAIServerConfig`: `server_args`, `engine_args`,
+        `log_file` of ART's vLLM server) is passed on to the backend; tempering's server takes its
+        settings from the backend (`LocalBackend(engine_config=...)`, `tempering serve`) and the
+        model's `_internal_config`, so each option given here is ignored with an ArtOptionWarning.
+
+        Raises:
+            ConfigError: if `_openai_client_config` is not a dict.
+        """
+        if _openai_client_config is not None and not isinstance(_openai_client_config, Mapping):
+            raise ConfigError("_openai_client_config must be a dict (art.dev.OpenAIServerConfig), "
+                              f"got {type(_openai_client_config).__name__}")
+        ignored: list[str] = []
+        for key, value in (_openai_client_config or {}).items():
+            if isinstance(value, Mapping):
+                ignored += [f"{key}.{name}" for name in value]
+            elif value is not None:
+                ignored.append(key)
+        if ignored:
+            warnings.warn(f"_openai_client_config: tempering has no equivalent of {', '.join(ignored)} and ignores "
+                          f"{'it' if len(ignored) == 1 else 'them'} (the backend's server settings apply; engine "
+                          "options go in LocalBackend(engine_config=...) or _internal_config's engine_args)",
+                          ArtOptionWarning, stacklevel=2)
         await super().register(backend)
-        base_url, api_key = await backend._prepare_backend_for_training(self, None)
+        base_url, api_key = await backend._prepare_backend_for_training(self, _openai_client_config)
         self.inference_base_url = base_url
         self.inference_api_key = api_key
         self.inference_model_name = backend._model_inference_name(self)

@@ -16,7 +16,7 @@ import math
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from openai.types.chat.chat_completion import Choice
@@ -170,11 +170,27 @@ class Trajectory(BaseModel):
 
 @dataclass(slots=True)
 class GatherContext:
-    """Exception budget shared by the groups of one `gather_trajectory_groups` call."""
+    """Exception budget shared by the groups of one `gather_trajectory_groups` call.
+
+    `num_trajectories`, the base of a fractional budget, counts the rollouts of every group known
+    so far, and 1 for a coroutine item (ART's `async def rollout_group()`) until the group it
+    awaits is known; `counted` holds the ids of the groups and items already in it.
+    """
 
     max_exceptions: int | float = 0
     num_exceptions: int = 0
     num_trajectories: int = 0
+    counted: set[int] = field(default_factory=set)
+
+    def count_group(self, group: TrajectoryGroup, item: int | None = None) -> None:
+        """Add `group`'s rollouts once; the first group of coroutine item `item` (an id) replaces its 1."""
+        if id(group) in self.counted:
+            return
+        self.counted.add(id(group))
+        if item is not None and item not in self.counted:
+            self.counted.add(item)
+            self.num_trajectories -= 1
+        self.num_trajectories += len(group._pending) + len(group.trajectories)
 
     def allows_one_more_exception(self) -> bool:
         limit = self.max_exceptions
@@ -186,6 +202,9 @@ class GatherContext:
 gather_context: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar(
     "tempering_gather_context", default=None
 )
+gather_item: contextvars.ContextVar[int | None] = contextvars.ContextVar(  # id of the coroutine item being run
+    "tempering_gather_item", default=None
+)
 
 
 class TrajectoryGroup(BaseModel):
@@ -195,6 +214,7 @@ class TrajectoryGroup(BaseModel):
     `TrajectoryGroup(rollout(model, s) for _ in range(8))` is pending until awaited, either by
     `gather_trajectory_groups` or directly with `await group`. Exceptions raised by rollouts are
     kept in `exceptions` while the gather's `max_exceptions` budget allows, else re-raised.
+    Exceptions given directly (in `trajectories` or `exceptions=`) are stored as PydanticException.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -211,7 +231,7 @@ class TrajectoryGroup(BaseModel):
         self,
         trajectories: Iterable[Trajectory | BaseException | Awaitable[Trajectory]] | None = None,
         *,
-        exceptions: list[PydanticException] | None = None,
+        exceptions: Iterable[PydanticException | BaseException] | None = None,
         metadata: dict[str, Any] | None = None,
         metrics: dict[str, float | int | bool] | None = None,
         logs: list[str] | None = None,
@@ -219,7 +239,7 @@ class TrajectoryGroup(BaseModel):
     ) -> None:
         ready: list[Any] = []
         pending: list[Awaitable[Trajectory]] = []
-        errors = list(exceptions or [])
+        errors = [PydanticException.from_exception(e) if isinstance(e, BaseException) else e for e in exceptions or []]
         for item in trajectories if trajectories is not None else data.pop("trajectories", []):
             if isinstance(item, BaseException):
                 errors.append(PydanticException.from_exception(item))
@@ -245,10 +265,11 @@ class TrajectoryGroup(BaseModel):
         return self._resolve().__await__()
 
     async def _resolve(self) -> TrajectoryGroup:
+        context = gather_context.get() or GatherContext()
+        context.count_group(self, gather_item.get())
         pending, self._pending = self._pending, []
         if not pending:
             return self
-        context = gather_context.get() or GatherContext()
         tasks = [asyncio.ensure_future(awaitable) for awaitable in pending]
         try:
             for next_done in asyncio.as_completed(tasks):

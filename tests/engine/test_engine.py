@@ -134,12 +134,12 @@ def test_a_full_kv_cache_queues_and_preempts_without_changing_results(setup, def
     )
     try:
         prompts = [prompt(renderer, f"{q} ({i})") for i, q in enumerate(QUESTIONS * 2)]
-        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)  # 4-5 blocks each: 2 fit
         futures = [small.submit(p, params, policy=BasePolicy()) for p in prompts]
         squeezed = [f.result(timeout=300)[0].token_ids for f in futures]
         roomy = [f.result()[0].token_ids for f in [engine.submit(p, params, policy=BasePolicy()) for p in prompts]]
         assert squeezed == roomy
-        assert small.stats.num_preemptions > 0 or small.stats.num_steps > len(prompts) * 40 // 4
+        assert small.stats.num_preemptions > 0 or small.stats.num_steps > len(prompts) * 24 // 4
         with pytest.raises(ConfigError, match="KV cache"):
             small.submit(list(range(1, 400)), params, policy=BasePolicy())
     finally:

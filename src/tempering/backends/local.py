@@ -293,19 +293,19 @@ class LocalBackend:
             UnknownOptionError: an option neither TrainConfig nor ART's backend.train has.
             UnsupportedOptionError: an ART option at a value tempering cannot honour.
         """
-        result = await self._train_model(model, trajectory_groups, train_config_from_options(options), log=False)
+        result = await self._train_model(model, trajectory_groups, train_config_from_options(options), log_step=False)
         report_nothing_learned(result)
         return result
 
     async def _train_model(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
-                           on_event=None, log: bool = True) -> TrainResult:
-        """The step of `model.train` (which logs it: `log`) and of `train` (which, as ART's, does not)."""
+                           on_event=None, log_step: bool = True) -> TrainResult:
+        """The step of `model.train` (which logs it: `log_step`) and of `train` (which, as ART's, does not)."""
         self._check_open()
         config = apply_train_defaults(config, self._model_options.get(model.name, ModelOptions()).train)
         groups = list(trajectory_groups)
         if any(getattr(g, "is_pending", False) for g in groups):
             raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
-        return await self._on_train_thread(self.hub.train, model.name, groups, config, on_event, log)
+        return await self._on_train_thread(self.hub.train, model.name, groups, config, on_event, log_step)
 
     async def _train_sft(self, model: TrainableModelRef, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
         self._check_open()

@@ -2,9 +2,10 @@
 
 The agent code runs anywhere (a laptop, production); inference and training run on the server.
 `model.openai_client()` points at the server's OpenAI routes. Requests are retried with
-exponential backoff on transient failures (connection errors, 502/503/504); a train call starts
-a job with a request id (a retry never trains twice) and follows its progress events,
-reconnecting where it left off when the connection drops or the client's read timeout passes.
+exponential backoff on transient failures (connection errors, 502/503/504); a request that is not
+safe to repeat (a log row, a fork, a checkpoint deletion) only when it never reached the server.
+A train call starts a job with a request id (a retry never trains twice) and follows its progress
+events, reconnecting where it left off when the connection drops or the client's read timeout passes.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .base import ModelRef, TrainableModelRef, report_nothing_learned
 __all__ = ["RemoteBackend"]
 
 _RETRY_STATUS = {502, 503, 504}
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # the request never left the client
 _ERRORS = {
     "TrajectoryError": TrajectoryError,
     "ConfigError": ConfigError,
@@ -99,17 +101,34 @@ class RemoteBackend:
 
     # ---- HTTP with retries --------------------------------------------------------------------
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _request(self, method: str, path: str, *, idempotent: bool | None = None, **kwargs: Any) -> Any:
+        """Send a request, retrying transient failures; return the JSON body.
+
+        `idempotent` (default: only for GET) says the request may be repeated. One that may not (a
+        log row, a fork, a deletion) is retried only when it cannot have reached the server (the
+        connection was never made); after that it fails rather than risk applying it twice.
+
+        Raises:
+            BackendError: the server stays unreachable, or a non-idempotent request failed after
+                it may have been applied; other errors as `_decode`.
+        """
         if self._closed:
             raise BackendError("this RemoteBackend is closed; create a new one")
+        if idempotent is None:
+            idempotent = method == "GET"
         for attempt in range(self.max_retries + 1):
             try:
                 response = await self._client.request(method, path, **kwargs)
             except httpx.TransportError as exc:
+                if not idempotent and not isinstance(exc, _NOT_SENT):
+                    raise BackendError(
+                        f"{method} {path} failed after it may have reached the tempering server at {self.base_url} "
+                        f"({exc!r}); it is not retried since repeating it could apply it twice: check the model "
+                        "(its history or checkpoints) before sending it again") from exc
                 if attempt == self.max_retries:
                     raise BackendError(f"cannot reach the tempering server at {self.base_url}: {exc!r}") from exc
             else:
-                if response.status_code not in _RETRY_STATUS or attempt == self.max_retries:
+                if not idempotent or response.status_code not in _RETRY_STATUS or attempt == self.max_retries:
                     return _decode(response)
             await asyncio.sleep(min(0.5 * 2**attempt, 10.0) * (0.5 + random.random()))
         raise AssertionError("unreachable")
@@ -132,7 +151,7 @@ class RemoteBackend:
                           f"dtype {options.dtype}) are ignored", ArtOptionWarning, stacklevel=2)
         self._model_options[model.name] = options
         lora = merge_lora(getattr(model, "lora_config", None), options)
-        await self._request("POST", "/v1/register", json={
+        await self._request("POST", "/v1/register", idempotent=True, json={
             "name": model.name,
             "project": model.project,
             "base_model": model.base_model if trainable else None,
@@ -151,26 +170,29 @@ class RemoteBackend:
         return int((await self._request("GET", f"/v1/models/{model.name}/step"))["step"])
 
     async def train(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], **options: Any) -> TrainResult:
-        """One RL step on the server, ART >= 0.5.18 style (options as LocalBackend.train)."""
-        result = await self._train_model(model, trajectory_groups, train_config_from_options(options))
+        """One RL step on the server, ART >= 0.5.18 style (options as LocalBackend.train; as ART's, it
+        does not log the step: the caller's `model.log(groups, metrics=result.metrics,
+        step=result.step, split="train")` does)."""
+        result = await self._train_model(model, trajectory_groups, train_config_from_options(options), log_step=False)
         report_nothing_learned(result)
         return result
 
     async def _train_model(self, model: TrainableModelRef, trajectory_groups: list[TrajectoryGroup], config: TrainConfig,
-                           on_event=None) -> TrainResult:
+                           on_event=None, log_step: bool = True) -> TrainResult:
         config = apply_train_defaults(config, self._model_options.get(model.name, ModelOptions()).train)
         groups = list(trajectory_groups)
         if any(getattr(g, "is_pending", False) for g in groups):
             raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
-        job = await self._request("POST", f"/v1/models/{model.name}/train", json={
+        job = await self._request("POST", f"/v1/models/{model.name}/train", idempotent=True, json={
             "request_id": uuid.uuid4().hex,
             "groups": [g.model_dump(mode="json") for g in groups],
-            "config": config.model_dump(mode="json", exclude_none=True),
+            "config": config.model_dump(mode="json", exclude_unset=True),  # an explicit None (no clipping) is kept
+            "log": log_step,
         })
         return await self._follow(job["job_id"], on_event)
 
     async def _train_sft(self, model: TrainableModelRef, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:
-        job = await self._request("POST", f"/v1/models/{model.name}/train_sft", json={
+        job = await self._request("POST", f"/v1/models/{model.name}/train_sft", idempotent=True, json={
             "request_id": uuid.uuid4().hex,
             "trajectories": [t.model_dump(mode="json") for t in trajectories],
             "config": config.model_dump(mode="json"),

@@ -6,6 +6,9 @@ init_args=art.dev.InitArgs(...), peft_args=art.dev.PeftArgs(...), trainer_args=.
 dicts at run time, whose keys ART documents for its vLLM/Unsloth/TRL internals. What tempering
 does with each key (mapped, ignored with a warning, or refused with an error naming the fix) is
 the table `tempering.backends.art_options.ART_OPTIONS`, rendered in the README.
+`model.register(backend, _openai_client_config=art.dev.OpenAIServerConfig(...))` configures ART's
+own vLLM server; tempering's server has its settings from the backend, so every key given there is
+ignored with one warning naming them.
 """
 
 from .engine import EngineArgs
@@ -19,6 +22,7 @@ from .model import (
     TinkerTrainingClientArgs,
     TrainerArgs,
 )
+from .openai_server import OpenAIServerConfig, ServerArgs
 from .train import TrainConfig, TrainSFTConfig
 
 __all__ = [
@@ -26,7 +30,9 @@ __all__ = [
     "InitArgs",
     "InternalModelConfig",
     "LoRAConfig",
+    "OpenAIServerConfig",
     "PeftArgs",
+    "ServerArgs",
     "TinkerArgs",
     "TinkerNativeArgs",
     "TinkerTrainingClientArgs",

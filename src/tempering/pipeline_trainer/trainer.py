@@ -119,7 +119,8 @@ class PipelineTrainer:
         eval_every_n_steps: validate every this many steps (0: never), and after the last step.
         eval_at_start: validate the starting step too.
         max_exceptions: failed rollouts tolerated per group (a value in (0, 1) is a fraction of
-            the group); one more re-raises and stops the run.
+            the group; a `rollout_fn` that raises itself counts as one failed rollout of a group
+            of 1, and its group as failed); one more re-raises and stops the run.
         pbar: show a progress bar over steps.
 
     Raises:
@@ -193,8 +194,8 @@ class PipelineTrainer:
 
         Raises:
             Exception: whatever a rollout raised past `max_exceptions`, or a training call raised;
-                the other stages are cancelled first. A failed validation is logged and does not
-                stop the run.
+                the other stages are cancelled first (when several fail at once, the first
+                error). A failed validation is logged and does not stop the run.
         """
         start = time.perf_counter()
         self._version = await self.model.get_step()
@@ -209,10 +210,8 @@ class PipelineTrainer:
         self._bar = tqdm(total=self.max_steps, desc="pipeline", unit="step", disable=not self.pbar, dynamic_ncols=True)
         try:
             await self._run_stages()
-        except BaseExceptionGroup as group:  # one stage failed and the others were cancelled: raise its error
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+        except BaseExceptionGroup as group:  # stages failed and the others were cancelled: raise the first error
+            raise group.exceptions[0] from None
         finally:
             self._bar.close()
         self._result.step = self._version
@@ -283,8 +282,11 @@ class PipelineTrainer:
                 return
 
     async def _run_group(self, scenario: Any) -> TrajectoryGroup:
+        """One gather per group, so a fractional `max_exceptions` is a fraction of the group."""
         item = self.rollout_fn(self.model, scenario, self.config)
         groups = await gather_trajectory_groups([item], pbar_desc=None, max_exceptions=self.max_exceptions)
+        if not groups:  # rollout_fn itself raised, within the budget: a failed group
+            return TrajectoryGroup()
         if len(groups) != 1:
             raise TrajectoryError(f"rollout_fn must give one TrajectoryGroup per scenario, got {len(groups)}")
         return groups[0]

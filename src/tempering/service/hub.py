@@ -315,8 +315,8 @@ class ModelHub:
         return service.step if service is not None else latest_step(self.paths(project, name).checkpoints_dir)
 
     def train(self, name: str, groups: list[TrajectoryGroup], config: TrainConfig, on_event=None,
-              log: bool = True) -> TrainResult:
-        return self.service(name).train(groups, config, on_event=on_event, log=log)
+              log_step: bool = True) -> TrainResult:
+        return self.service(name).train(groups, config, on_event=on_event, log_step=log_step)
 
     def train_sft(self, name: str, trajectories: list, config, on_event=None) -> TrainResult:
         return self.service(name).train_sft(trajectories, config, on_event=on_event)

@@ -445,13 +445,13 @@ class ModelService:
 
     # ---- training ---------------------------------------------------------------------------
 
-    def train(self, groups: list[TrajectoryGroup], config: TrainConfig, on_event=None, log: bool = True) -> TrainResult:
+    def train(self, groups: list[TrajectoryGroup], config: TrainConfig, on_event=None, log_step: bool = True) -> TrainResult:
         """One RL step on `groups`; saves checkpoint step + 1 and serves it.
 
         `on_event(dict)` receives progress: {"type": "started", ...}, one {"type": "update", ...}
         per optimizer update, {"type": "checkpoint", "step": ...}.
 
-        `log`: append the step's row (group summaries and training metrics, at the step the groups
+        `log_step`: append the step's row (group summaries and training metrics, at the step the groups
         were sampled from) to history.jsonl and write its trajectories, as ART's `model.train` did.
         ART >= 0.5.18's `backend.train` leaves that to the caller (`model.log(groups,
         metrics=result.metrics, step=result.step, split="train")`) and passes False.
@@ -517,7 +517,7 @@ class ModelService:
                     timings["time/step_send_adapter_s"] = time.perf_counter() - sending
                 self._publish(new_step)
         release_free_memory()
-        if log:
+        if log_step:
             writing = time.perf_counter()
             write_trajectories(self.paths.trajectories("train", data_step), groups)
             timings["time/step_write_trajectories_s"] = time.perf_counter() - writing
@@ -532,7 +532,7 @@ class ModelService:
             "time/step_wall_s": time.perf_counter() - start,
         })
         row = {"step": data_step, **summarize_groups(groups, split="train"), **metrics}
-        if log:
+        if log_step:
             append_history(self.paths.history, row)
         return TrainResult(
             step=new_step,

@@ -47,7 +47,7 @@ def build_train_router(hub: ModelHub, jobs: TrainJobs) -> APIRouter:
     async def train(name: str, body: TrainRequest) -> dict[str, Any]:
         project(name)
         groups, config, log = list(body.groups), body.config, body.log
-        job = jobs.start(name, body.request_id, lambda on_event: hub.train(name, groups, config, on_event=on_event, log=log))
+        job = jobs.start(name, body.request_id, lambda on_event: hub.train(name, groups, config, on_event=on_event, log_step=log))
         return job.summary()
 
     @router.post("/models/{name}/train_sft", status_code=202, summary="Start a supervised fine-tuning call; read its events")

@@ -7,13 +7,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .history import open_for_append
+
 __all__ = ["write_trajectories"]
 
 
 def write_trajectories(path: Path, groups: Iterable[Iterable[Any]]) -> None:
-    """Append each trajectory of each group (a `Trajectory`) with its group index."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    """Append each trajectory of each group (a `Trajectory`) with its group index, one per line."""
+    with open_for_append(path) as f:
         for group_index, group in enumerate(groups):
             for trajectory in group:
                 record = trajectory.for_logging()
