@@ -18,8 +18,12 @@ __all__ = ["read_sft_jsonl", "train_sft_from_file"]
 def read_sft_jsonl(path: str | Path) -> list[Trajectory]:
     """One Trajectory per line `{"messages": [...], "tools": [...]}` (tools optional).
 
+    A message's `"weight"` is 1 (learn from it, the default) or 0 (context only), as in OpenAI's
+    format; it is kept in the message for training, which strips it before the chat template.
+
     Raises:
-        TrajectoryError: naming the line that is not JSON, has no messages, or has no assistant message.
+        TrajectoryError: naming the line that is not JSON, has no messages, has a weight other than
+            0 or 1 (and its message), or has no assistant message of weight 1.
     """
     trajectories = []
     with open(path) as f:
@@ -33,8 +37,17 @@ def read_sft_jsonl(path: str | Path) -> list[Trajectory]:
             messages = record.get("messages") if isinstance(record, dict) else None
             if not isinstance(messages, list) or not messages:
                 raise TrajectoryError(f'{path}:{number}: expected {{"messages": [...]}}')
-            if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+            for i, m in enumerate(messages):
+                weight = m.get("weight", 1) if isinstance(m, dict) else 1
+                if isinstance(weight, bool) or weight not in (0, 1):
+                    raise TrajectoryError(f'{path}:{number}: message {i} has "weight": {weight!r}; '
+                                          "it must be 0 (context only) or 1 (learn from it)")
+            assistant = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
+            if not assistant:
                 raise TrajectoryError(f"{path}:{number}: no assistant message to learn from")
+            if all(m.get("weight", 1) == 0 for m in assistant):
+                raise TrajectoryError(f'{path}:{number}: every assistant message has "weight": 0, so there is nothing '
+                                      "to learn from; give at least one weight 1 (or no weight)")
             trajectories.append(Trajectory(messages_and_choices=messages, tools=record.get("tools")))
     if not trajectories:
         raise TrajectoryError(f"{path} holds no examples")

@@ -86,7 +86,9 @@ def parse_tool_calls(text: str, *, allowed: set[str] | None = None) -> tuple[str
     calls: a model's broken call is never a server error.
 
     Returns:
-        (content: the text outside the blocks, stripped, or None when empty; calls).
+        (content: the text outside the blocks without trailing whitespace, or None when that is
+        empty; calls). Leading whitespace is kept: a stream has sent it before any call began, and
+        the streamed deltas must concatenate to this content.
     """
     if TOOL_CALL_START not in text:
         return text, []
@@ -107,5 +109,5 @@ def parse_tool_calls(text: str, *, allowed: set[str] | None = None) -> tuple[str
         if not isinstance(arguments, dict) or (allowed is not None and data["name"] not in allowed):
             return text, []
         calls.append(ToolCall("call_" + uuid.uuid4().hex[:24], data["name"], json.dumps(arguments, ensure_ascii=False)))
-    content = _BLOCK.sub("", text).strip()
+    content = _BLOCK.sub("", text).rstrip()
     return content or None, calls

@@ -4,10 +4,10 @@ The judge is any OpenAI-compatible chat endpoint: a tempering server's own model
 API (`base_url` / `api_key`). The prompt sends the messages all trajectories share once, inside
 `<context>`, then each trajectory's own messages once, inside `<trajectory id="i">`, and asks for
 `{"scores": [{"trajectory_id": "1", "explanation": "...", "score": 0.8}, ...]}` with scores in
-[0, 1]. An answer that does not parse, misses an id, or gives a score outside [0, 1] is sent back
-to the judge once with the problem named; a second bad answer raises RulerError. Nothing is
-silently dropped. (After ART's RULER, described in reference/ART.md section 4; wording and code
-ours.)
+[0, 1]. An answer that does not parse, misses or repeats an id, or gives a score outside [0, 1]
+is sent back to the judge once with the problem named; a second bad answer raises RulerError.
+Nothing is silently dropped. (After ART's RULER, described in reference/ART.md section 4; wording
+and code ours.)
 
 A judge served by tempering (its `/v1/models` says `owned_by: "tempering"` and
 `structured_outputs: true`) is also sent `response_format` with the answer's JSON schema
@@ -139,7 +139,7 @@ def parse_scores(text: str, num_trajectories: int) -> list[TrajectoryScore]:
     """Scores from the judge's answer (the outermost JSON object in it).
 
     Raises:
-        ValueError: naming what is wrong: no JSON, a missing or extra id, a score outside [0, 1].
+        ValueError: naming what is wrong: no JSON, a missing, extra or repeated id, a score outside [0, 1].
     """
     start, end = text.find("{"), text.rfind("}")
     if start < 0 or end <= start:
@@ -156,6 +156,8 @@ def parse_scores(text: str, num_trajectories: int) -> list[TrajectoryScore]:
         if not isinstance(entry, dict):
             raise ValueError("a scores entry is not an object")
         tid = str(entry.get("trajectory_id", "")).strip()
+        if tid in by_id:
+            raise ValueError(f"trajectory {tid!r} is scored more than once; give each id exactly one entry")
         score = entry.get("score")
         if isinstance(score, bool) or not isinstance(score, int | float):
             raise ValueError(f"trajectory {tid!r} has no numeric score")
@@ -273,9 +275,13 @@ async def ruler_score_group(
     as `reward` and `metrics["ruler_score"]`, and the judge's explanation in `logs`. The judge is
     sent the tools of the first trajectory that has any. The other arguments are `ruler`'s.
 
+    With `swallow_exceptions`, any error of scoring (not of `additional_histories`) is logged as a
+    warning instead and None is returned, so that gather drops the group, as ART does.
+
     Raises:
-        RulerError: if the judge's answer is unusable (unless `swallow_exceptions`, which logs a
-            warning and returns None so that gather drops the group, as ART does).
+        RulerError: if the judge's answer is unusable, or the trajectories have additional_histories.
+        openai.APIError: if the judge's request fails (a context overflow, an unreachable endpoint, ...);
+            a timeout as RequestTimeout.
     """
     trajectories = [copy.deepcopy(t) for t in group.trajectories]
     if any(t.additional_histories for t in trajectories):
@@ -286,9 +292,10 @@ async def ruler_score_group(
                              base_url=base_url, api_key=api_key, rubric=rubric, tools=tools, max_tokens=max_tokens,
                              temperature=temperature, structured=structured,
                              max_explanation_chars=max_explanation_chars)
-    except RulerError:
+    except Exception as exc:  # ART swallows any failure of the judge here, not only a bad answer
         if swallow_exceptions:
-            log.warning("RULER could not score a group; it is dropped (swallow_exceptions=True)")
+            log.warning("RULER could not score a group; it is dropped (swallow_exceptions=True): %s: %s",
+                        type(exc).__name__, exc)
             return None
         raise
     for trajectory, score in zip(trajectories, scores):

@@ -2,8 +2,9 @@
 
 Tokens arrive from the engine's thread one by one. Text is sent as soon as it is certain: held
 back while it ends in a partial UTF-8 character, in what could be the start of a stop string,
-or, when tools are on, from the first `<tool_call>` on (a call is sent as a whole `tool_calls`
-delta when the sample ends, or as plain text if it does not parse). The deltas of a choice
+or, when tools are on, in whitespace (the content before a call loses its trailing whitespace)
+and from the first `<tool_call>` on (a call is sent as a whole `tool_calls` delta when the
+sample ends, or as plain text if it does not parse). The deltas of a choice
 concatenate to exactly the content of the same request without streaming, and every chunk
 carries its new `token_ids` and their `sampled_logprobs` (and OpenAI's `logprobs` entries when the
 request asked for them); the last chunk of a choice carries the
@@ -42,7 +43,8 @@ class StreamState:
     Args:
         decode: token ids → text without special tokens.
         prefix: text the assistant turn was forced to start with (a tool call), or None.
-        tools_on: whether tool calls are parsed (text from `<tool_call>` on is held back).
+        tools_on: whether tool calls are parsed (trailing whitespace and text from `<tool_call>`
+            on are held back: `parse_tool_calls` drops the whitespace before a call).
         stop: the request's stop strings.
     """
 
@@ -72,7 +74,7 @@ class StreamState:
         patterns = self.stop + ([TOOL_CALL_START] if self.tools_on else [])
         if end == len(text):
             end -= _held_back(text, patterns)
-        safe = text[:end]
+        safe = text[:end].rstrip() if self.tools_on else text[:end]
         if not safe.startswith(self.emitted):
             return ""
         delta, self.emitted = safe[len(self.emitted):], safe

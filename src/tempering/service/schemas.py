@@ -162,8 +162,16 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, prompt: Any) -> Any:
+        """A list of one prompt (a string or a token list; LangChain's OpenAI LLM always sends one)
+        is that prompt.
+
+        Raises:
+            ValueError: a list of several prompts (a batch).
+        """
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            raise ValueError("batched prompts are not supported; send one request per prompt")
+            if len(prompt) > 1:
+                raise ValueError("batched prompts are not supported; send one request per prompt")
+            return prompt[0]
         return prompt
 
 

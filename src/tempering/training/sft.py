@@ -1,10 +1,12 @@
 """Supervised fine-tuning: assistant messages → token sequences → cross-entropy steps.
 
 Each assistant message is rendered with the chat template; its tokens (up to and including the
-end-of-turn token) are trained, everything else is context. Turns of one conversation share a
-sequence while each prompt extends the previous one (the usual case); otherwise a turn starts a
-sequence of its own. The step reuses the RL trainer's pieces (packing, chunked logprobs,
-gradient checkpointing) with the loss `-logprob`, averaged over a batch's trained tokens.
+end-of-turn token) are trained, everything else is context. An assistant message with
+`"weight": 0` (OpenAI's chat fine-tuning format) is context too; the key never reaches the
+template. Turns of one conversation share a sequence while each prompt extends the previous one
+(the usual case); otherwise a turn starts a sequence of its own. The step reuses the RL trainer's
+pieces (packing, chunked logprobs, gradient checkpointing) with the loss `-logprob`, averaged over
+a batch's trained tokens.
 """
 
 from __future__ import annotations
@@ -21,20 +23,36 @@ from .tokenize import TokenizedSequence
 __all__ = ["sft_batches", "sft_sequences"]
 
 
-def sft_sequences(trajectory: Trajectory, renderer: ChatRenderer, *, max_seq_len: int) -> list[TokenizedSequence]:
-    """The training sequences of one conversation's assistant messages.
+def _weight(message: dict[str, Any], index: int) -> int:
+    """Message `index`'s `weight` (OpenAI's chat fine-tuning format): 1 (learn from it, the default) or 0.
 
     Raises:
-        TrajectoryError: if there is no assistant message, the template does not render a turn as
-            a continuation of its prompt, or a sequence is longer than `max_seq_len`.
+        TrajectoryError: if the weight is not 0 or 1.
+    """
+    weight = message.get("weight", 1)
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise TrajectoryError(f'SFT message {index} has "weight": {weight!r}; it must be 0 (context only) '
+                              "or 1 (learn from it)")
+    return int(weight)
+
+
+def sft_sequences(trajectory: Trajectory, renderer: ChatRenderer, *, max_seq_len: int) -> list[TokenizedSequence]:
+    """The training sequences of one conversation's assistant messages (those of weight 1).
+
+    Raises:
+        TrajectoryError: if there is no assistant message of weight 1, a weight is not 0 or 1, the
+            template does not render a turn as a continuation of its prompt, or a sequence is longer
+            than `max_seq_len`.
     """
     stops = set(renderer.stop_token_ids)
     out: list[TokenizedSequence] = []
     for history in trajectory.histories():
         messages, tools = history.messages(), history.tools
+        weights = [_weight(m, i) for i, m in enumerate(messages)]
+        messages = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
         current: TokenizedSequence | None = None
         for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
+            if message.get("role") != "assistant" or not weights[i]:
                 continue
             prompt = renderer.render_prompt(messages[:i], tools)
             full = renderer.render_conversation(messages[: i + 1], tools)
@@ -55,7 +73,8 @@ def sft_sequences(trajectory: Trajectory, renderer: ChatRenderer, *, max_seq_len
                                             [math.nan] * (len(prompt) + len(completion)))
                 out.append(current)
     if not out:
-        raise TrajectoryError("an SFT trajectory has no assistant message to learn from")
+        raise TrajectoryError("an SFT trajectory has no assistant message to learn from "
+                              '(one with "weight": 0 is context only); give it one of weight 1')
     for seq in out:
         if len(seq) > max_seq_len:
             raise TrajectoryError(f"an SFT conversation has {len(seq)} tokens; the model's context is {max_seq_len}")
