@@ -144,6 +144,7 @@ class Model(BaseModel):
 
         Raises:
             TrajectoryError: if a reward is not a finite number.
+            ConfigError: if a TrajectoryGroup of awaitables was never awaited (nothing is logged).
             BackendError: if the model is not registered.
             TypeError: for an item that is not a Trajectory, an exception or a TrajectoryGroup.
         """
@@ -158,6 +159,8 @@ class Model(BaseModel):
             else:
                 raise TypeError(
                     f"model.log() takes Trajectory, exception or TrajectoryGroup items, got {type(item).__name__}")
+        if any(group.is_pending for group in groups):
+            raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
         if loose:
             groups.append(TrajectoryGroup(loose))
         for g, group in enumerate(groups):

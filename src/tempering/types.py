@@ -286,9 +286,10 @@ class TrajectoryGroup(BaseModel):
                         f"a rollout in a TrajectoryGroup returned {type(trajectory).__name__}, expected art.Trajectory"
                     )
                 self.trajectories.append(trajectory)
-        finally:
+        finally:  # stop the other rollouts and wait for them, so their own errors are retrieved here
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return self
 
     def __iter__(self):  # type: ignore[override]  # iterate trajectories, as ART does

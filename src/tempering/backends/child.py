@@ -117,10 +117,14 @@ class ChildProcessBackend(RemoteBackend):
             return f"its log {self.log_path} cannot be read"
         return f"its log {self.log_path} ends with:\n{text}"
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _check_server(self) -> None:
+        """Raise BackendError, with the child's exit code and log tail, if it has exited."""
         if self.process.poll() is not None and not self._closed:
             raise BackendError(f"the tempering server process exited with code {self.process.returncode}; "
                                f"{self._log_tail()}")
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        self._check_server()
         return await super()._request(method, path, **kwargs)
 
     async def close(self) -> None:

@@ -223,10 +223,14 @@ class RemoteBackend:
                             error = event["error"]
                             raise _ERRORS.get(error["type"], TemperingError)(error["message"])
             except (httpx.TransportError, httpx.TimeoutException) as exc:
+                self._check_server()
                 failures += 1
                 if failures > self.max_retries:
                     raise BackendError(f"lost the training job {job_id} at {self.base_url}: {exc!r}") from exc
                 await asyncio.sleep(min(0.5 * 2**failures, 10.0))
+
+    def _check_server(self) -> None:
+        """Raise BackendError when the server is known to be gone for good (no retry can help); here never."""
 
     async def _log(self, model: ModelRef, *, split: str, step: int, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> None:
         await self._request("POST", f"/v1/models/{model.name}/log", json={

@@ -316,7 +316,10 @@ class PipelineTrainer:
         while self.max_steps is None or result.num_steps < self.max_steps:
             wait_start = time.perf_counter()
             batch = await self._next_batch()
-            if not batch:
+            if not batch:  # the scenarios ran out: validate the last step, unless it just was
+                if (self.eval_fn is not None and self.eval_every_n_steps and result.num_steps
+                        and self._version % self.eval_every_n_steps):
+                    self._evals.put_nowait(self._version)
                 return
             idle_s = time.perf_counter() - wait_start
             num_in_flight = self._num_running
