@@ -225,3 +225,13 @@ def test_gather_trajectories_gives_one_result_per_awaitable():
 
     out = asyncio.run(art.gather_trajectories([both_players(1), _ok(), both_players(2)], pbar_desc=None))
     assert [[t.reward for t in r] if isinstance(r, list) else r.reward for r in out] == [[1, -1], 1.0, [2, -2]]
+
+
+def test_a_non_integer_max_exceptions_above_one_allows_its_floor():
+    from tempering.types import GatherContext
+
+    assert [GatherContext(max_exceptions=2.5, num_exceptions=n).allows_one_more_exception() for n in range(4)] == \
+        [True, True, False, False]  # ART counts the failure, then raises when the count exceeds 2.5
+    assert [GatherContext(max_exceptions=3, num_exceptions=n).allows_one_more_exception() for n in range(4)] == \
+        [True, True, True, False]
+    assert GatherContext(max_exceptions=0.5, num_trajectories=4, num_exceptions=1).allows_one_more_exception()

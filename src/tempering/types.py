@@ -196,7 +196,7 @@ class GatherContext:
         limit = self.max_exceptions
         if 0 < limit < 1:  # a fraction of all trajectories, as in ART
             limit = math.floor(limit * max(self.num_trajectories, 1))
-        return self.num_exceptions < limit
+        return self.num_exceptions + 1 <= limit  # (2.5 allows 2, as ART counts and then compares)
 
 
 gather_context: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar(
