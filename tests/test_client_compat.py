@@ -235,3 +235,15 @@ def test_a_non_integer_max_exceptions_above_one_allows_its_floor():
     assert [GatherContext(max_exceptions=3, num_exceptions=n).allows_one_more_exception() for n in range(4)] == \
         [True, True, True, False]
     assert GatherContext(max_exceptions=0.5, num_trajectories=4, num_exceptions=1).allows_one_more_exception()
+
+
+def test_registering_again_closes_the_previous_endpoints_client(tmp_path):
+    async def check():
+        async with art.LocalBackend(path=tmp_path) as backend:
+            model = art.Model(name="plain", project="p", inference_base_url="http://127.0.0.1:9/v1")
+            await model.register(backend)
+            first = model.openai_client()
+            await model.register(backend)
+            assert first.is_closed() and model.openai_client() is not first
+
+    asyncio.run(check())

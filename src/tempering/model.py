@@ -80,7 +80,9 @@ class Model(BaseModel):
     async def register(self, backend: Backend) -> None:
         """Attach the model to `backend` (where its history and checkpoints are kept)."""
         self._backend = backend
-        self._openai_client = None
+        if self._openai_client is not None:  # the previous endpoint's client: its pooled connections go
+            client, self._openai_client = self._openai_client, None
+            await client.close()
         await backend.register(self)
 
     def _require_backend(self) -> Backend:
