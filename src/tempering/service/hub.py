@@ -35,6 +35,7 @@ from ..storage import (
     delete_checkpoints,
     latest_step,
     list_checkpoints,
+    mark_resume,
     read_history,
     write_atomically,
     write_trajectories,
@@ -162,6 +163,7 @@ class ModelHub:
                                              engine_config=engine_config or self.engine_config,
                                              max_seq_len=max_seq_len, dtype=dtype, dedicated=dedicated)
                         _write_json_atomically(paths.model_json, model_json)
+                        mark_resume(paths.history, service.step)  # steps logged after the last checkpoint
                         self.registry.add(name, service)
                         return service.step
             if base_model is not None:
