@@ -48,7 +48,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -564,18 +564,19 @@ class ModelService:
             with self._followed("follow_train_sft", per_trajectory=per_trajectory, config=config, new_step=new_step,
                                 skip=self.dedicated):
                 trainer = self._prepare_trainer(TrainConfig())
-                batches = sft_batches(per_trajectory, config, trainer.rng)  # the same on every rank: same RNG state
-                emit({"type": "started", "num_trajectories": len(trajectories), "num_updates": len(batches)})
+                with _rng_restored_on_failure(trainer):  # the shuffle is part of the step a failure undoes
+                    batches = sft_batches(per_trajectory, config, trainer.rng)  # the same on every rank: same RNG state
+                    emit({"type": "started", "num_trajectories": len(trajectories), "num_updates": len(batches)})
 
-                def commit() -> None:
-                    self._save(trainer, checkpoint, new_step)
-                    emit({"type": "checkpoint", "step": new_step})
+                    def commit() -> None:
+                        self._save(trainer, checkpoint, new_step)
+                        emit({"type": "checkpoint", "step": new_step})
 
-                with self._training(trainer):
-                    metrics = trainer.sft_step(batches, config, commit=commit,
-                                               on_update=lambda info: emit({"type": "update", **info}),
-                                               version=new_step).values
-                    self._send_adapter(trainer, new_step)
+                    with self._training(trainer):
+                        metrics = trainer.sft_step(batches, config, commit=commit,
+                                                   on_update=lambda info: emit({"type": "update", **info}),
+                                                   version=new_step).values
+                        self._send_adapter(trainer, new_step)
                 self._publish(new_step)
         release_free_memory()
         metrics["time/step_wall_s"] = time.perf_counter() - start
@@ -606,11 +607,12 @@ class ModelService:
         """On a rank other than 0: this rank's part of rank 0's `train_sft` call."""
         with self.train_lock:
             trainer = self._prepare_trainer(TrainConfig())
-            batches = sft_batches(per_trajectory, config, trainer.rng)
-            checkpoint = self.paths.checkpoint(new_step)
-            commit = (lambda: self._save(trainer, checkpoint, new_step)) if self.tp is not None else None
-            with self._training(trainer):
-                trainer.sft_step(batches, config, commit=commit, version=new_step)
+            with _rng_restored_on_failure(trainer):
+                batches = sft_batches(per_trajectory, config, trainer.rng)
+                checkpoint = self.paths.checkpoint(new_step)
+                commit = (lambda: self._save(trainer, checkpoint, new_step)) if self.tp is not None else None
+                with self._training(trainer):
+                    trainer.sft_step(batches, config, commit=commit, version=new_step)
             self._publish(new_step)
         release_free_memory()
 
@@ -850,3 +852,15 @@ class ModelService:
 
     def close(self) -> None:
         self.engine.close()
+
+
+@contextlib.contextmanager
+def _rng_restored_on_failure(trainer: Trainer) -> Iterator[None]:
+    """The trainer's Python RNG as it was before the block if the block raises (a failed SFT call
+    shuffled its batches before the trainer's own undo snapshot: the retry shuffles the same way)."""
+    state = trainer.rng.getstate()
+    try:
+        yield
+    except BaseException:
+        trainer.rng.setstate(state)
+        raise

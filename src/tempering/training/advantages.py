@@ -22,10 +22,10 @@ def group_advantages(rewards_G: list[float], *, normalize: bool, eps: float = 1e
     G = len(rewards_G)
     if G == 0:
         return []
+    if max(rewards_G) == min(rewards_G):  # (not |r - mean| < tol: for rewards ~1e4 the mean's rounding is larger)
+        return [0.0] * G
     mean = sum(rewards_G) / G
     centered = [r - mean for r in rewards_G]
-    if all(abs(c) < 1e-12 for c in centered):
-        return [0.0] * G
     if not normalize:
         return centered
     std = math.sqrt(sum(c * c for c in centered) / G)

@@ -97,7 +97,8 @@ def rl_objective(
         masked,
         tis_capped,
         (log_ratio.abs() * validf).sum(),
-        ((torch.exp(-log_ratio) - 1 + log_ratio) * validf).sum(),  # k3 estimate of KL(engine || trainer)
+        # k3 estimate of KL(engine || trainer) from the engine's samples: r - 1 - log r, r = π_trainer / π_engine
+        ((torch.exp(log_ratio) - 1 - log_ratio) * validf).sum(),
         ((new.detach() == sampled) & valid).sum(),  # tokens whose trainer logprob is the sampled one, bit for bit
     ]
     # MISMATCH_EDGES made on the device (a host-to-device copy is not allowed while a CUDA graph captures)

@@ -538,8 +538,8 @@ class Trainer:
                     log.warning("update %d of %d had a non-finite gradient norm (%s) and was skipped: the adapter "
                                 "is unchanged by it (metric loss/num_updates_skipped)", index + 1, len(minibatches),
                                 grad_norm)
-                if on_update is not None:
-                    loss = float(totals.sums[STATS.index("loss")]) if totals.sums is not None else 0.0
+                if on_update is not None:  # this update's loss (the step's metric is their mean)
+                    loss = float(stats[STATS.index("loss")]) if stats is not None else 0.0
                     on_update({"update": index + 1, "num_updates": len(minibatches), "grad_norm": float(grad_norm),
                                "loss": loss})
             except Exception as exc:
@@ -808,7 +808,7 @@ class Trainer:
         updates = max(len(totals.grad_norms) + totals.num_skipped, 1)
         metrics = {
             "loss/train": t["loss"] / updates,
-            "loss/grad_norm": sum(totals.grad_norms) / updates if totals.grad_norms else math.nan,
+            "loss/grad_norm": sum(totals.grad_norms) / len(totals.grad_norms) if totals.grad_norms else math.nan,
             "loss/grad_norm_max": max(totals.grad_norms, default=math.nan),
             "loss/num_updates_skipped": float(totals.num_skipped),
             "loss/entropy": t["entropy"] / n,
