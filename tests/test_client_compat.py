@@ -55,8 +55,9 @@ class _Backend:
         self.logged.append((metrics, groups))
 
 
-class _PipelineModel:
-    """A TrainableModel stand-in for PipelineTrainer: each train call is one step."""
+class PipelineModel:
+    """A TrainableModel stand-in for PipelineTrainer (its own logic is under test, here and in
+    test_client_edges.py): each train call is one step."""
 
     name, _backend = "fake", None
 
@@ -71,7 +72,10 @@ class _PipelineModel:
         return TrainResult(step=self.step, num_groups=len(groups), num_groups_trainable=len(groups))
 
     async def log(self, items, split="val", *, metrics=None, step=None):
-        return {}
+        return {f"{split}/reward": 1.0}  # what validation records
+
+    def get_inference_name(self, step=None):
+        return self.name
 
 
 def test_gather_honours_the_budget_for_coroutine_items_and_drops_a_group_whose_coroutine_raised():
@@ -104,11 +108,11 @@ def test_pipeline_max_exceptions_is_a_fraction_of_the_group_and_a_failure_raises
         raise RuntimeError("every rollout fails")
 
     async def main():
-        trainer = art.PipelineTrainer(_PipelineModel(), None, one_in_four_fails, range(4), group_size=4,
+        trainer = art.PipelineTrainer(PipelineModel(), None, one_in_four_fails, range(4), group_size=4,
                                       groups_per_step=2, max_exceptions=0.5, pbar=False)
         result = await trainer.train()
         assert (result.num_steps, result.num_trajectories_trained) == (2, 12)
-        trainer = art.PipelineTrainer(_PipelineModel(), None, always_fails, range(4), group_size=4,
+        trainer = art.PipelineTrainer(PipelineModel(), None, always_fails, range(4), group_size=4,
                                       groups_per_step=2, pbar=False)  # several workers fail at once
         with pytest.raises(RuntimeError, match="every rollout fails"):
             await trainer.train()

@@ -11,7 +11,7 @@ import pytest
 
 import tempering as art
 from tempering.errors import BackendError, ConfigError
-from tempering.types import TrainResult
+from test_client_compat import PipelineModel
 
 
 def test_log_refuses_a_group_that_was_never_awaited(tmp_path):
@@ -32,29 +32,6 @@ def test_log_refuses_a_group_that_was_never_awaited(tmp_path):
     asyncio.run(main())
 
 
-class _FakeModel:
-    """Trains and logs without a backend: the pipeline's own logic is under test."""
-
-    name = "fake"
-    _backend = None
-
-    def __init__(self):
-        self.step = 0
-
-    async def get_step(self):
-        return self.step
-
-    async def train(self, groups, config=None):
-        self.step += 1
-        return TrainResult(step=self.step, metrics={}, num_groups=len(groups), num_groups_trainable=len(groups))
-
-    async def log(self, items, split="val", *, metrics=None, step=None):
-        return {f"{split}/reward": 1.0}
-
-    def get_inference_name(self, step=None):
-        return self.name
-
-
 @pytest.mark.parametrize(("num_scenarios", "validated"), [(6, [0, 2, 3]), (4, [0, 2])])
 def test_the_pipeline_validates_the_last_step_once_when_the_scenarios_run_out(num_scenarios, validated):
     async def rollout(model, scenario, config):
@@ -64,7 +41,7 @@ def test_the_pipeline_validates_the_last_step_once_when_the_scenarios_run_out(nu
         return [art.Trajectory(messages_and_choices=[], reward=1.0)]
 
     async def main():
-        trainer = art.PipelineTrainer(_FakeModel(), None, rollout, range(num_scenarios), group_size=2, groups_per_step=2,
+        trainer = art.PipelineTrainer(PipelineModel(), None, rollout, range(num_scenarios), group_size=2, groups_per_step=2,
                                       eval_every_n_steps=2, eval_fn=eval_fn, pbar=False)
         return await trainer.train()
 
