@@ -15,7 +15,7 @@ from .backends.art_mapping import (
     resolve_internal_config,
     train_config_from_options,
 )
-from .backends.base import report_nothing_learned
+from .backends.base import check_awaited, report_nothing_learned
 from .capture import capturing_http_client
 from .errors import BackendError, ConfigError, TrajectoryError
 from .progress import TrainProgress
@@ -161,8 +161,7 @@ class Model(BaseModel):
             else:
                 raise TypeError(
                     f"model.log() takes Trajectory, exception or TrajectoryGroup items, got {type(item).__name__}")
-        if any(group.is_pending for group in groups):
-            raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
+        check_awaited(groups)
         if loose:
             groups.append(TrajectoryGroup(loose))
         for g, group in enumerate(groups):

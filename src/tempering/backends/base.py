@@ -5,11 +5,22 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, runtime_checkable
 
+from ..errors import ConfigError
 from ..types import TrainConfig, TrainResult, TrajectoryGroup
 
-__all__ = ["Backend", "ModelRef", "TrainableModelRef", "report_nothing_learned"]
+__all__ = ["Backend", "ModelRef", "TrainableModelRef", "check_awaited", "report_nothing_learned"]
 
 log = logging.getLogger("tempering")
+
+
+def check_awaited(groups: list[TrajectoryGroup]) -> None:
+    """Refuse groups built from awaitables that were never awaited (they hold no trajectory yet).
+
+    Raises:
+        ConfigError: naming the fix, gather_trajectory_groups.
+    """
+    if any(getattr(g, "is_pending", False) for g in groups):
+        raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
 
 
 def report_nothing_learned(result: TrainResult) -> None:

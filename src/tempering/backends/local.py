@@ -40,7 +40,7 @@ from .art_mapping import (
     resolve_internal_config,
     train_config_from_options,
 )
-from .base import ModelRef, TrainableModelRef, report_nothing_learned
+from .base import ModelRef, TrainableModelRef, check_awaited, report_nothing_learned
 
 if TYPE_CHECKING:
     from ..service.server import ServerThread
@@ -303,8 +303,7 @@ class LocalBackend:
         self._check_open()
         config = apply_train_defaults(config, self._model_options.get(model.name, ModelOptions()).train)
         groups = list(trajectory_groups)
-        if any(getattr(g, "is_pending", False) for g in groups):
-            raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
+        check_awaited(groups)
         return await self._on_train_thread(self.hub.train, model.name, groups, config, on_event, log_step)
 
     async def _train_sft(self, model: TrainableModelRef, trajectories: list, config: TrainSFTConfig, on_event=None) -> TrainResult:

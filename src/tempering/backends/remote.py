@@ -38,7 +38,7 @@ from .art_mapping import (
     resolve_internal_config,
     train_config_from_options,
 )
-from .base import ModelRef, TrainableModelRef, report_nothing_learned
+from .base import ModelRef, TrainableModelRef, check_awaited, report_nothing_learned
 
 __all__ = ["RemoteBackend"]
 
@@ -181,8 +181,7 @@ class RemoteBackend:
                            on_event=None, log_step: bool = True) -> TrainResult:
         config = apply_train_defaults(config, self._model_options.get(model.name, ModelOptions()).train)
         groups = list(trajectory_groups)
-        if any(getattr(g, "is_pending", False) for g in groups):
-            raise ConfigError("some trajectory groups were never awaited; pass them through gather_trajectory_groups first")
+        check_awaited(groups)
         job = await self._request("POST", f"/v1/models/{model.name}/train", idempotent=True, json={
             "request_id": uuid.uuid4().hex,
             "groups": [g.model_dump(mode="json") for g in groups],
