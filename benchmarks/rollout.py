@@ -296,7 +296,7 @@ def structured_grammar(args, tokenizer, vocab_size: int):
     return "guided_choice", compiler.compile(GrammarSpec.choice(choices))
 
 
-def run_vllm(workloads: dict, names: list[str], path: str | None = None) -> dict:
+def run_vllm(workloads: dict, names: list[str], path: str | None = None, modes: tuple[str, ...] = ("base", "lora")) -> dict:
     """The same workloads through vLLM in a subprocess (before this process touches the GPU).
 
     `path`: directories put first on the subprocess's PYTHONPATH (vLLM pins its own versions of
@@ -307,7 +307,8 @@ def run_vllm(workloads: dict, names: list[str], path: str | None = None) -> dict
         model_dir, lora_dir = vllm_rollout.write_model_and_lora(Qwen2Config(**QWEN_1_5B), Path(tmp))
         spec = {n: workloads[n] for n in names}
         merged: dict = {"workloads": {}}
-        for adapter in (None, lora_dir):  # one process per mode: each vLLM instance gets the whole GPU
+        for adapter in [lora_dir if mode == "lora" else None for mode in modes]:  # one process per mode:
+            # each vLLM instance gets the whole GPU
             result = vllm_rollout.launch(model_dir, adapter, spec, path)
             if "error" in result:
                 merged.setdefault("error", []).append(result["error"])
@@ -505,6 +506,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="GPU busy fraction during R with the live adapter")
     parser.add_argument("--vllm", action="store_true", help="also run the workloads through vLLM (subprocess)")
     parser.add_argument("--vllm-path", default=None, help="directories first on the vLLM subprocess's PYTHONPATH")
+    parser.add_argument("--vllm-modes", default="base,lora", help="with --vllm: base, lora or base,lora")
     parser.add_argument("--cpu-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--response-format", choices=["json_schema"], default=None,
                         help="also run R with the live adapter under a JSON schema (RULER's score list)")
@@ -523,7 +525,7 @@ def main() -> None:
     workloads = GPU_WORKLOADS if gpu else CPU_WORKLOADS
     names = args.workloads.split(",") if args.workloads else (list(workloads) if gpu else ["R"])
 
-    vllm = run_vllm(workloads, names, args.vllm_path) if args.vllm else None
+    vllm = run_vllm(workloads, names, args.vllm_path, tuple(args.vllm_modes.split(","))) if args.vllm else None
     model, tokenizer = build_gpu_model(device, args.model) if gpu else load_cpu_model(getattr(torch, args.cpu_dtype))
     vocab = model.config.vocab_size
 
