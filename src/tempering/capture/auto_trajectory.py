@@ -34,7 +34,12 @@ from ..errors import TrajectoryError
 from ..types import History, Trajectory
 from .transport import Exchange, listen
 
-__all__ = ["CaptureScope", "auto_trajectory", "capture_auto_trajectory", "capture_scope", "record_exchange"]
+__all__ = ["CaptureScope", "NoCaptureError", "auto_trajectory", "capture_auto_trajectory", "capture_scope", "record_exchange"]
+
+
+class NoCaptureError(TrajectoryError, RuntimeError):
+    """`auto_trajectory(required=True)` outside a capture (a RuntimeError, as ART raises there)."""
+
 
 _current: contextvars.ContextVar[CaptureScope | None] = contextvars.ContextVar("tempering_auto_trajectory", default=None)
 
@@ -74,12 +79,12 @@ def auto_trajectory(*, required: bool = False) -> Trajectory | None:
     """The trajectory being captured by the enclosing `capture_auto_trajectory` (to set its reward).
 
     Raises:
-        TrajectoryError: if `required` and no capture is in progress.
+        NoCaptureError (a TrajectoryError and a RuntimeError): if `required` and no capture is in progress.
     """
     scope = _current.get()
     if scope is None:
         if required:
-            raise TrajectoryError(
+            raise NoCaptureError(
                 "no trajectory is being captured here: auto_trajectory(required=True) must run inside "
                 "`await art.capture_auto_trajectory(rollout(...))` (or a tempering.langgraph wrap_rollout)"
             )

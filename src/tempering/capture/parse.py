@@ -45,7 +45,9 @@ def parse_chat_completion(body: bytes, *, is_stream: bool) -> tuple[Choice, dict
 
 def _sse_events(body: bytes) -> list[dict[str, Any]]:
     events = []
-    for line in body.decode("utf-8").splitlines():
+    # SSE ends lines with CRLF, LF or CR only: str.splitlines() would also split a JSON string at the
+    # U+2028, U+2029 or U+0085 that a server writing raw UTF-8 (vLLM) leaves in the text
+    for line in body.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n").split("\n"):
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()

@@ -168,11 +168,18 @@ def _watch(request: httpx.Request) -> _Pending | None:
 
 
 class _AsyncTee(httpx.AsyncByteStream):
+    """Copies the body as it is read. The wrapped stream is iterated once: a second iteration (the
+    openai SDK drains the body after `[DONE]`) goes on where the first stopped, as a network stream
+    does, so a replayable stream (httpx's MockTransport, ASGITransport) is not copied twice."""
+
     def __init__(self, stream: httpx.AsyncByteStream, on_close: Callable[[bytes], None]) -> None:
         self.stream, self.on_close, self.chunks = stream, on_close, []
+        self._iterator: AsyncIterator[bytes] | None = None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self.stream:
+        if self._iterator is None:
+            self._iterator = aiter(self.stream)
+        async for chunk in self._iterator:
             self.chunks.append(chunk)
             yield chunk
 
@@ -184,11 +191,16 @@ class _AsyncTee(httpx.AsyncByteStream):
 
 
 class _SyncTee(httpx.SyncByteStream):
+    """The synchronous twin of `_AsyncTee` (the wrapped stream is iterated once)."""
+
     def __init__(self, stream: httpx.SyncByteStream, on_close: Callable[[bytes], None]) -> None:
         self.stream, self.on_close, self.chunks = stream, on_close, []
+        self._iterator: Iterator[bytes] | None = None
 
     def __iter__(self) -> Iterator[bytes]:
-        for chunk in self.stream:
+        if self._iterator is None:
+            self._iterator = iter(self.stream)
+        for chunk in self._iterator:
             self.chunks.append(chunk)
             yield chunk
 

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..capture import capture_scope, capturing_http_client, capturing_sync_http_client
+from ..capture.transport import httpx  # the openai SDK's HTTP library: httpx2 under openai >= 3
 from ..errors import ConfigError, MissingDependencyError, TrajectoryError
 from ..model import Model
 from ..types import Choice, Trajectory
@@ -76,17 +77,31 @@ def init_chat_model(
             "init_chat_model() does not know which model to serve: call it inside a rollout wrapped with "
             "tempering.langgraph.wrap_rollout(model, rollout), or pass the model: init_chat_model(model)"
         )
-    target.openai_client()  # raises BackendError naming the fix when the model has no endpoint
+    client = target.openai_client()  # raises BackendError naming the fix when the model has no endpoint
     name = model if isinstance(model, str) else target.get_inference_name()
     options: dict[str, Any] = {"temperature": 1.0, **kwargs}
     return ChatOpenAI(
         model=name,
         base_url=target.inference_base_url,
         api_key=target.inference_api_key or "none",
-        http_async_client=capturing_http_client(),
-        http_client=capturing_sync_http_client(),
+        http_async_client=_pooled_http_client(client),
+        http_client=_shared_sync_http_client(),
         **options,
     )
+
+
+def _pooled_http_client(client: Any) -> Any:
+    """The model's own capturing HTTP client (`model.openai_client()`'s), so that the chat models of
+    every rollout share its connection pool: a new client per `init_chat_model()` call (ART's code
+    makes one per rollout) opened a connection per LLM call, hundreds at once, and cost ~0.1 s each."""
+    http_client = getattr(client, "_client", None)  # the openai SDK keeps its httpx client there
+    return http_client if isinstance(http_client, httpx.AsyncClient) else capturing_http_client()
+
+
+@functools.cache
+def _shared_sync_http_client() -> Any:
+    """One capturing client for every chat model's synchronous calls (a sync client serves any thread)."""
+    return capturing_sync_http_client()
 
 
 def wrap_rollout(model: Model, fn: Rollout | None = None) -> Any:

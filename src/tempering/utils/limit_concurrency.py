@@ -18,8 +18,10 @@ def limit_concurrency(n: int, derive_key: Callable[..., Hashable] | None = None)
 
     With `derive_key`, the limit applies per key: `derive_key(*args, **kwargs)` (the decorated
     function's arguments) names the pool a call belongs to, e.g. one per judge model or per
-    API host. Waiting calls start in arrival order. Use it on a rollout's external calls (a
-    tool API, a judge) so a large `gather_trajectory_groups` does not flood them::
+    API host. Waiting calls start in arrival order. One decorator applied to several functions
+    (`limit = limit_concurrency(4)`, then `@limit` on each) holds them to one shared limit, as
+    in ART. Use it on a rollout's external calls (a tool API, a judge) so a large
+    `gather_trajectory_groups` does not flood them::
 
         @art.utils.limit_concurrency(8)
         async def call_search_api(query: str) -> str: ...
@@ -34,11 +36,11 @@ def limit_concurrency(n: int, derive_key: Callable[..., Hashable] | None = None)
     """
     if n < 1:
         raise ValueError(f"limit_concurrency needs n >= 1, got {n}")
+    semaphores: dict[Hashable, asyncio.Semaphore] = {}  # as in ART, shared by every function this decorator wraps
 
     def decorate(func: F) -> F:
         if not inspect.iscoroutinefunction(func):
             raise TypeError(f"limit_concurrency decorates async functions; {func.__qualname__} is not one")
-        semaphores: dict[Hashable, asyncio.Semaphore] = {}
 
         @functools.wraps(func)
         async def run(*args: Any, **kwargs: Any) -> Any:
