@@ -51,8 +51,10 @@ def test_greedy_output_equals_transformers_and_logprobs_match_a_forward_pass(ser
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + sampled])).logits[0, len(prompt) - 1 : -1]
     forward = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(sampled)[:, None]).squeeze(1)
-    served_lp = torch.tensor([c.logprob for c in choice.logprobs.content])
-    assert [c.logprob for c in choice.logprobs.content] == choice.sampled_logprobs
+    served_lp = torch.tensor(choice.sampled_logprobs)
+    entries = choice.logprobs.content  # OpenAI's: the content's tokens only (no <|im_end|>)
+    assert [c.logprob for c in entries] == choice.sampled_logprobs[: len(entries)]
+    assert "".join(c.token for c in entries) == choice.message.content
     max_abs_diff = (forward - served_lp).abs().max().item()
     print(f"max |logprob(server) - logprob(forward)| = {max_abs_diff:.2e} over {len(sampled)} tokens")
     assert max_abs_diff < 1e-3

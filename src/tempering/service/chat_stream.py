@@ -6,9 +6,14 @@ or, when tools are on, in whitespace (the content before a call loses its traili
 and from the first `<tool_call>` on (a call is sent as a whole `tool_calls` delta when the
 sample ends, or as plain text if it does not parse). The deltas of a choice
 concatenate to exactly the content of the same request without streaming, and every chunk
-carries its new `token_ids` and their `sampled_logprobs` (and OpenAI's `logprobs` entries when the
-request asked for them); the last chunk of a choice carries the
-`policy_versions` of all its tokens.
+carries its new `token_ids` and their `sampled_logprobs`; the last chunk of a choice carries the
+`policy_versions` of all its tokens. OpenAI's `logprobs` entries (when the request asked for them)
+cover the content tokens only (`num_content_tokens`): an entry is sent with the chunk whose text
+its token completes, so they too concatenate to the non-streamed ones.
+
+A chunk that would hold a non-finite float (a NaN logprob: the model's logits were not finite) is
+not valid JSON: the stream ends with an error event instead, as the same request without
+streaming gets a 500.
 """
 
 from __future__ import annotations
@@ -23,7 +28,21 @@ from typing import Any
 from ..chat.tools import TOOL_CALL_START
 from ..engine import Completion
 
-__all__ = ["StreamState", "sse_chat_stream", "start_stream"]
+__all__ = ["StreamState", "num_content_tokens", "sse_chat_stream", "start_stream"]
+
+
+def num_content_tokens(decode: Callable[[list[int]], str], ids: list[int], prefix: str | None, content: str | None) -> int:
+    """How many leading tokens of `ids` OpenAI's `logprobs.content` covers: the fewest whose text
+    (after the forced `prefix`) holds all of `content`. The stop token, tokens sampled past a stop
+    string and a tool call's tokens are left out; `token_ids` and `sampled_logprobs` keep every
+    sampled token (training reads those). All of `ids` if `content` is not a prefix of their text."""
+    if not content:
+        return 0
+    prefix = prefix or ""
+    k = len(ids)
+    while k > 0 and (prefix + decode(ids[: k - 1])).startswith(content):
+        k -= 1
+    return k
 
 
 def _held_back(text: str, patterns: list[str]) -> int:
@@ -55,6 +74,8 @@ class StreamState:
         self.stop = stop
         self.ids: list[int] = []
         self.emitted = ""
+        self.sampled: list[tuple[float, list]] = []  # (logprob, top logprobs) per token, kept when logprobs are sent
+        self.num_entries_sent = 0  # OpenAI logprobs entries sent: the fewest tokens whose text holds `emitted`
 
     def push(self, token_id: int) -> str:
         """Add a token; returns the text that can be sent now (possibly empty)."""
@@ -79,6 +100,14 @@ class StreamState:
             return ""
         delta, self.emitted = safe[len(self.emitted):], safe
         return delta
+
+    def entries_due(self) -> range:
+        """Indices of the tokens whose logprobs entries can be sent now (those `emitted` needs)."""
+        start = k = self.num_entries_sent
+        while k < len(self.ids) and not (self.prefix + self.decode(self.ids[:k])).startswith(self.emitted):
+            k += 1
+        self.num_entries_sent = k
+        return range(start, k)
 
     def rest(self, final_content: str | None) -> str:
         """What remains to send of the final content (empty when it does not extend what was sent)."""
@@ -140,38 +169,58 @@ async def sse_chat_stream(
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> str:
             data = {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices, **extra}
-            return f"data: {json.dumps(data)}\n\n"
+            return f"data: {json.dumps(data, allow_nan=False)}\n\n"  # ValueError for NaN/inf: not JSON
 
         yield event([
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
              "prompt_token_ids": prompt_ids}
             for i in range(n)
         ])
+
+        def failed(message: str) -> str:
+            return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+
         while (item := await queue.get()) is not None:
             i, token_id, logprob, top = item
-            text = states[i].push(token_id)
-            yield event([{
-                "index": i, "delta": {"content": text} if text else {}, "finish_reason": None,
-                "logprobs": {"content": [token_entry(token_id, logprob, top)]} if token_entry is not None else None,
-                "token_ids": [token_id], "sampled_logprobs": [logprob],
-            }])
+            state = states[i]
+            text = state.push(token_id)
+            logprobs = None
+            if token_entry is not None:
+                state.sampled.append((logprob, top))
+                logprobs = {"content": [token_entry(state.ids[t], *state.sampled[t]) for t in state.entries_due()]}
+            try:
+                chunk = event([{
+                    "index": i, "delta": {"content": text} if text else {}, "finish_reason": None,
+                    "logprobs": logprobs, "token_ids": [token_id], "sampled_logprobs": [logprob],
+                }])
+            except ValueError as exc:  # a NaN logprob: end the stream as the engine's failure would
+                yield failed(f"the sample holds a non-finite logprob (the model's logits are not finite): {exc}")
+                yield "data: [DONE]\n\n"
+                return
+            yield chunk
         try:
             completions = future.result()
         except Exception as exc:  # the engine failed: tell the client in the stream, then end it
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+            yield failed(str(exc))
             yield "data: [DONE]\n\n"
             return
         for i, completion in enumerate(completions):
             final = finish(i, completion)
             message = final["message"]
+            state = states[i]
             delta: dict[str, Any] = {}
             if message.get("tool_calls"):
                 delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-            rest = states[i].rest(message.get("content"))
+            rest = state.rest(message.get("content"))
             if rest:
                 delta["content"] = rest
+            logprobs = None
+            if token_entry is not None:  # the entries of the content's last tokens, held back with their text
+                end = num_content_tokens(state.decode, completion.token_ids, state.prefix, message.get("content"))
+                logprobs = {"content": [token_entry(completion.token_ids[t], completion.logprobs[t], completion.top_logprobs[t])
+                                        for t in range(state.num_entries_sent, end)]}
             extra = {k: final[k] for k in ("grammar_forced", "routed_experts") if k in final}
-            yield event([{"index": i, "delta": delta, "logprobs": None, "finish_reason": final["finish_reason"],
+            yield event([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": final["finish_reason"],
                           "logprob_temperature": completion.logprob_temperature,
                           "policy_versions": completion.policy_versions, **extra}])
         if include_usage:

@@ -6,7 +6,9 @@ Besides the OpenAI fields, every choice carries what training needs:
 - `prompt_token_ids`: the exact prompt ids the sample was generated from;
 - `sampled_logprobs`: always returned, one float per sampled token: the logprob of `token_ids[i]`.
   OpenAI's `logprobs` object (one entry per token with its text, bytes and top alternatives) is
-  returned only when the request asks for it (`logprobs=true`), as OpenAI and vLLM do: for a
+  returned only when the request asks for it (`logprobs=true`), as OpenAI and vLLM do; on chat
+  completions its `content` covers the tokens of the returned content only, as OpenAI's does (not
+  the stop token, tokens sampled past a stop string, or a tool call's tokens): for a
   1024-token choice it is ~90 KB more to serialize and ~6 ms more for the openai client to
   parse, work that ran on the engine's process while the GPU waited (benchmarks/rl_loop.py);
 - `logprob_temperature`: the temperature those logprobs were computed at, `log_softmax(logits / T)`,
@@ -57,7 +59,7 @@ from ..engine import Completion, SamplingParams
 from ..engine.grammar import CompiledGrammar, GrammarSpec, llguidance_installed
 from ..errors import ConfigError, UnknownModelError
 from ..modeling.routing_format import encode_routed_experts
-from .chat_stream import StreamState, sse_chat_stream, start_stream
+from .chat_stream import StreamState, num_content_tokens, sse_chat_stream, start_stream
 from .registry import ServiceRegistry
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .structured import compile_checked, request_spec, tool_call_spec
@@ -139,6 +141,9 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             params.stop = [*params.stop, TOOL_CALL_END]  # a call ends the turn; the engine hands back control
         decode = _token_decoder(service.tokenizer)
 
+        def decode_text(ids: list[int]) -> str:
+            return service.tokenizer.decode(ids, skip_special_tokens=True)
+
         def finish(c: Completion) -> dict[str, Any]:
             """The choice's message and finish reason; remembers the turn's exact ids."""
             content, calls = parse_tool_calls((prefix or "") + c.text, allowed=allowed) if tools else (c.text, [])
@@ -152,8 +157,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
                     **_routed(c)}
 
         if body.stream:
-            states = [StreamState(lambda ids: service.tokenizer.decode(ids, skip_special_tokens=True), prefix=prefix,
-                                  tools_on=bool(tools), stop=params.stop) for _ in range(body.n)]
+            states = [StreamState(decode_text, prefix=prefix, tools_on=bool(tools), stop=params.stop) for _ in range(body.n)]
             started = start_stream(
                 lambda on_token: service.submit(prompt_ids, params, n=body.n, step=step, on_token=on_token))
             events = sse_chat_stream(
@@ -168,8 +172,10 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         choices = []
         for i, c in enumerate(completions):
             choice = {"index": i, **finish(c)}
+            num_entries = num_content_tokens(decode_text, c.token_ids, prefix, choice["message"]["content"]) \
+                if body.logprobs else 0
             choice.update({
-                "logprobs": {"content": [_chat_logprob(decode, c, t, num_top) for t in range(len(c.token_ids))]}
+                "logprobs": {"content": [_chat_logprob(decode, c, t, num_top) for t in range(num_entries)]}
                 if body.logprobs else None,
                 "token_ids": c.token_ids,
                 "sampled_logprobs": c.logprobs,
