@@ -71,10 +71,14 @@ def test_groups_that_fit_no_row_whole_are_split_so_that_rows_stay_full():
     assert sum(r.num_tokens for r in rows) < whole
 
 
-DEVICES = [("cpu", torch.float32, 1e-4)] + ([("cuda", torch.bfloat16, 0.1)] if torch.cuda.is_available() else [])
+# bfloat16 on a GPU: random tokens have logprobs near -16, where bfloat16 logits are 0.125 apart, so
+# packed and separate rows (GEMMs of other shapes) may differ by one such step; a packing error (a row
+# attending to its neighbour) moves logprobs by whole nats
+DEVICES = [("cpu", torch.float32, 1e-4)] + ([("cuda", torch.float32, 1e-3), ("cuda", torch.bfloat16, 0.25)]
+                                             if torch.cuda.is_available() else [])
 
 
-@pytest.mark.parametrize("device,dtype,tol", DEVICES, ids=[d for d, _, _ in DEVICES])
+@pytest.mark.parametrize("device,dtype,tol", DEVICES, ids=[f"{d}-{str(t)[6:]}" for d, t, _ in DEVICES])
 def test_packed_logprobs_equal_separate_sequences(default_model_dir, device, dtype, tol):
     from transformers import AutoModelForCausalLM
 
