@@ -37,7 +37,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..errors import DistributedError
+from ..errors import DistributedError, EngineError
 
 __all__ = ["WorkerLink", "keep_alive", "serve"]
 
@@ -161,8 +161,8 @@ class WorkerLink:
         with self._lock:
             entries = [self._pending.pop(m[1], None) for m in messages if m[0] in ("call", "submit")]
         for entry in entries:
-            if entry is not None and not entry[0].done():
-                entry[0].set_exception(error)
+            if entry is not None:
+                _settle(entry[0], exception=error)
 
     @property
     def where(self) -> str:
@@ -199,23 +199,32 @@ class WorkerLink:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            except Exception as exc:  # an unpicklable reply: fail that request, keep the channel
+            except Exception as exc:  # a reply that cannot be read (serve checks errors): keep the channel
                 log.error("worker rank %d sent a message that cannot be read: %r", self.rank, exc)
                 continue
             kind, request_id = message[0], message[1]
             if kind == "token":
                 entry = self._pending.get(request_id)
                 if entry is not None and entry[1] is not None:
-                    entry[1](*message[2:])
+                    try:
+                        entry[1](*message[2:])
+                    except Exception as exc:  # this request's streaming failed: stop it alone, as the engine does
+                        log.warning("a request's token callback raised %r; that request is stopped", exc)
+                        with self._lock:
+                            entry = self._pending.pop(request_id, None)
+                        if entry is not None:
+                            _settle(entry[0], exception=EngineError(f"the request's token callback raised {exc!r}"))
                 continue
             with self._lock:
                 entry = self._pending.pop(request_id, None)
-            if entry is None or entry[0].cancelled():  # cancelled here (its client went away): drop the reply
+            if entry is None:
                 continue
+            # a reply to a request cancelled here (its client went away), even between a check and the
+            # set, is dropped: an InvalidStateError would end this thread and every later reply with it
             if kind == "done":
-                entry[0].set_result(message[2])
+                _settle(entry[0], result=message[2])
             else:
-                entry[0].set_exception(message[2])
+                _settle(entry[0], exception=message[2])
         self._fail(DistributedError(self._death_reason()))
 
     def _death_reason(self) -> str:
@@ -251,8 +260,7 @@ class WorkerLink:
             self._error = error
             pending, self._pending = self._pending, {}
         for future, _ in pending.values():
-            if not future.done():
-                future.set_exception(error)
+            _settle(future, exception=error)
         if not self._closing and self._on_failure is not None:
             self._on_failure(error)
 
@@ -271,6 +279,8 @@ def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
     def send(message: tuple) -> None:
         try:
             payload = pickle.dumps(message)
+            if message[0] == "error":  # an exception whose __init__ takes other arguments pickles but cannot
+                pickle.loads(payload)  # be read back: the driver could not tell which request failed
         except Exception as exc:  # the driver must hear back about every request, also then
             if message[0] == "token":
                 return
@@ -332,6 +342,17 @@ def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
         for one in message[1] if message[0] == "batch" else [message]:
             if (done := handle(one)) is not None:
                 return done
+
+
+def _settle(future: concurrent.futures.Future, *, result: Any = None, exception: BaseException | None = None) -> None:
+    """Resolve `future` unless it is done already (cancelled by its caller, on another thread, at any moment)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def _noted(exc: BaseException, rank: int) -> BaseException:

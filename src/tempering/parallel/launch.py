@@ -108,9 +108,19 @@ def _init_group(store: dist.Store, info: RankInfo, timeout_s: float) -> None:
     # A CPU run's driver (a test's own process, whose other work needs its cores) keeps its threads.
     if is_cuda or info.rank > 0:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
-    dist.init_process_group("nccl" if is_cuda else "gloo", store=dist.PrefixStore(_keys()[1], store),
-                            rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=info.device if is_cuda else None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        dist.init_process_group("nccl" if is_cuda else "gloo", store=dist.PrefixStore(_keys()[1], store),
+                                rank=info.rank, world_size=info.world_size, timeout=timeout,
+                                device_id=info.device if is_cuda else None)
+    except BaseException:
+        # the group's store keys carry its name, a process-wide count that only destroy_process_group
+        # resets; a failed init leaves it advanced, and this process's next run would then wait for
+        # its fresh workers (count 0) under another name until `timeout_s`
+        world = getattr(dist.distributed_c10d, "_world", None)  # private: absent in another torch, left alone
+        if not dist.is_initialized() and hasattr(world, "group_count"):
+            world.group_count = 0
+        raise
 
 
 class Driver:
@@ -308,17 +318,26 @@ class Driver:
         store.set(_keys()[0], f"{publish}:{listener.address[1]}:{key.hex()}")
         procs = spawn()
         by_rank = dict(enumerate(procs, start=1))
+        links: list[WorkerLink] = []
         try:
             hellos = _accept(listener, info.world_size - 1, by_rank, start_timeout_s)
             links = [WorkerLink(rank, conn, process=by_rank.get(rank), pid=pid,
                                 node=node if info.spans_nodes else None, host=host)
                      for rank, (conn, pid, node, host) in sorted(hellos.items())]
             _init_group(store, info, timeout_s)
-        except BaseException:
+        except BaseException as exc:
+            # a worker that died after joining the channel (in its init_process_group) left this
+            # rank's init waiting for it until `timeout_s`: its error names it, the timeout does not
+            dead = next((link.error for link in links if link.error is not None), None)
             listener.close()
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
+                proc.wait()
+            for link in links:  # their threads and connections
+                link.close(5.0, reason=str(dead or exc))
+            if dead is not None and isinstance(exc, Exception) and not isinstance(exc, DistributedError):
+                raise dead from exc
             raise
         return cls(info, links, listener, store)
 
@@ -328,19 +347,42 @@ def _accept(listener: Listener, count: int, procs: dict[int, subprocess.Popen],
     """The workers' (connection, pid, node, host) by rank, watching their processes (those
     started here) while waiting."""
     arrivals: queue.Queue = queue.Queue()
+    stop = threading.Event()
 
     def accept() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 conn = listener.accept()
             except (OSError, EOFError):
-                return  # the listener was closed
+                return  # the listener was closed, or `_wake`'s connection
             except Exception as exc:  # a wrong key (AuthenticationError): not one of ours
                 log.warning("refused a connection to the control listener: %r", exc)
                 continue
             arrivals.put(conn)
 
-    threading.Thread(target=accept, name="tempering-accept", daemon=True).start()
+    thread = threading.Thread(target=accept, name="tempering-accept", daemon=True)
+    thread.start()
+    try:
+        return _receive_hellos(arrivals, count, procs, timeout_s)
+    finally:
+        # closing a listening socket does not wake a thread blocked in its accept() (Linux): that
+        # thread, and the socket it holds open and still accepting on, would outlive the run
+        stop.set()
+        _wake(listener)
+        thread.join(5.0)
+
+
+def _wake(listener: Listener) -> None:
+    """Connect to `listener` and hang up at once: its accept() fails (the handshake finds no peer)."""
+    host, port = listener.address
+    try:
+        socket.create_connection(("127.0.0.1" if host in ("0.0.0.0", "") else host, port), timeout=5.0).close()
+    except OSError as exc:
+        log.debug("could not wake the control listener's accepting thread: %r", exc)
+
+
+def _receive_hellos(arrivals: queue.Queue, count: int, procs: dict[int, subprocess.Popen],
+                    timeout_s: float) -> dict[int, tuple[Connection, int, int, str]]:
     conns: dict[int, tuple[Connection, int, int, str]] = {}
     deadline = time.monotonic() + timeout_s
     while len(conns) < count:
