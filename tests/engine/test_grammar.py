@@ -246,3 +246,24 @@ def test_a_grammar_library_that_takes_one_eos_id_ends_grammars_on_the_tokenizers
     hf = SimpleNamespace(eos_token_id=2)  # SmolLM2's <|im_end|>; its <|endoftext|> (0) also stops a sample
     assert _lltokenizer(llg_1_6, hf, 49152, [0, 2]) == ("lltokenizer", 2)
     assert calls == [[0, 2], 2]
+
+
+def test_byte_level_tokens_under_a_sequence_decoder_reach_the_grammar_as_their_bytes(parts):
+    """transformers 5.17 converts SmolLM2's GGUF tokenizer with a decoder of ByteFallback + Fuse +
+    Replace + ByteLevel; llguidance then read the token `Ġ"` as the bytes of its text, and a
+    grammar-constrained tool call failed at the model's first space (seen on a GPU machine)."""
+    import copy
+
+    from tokenizers import decoders
+
+    from tempering.engine.grammar.compiler import _lltokenizer, import_llguidance
+
+    _, tokenizer, renderer, _ = parts
+    converted = copy.deepcopy(tokenizer)
+    converted.backend_tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "), decoders.ByteLevel()])
+    [space_quote] = ids_of(tokenizer, ' "')
+    assert converted.decode([space_quote]) == ' "'  # the tokenizer itself decodes it right
+    lltokenizer = _lltokenizer(import_llguidance(), converted, len(tokenizer), renderer.stop_token_ids)
+    assert lltokenizer.decode_bytes([space_quote]) == b' "'
+    assert tokenizer.backend_tokenizer.decoder.__getstate__() != converted.backend_tokenizer.decoder.__getstate__()

@@ -13,6 +13,7 @@ override that. Object properties come in the schema's order.
 from __future__ import annotations
 
 import collections
+import copy
 import importlib.util
 import itertools
 import json
@@ -242,12 +243,41 @@ def _lltokenizer(llg: Any, hf_tokenizer: Any, vocab_size: int, stop_token_ids: l
     llguidance before 1.7 takes one EOS id only (its wheels for glibc 2.28, 1.6.1, among them):
     then a completed grammar ends on the tokenizer's own EOS, which is the end of turn of the chat
     models' tokenizers (SmolLM2's and Qwen's `<|im_end|>`, Llama 3 Instruct's `<|eot_id|>`)."""
+    hf_tokenizer = _byte_level_decoder(hf_tokenizer)
     try:
         return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
     except TypeError:  # "'list' object cannot be interpreted as an integer": llguidance < 1.7
         eos = hf_tokenizer.eos_token_id
         return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                      eos_token=eos if eos in stop_token_ids else stop_token_ids[0])
+
+
+def _byte_level_decoder(hf_tokenizer: Any) -> Any:
+    """`hf_tokenizer`, or a copy whose decoder is plain ByteLevel where its tokens are byte-level but
+    its decoder a Sequence around ByteLevel (transformers 5.17 converts SmolLM2's GGUF tokenizer to
+    ByteFallback + Fuse + Replace("▁") + ByteLevel). llguidance recognises byte-level tokens by a
+    ByteLevel decoder alone and took those tokens' text for their bytes (the token `Ġ"` as the UTF-8
+    bytes of `Ġ` and a quote, not a space and a quote), so a grammar rejected what the model sampled.
+    The tokenizer's own decoding is unchanged."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.decoder is None or backend.pre_tokenizer is None:
+        return hf_tokenizer
+
+    def state(component: Any) -> dict:
+        return json.loads(component.__getstate__())
+
+    def byte_level(node: dict) -> list[dict]:
+        parts = node.get("pretokenizers") or node.get("decoders") or []
+        return [node] if node.get("type") == "ByteLevel" else [d for part in parts for d in byte_level(part)]
+
+    decoder = state(backend.decoder)
+    if decoder.get("type") != "Sequence" or not byte_level(decoder) or not byte_level(state(backend.pre_tokenizer)):
+        return hf_tokenizer
+    from tokenizers import decoders
+
+    fixed = copy.deepcopy(hf_tokenizer)
+    fixed.backend_tokenizer.decoder = decoders.ByteLevel()
+    return fixed
 
 
 def _llguidance_grammar(spec: GrammarSpec, llg: Any) -> str:
