@@ -63,6 +63,7 @@ class RowGraphs:
         self.grad_buffers, self.grads = flat_buffers(params)
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self.capture_error: str | None = None  # set when a capture failed: rows then run eagerly
         self.num_captures = 0
         self.num_replays = 0
@@ -133,6 +134,10 @@ class RowGraphs:
         stats.record_stream(current)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()  # one memory pool for all shapes: they never overlap
+            # this GPU's own: `torch.cuda.graph`'s default capture stream is one per process, made on the
+            # device current at its first use, so a trainer on cuda:1 after one on cuda:0 captured its
+            # kernels on cuda:0's stream (the capture failed, and the row's eager rerun after it too)
+            self._capture_stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
         # a capture puts the device's default generator in capture mode and a failed one never takes it
         # out (every later random op on the device would then fail): keep its state to put back
@@ -141,7 +146,7 @@ class RowGraphs:
         not_capturing.set_state(generator.get_state())
         try:
             # thread-local: another model's engine may keep working on the GPU from its own thread
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"):
                 static_stats = self._forward_backward(inputs, objective)
         except RuntimeError as exc:  # an op that cannot be captured (a host sync, say): stay eager from now on
             generator.graphsafe_set_state(not_capturing)
