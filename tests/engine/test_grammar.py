@@ -266,4 +266,3 @@ def test_byte_level_tokens_under_a_sequence_decoder_reach_the_grammar_as_their_b
     assert converted.decode([space_quote]) == ' "'  # the tokenizer itself decodes it right
     lltokenizer = _lltokenizer(import_llguidance(), converted, len(tokenizer), renderer.stop_token_ids)
     assert lltokenizer.decode_bytes([space_quote]) == b' "'
-    assert tokenizer.backend_tokenizer.decoder.__getstate__() != converted.backend_tokenizer.decoder.__getstate__()
