@@ -109,11 +109,26 @@ def trained(request, tiny_model_dir, tmp_path_factory):
                 service._submit_remote(link, prompt, greedy, n=1, step=0, on_token=None),
                 service._submit_remote(link, prompt, greedy, n=1, step=1, on_token=None),
                 service._submit_local(prompt, greedy, n=1, step=None, on_token=None))]
+            # aborted on rank 1 (their clients went away): a running request, and one prepared on a
+            # helper thread there (a saved step); rank 1's engine stops them (RequestAborted)
+            long = SamplingParams(max_tokens=900, ignore_eos=True)
+            futures = [service._submit_remote(link, prompt, long, n=2, step=step, on_token=None) for step in (None, 0)]
+            time.sleep(0.3)
+            for future in futures:
+                service.abort(future)
+            seen["aborted"] = [type(f.exception(60)).__name__ for f in futures]
+            seen["after_abort"] = service._submit_remote(link, prompt, greedy, n=1, step=None, on_token=None).result(60)
             return seen
         finally:
             await b.close()
 
     return asyncio.run(run()), path, device
+
+
+def test_a_request_aborted_on_rank_1_is_stopped_there(trained):
+    seen, _, _ = trained
+    assert seen["aborted"] == ["RequestAborted", "RequestAborted"]
+    assert len(seen["after_abort"][0].token_ids) == 6  # the replica goes on serving
 
 
 def test_requests_are_served_by_both_processes(trained):

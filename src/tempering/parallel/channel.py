@@ -7,6 +7,8 @@ authenticated `multiprocessing.connection` socket carrying pickled tuples:
 
     driver → worker   ("call", id, method, kwargs)    run in arrival order on the worker's call thread
                       ("submit", id, kwargs, stream)  a generation, answered when it completes
+                      ("abort", id)                   stop that generation (its client went away); it
+                                                      is answered with RequestAborted, as on one GPU
                       ("shutdown",)                   exit cleanly
                       ("shutdown", reason)            the run failed elsewhere: exit at once
                       ("batch", [message, ...])       several of the above in order: what was
@@ -37,7 +39,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..errors import DistributedError, EngineError
+from ..errors import DistributedError, EngineError, RequestAborted
 
 __all__ = ["WorkerLink", "keep_alive", "serve"]
 
@@ -116,6 +118,17 @@ class WorkerLink:
         """A generation on the worker (its handler's `submit(**kwargs)`); `on_token` receives its
         streamed tokens on the reader thread. A Future of the completions."""
         return self._send(lambda i: ("submit", i, kwargs, on_token is not None), on_token)
+
+    def abort(self, future: concurrent.futures.Future) -> bool:
+        """Stop the generation behind `future` (from `submit`) on the worker, which then answers it
+        with RequestAborted. False if `future` is not a pending request of this link."""
+        with self._lock:
+            request_id = next((i for i, (f, _) in self._pending.items() if f is future), None)
+            if request_id is None or self._error is not None or self._closing:
+                return False
+            self._outbox.append(("abort", request_id))  # after its "submit", if that is still queued
+            self._queued.notify()
+        return True
 
     def _send(self, message: Callable[[int], tuple], on_token: TokenCallback | None) -> concurrent.futures.Future:
         """Queue the message for the sender thread: the caller (often the server's event loop)
@@ -267,7 +280,8 @@ class WorkerLink:
 
 def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
     """Serve the driver on a worker: run its calls on `handler` and its generations through
-    `handler.submit(**kwargs, on_token=...)` (which returns a concurrent Future), until it sends
+    `handler.submit(**kwargs, on_token=...)` (which returns a concurrent Future; "abort" calls
+    `handler.abort(future)`), until it sends
     "shutdown" (returns True), stops the run because it failed elsewhere, or goes away (both
     logged; returns False: exit at once, as a call may be blocked in a collective with a dead rank).
 
@@ -293,7 +307,13 @@ def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
             except (OSError, ValueError):
                 pass  # the driver is gone: the receive loop ends
 
+    running: dict[int, concurrent.futures.Future] = {}  # the generations not yet answered, for "abort"
+
     def reply(request_id: int, future: concurrent.futures.Future) -> None:
+        running.pop(request_id, None)
+        if future.cancelled():  # aborted before the engine admitted it
+            send(("error", request_id, _noted(RequestAborted("the request was aborted before it started"), rank)))
+            return
         exc = future.exception()
         send(("error", request_id, _noted(exc, rank)) if exc is not None else ("done", request_id, future.result()))
 
@@ -330,7 +350,12 @@ def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
             except Exception as exc:
                 send(("error", request_id, _noted(exc, rank)))
                 return None
+            running[request_id] = future
             future.add_done_callback(lambda f, i=request_id: reply(i, f))
+        elif kind == "abort":
+            future = running.get(message[1])
+            if future is not None:
+                handler.abort(future)
         return None
 
     while True:

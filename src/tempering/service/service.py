@@ -423,12 +423,11 @@ class ModelService:
         return self._submit_local(prompt_ids, params, n=n, step=step, on_token=on_token)
 
     def abort(self, future: concurrent.futures.Future) -> None:
-        """Stop the generation behind `future` (from `submit`): its client went away.
-
-        On another rank's replica (multi-GPU) only a request not yet sent is cancelled; one
-        already running there finishes.
-        """
-        self.engine.abort(future)
+        """Stop the generation behind `future` (from `submit`): its client went away. A running
+        request fails with RequestAborted, on this rank's engine or on another rank's replica
+        (multi-GPU), and frees its batch slots and KV blocks there."""
+        if not any(link.abort(future) for link in self.workers):
+            self.engine.abort(future)
 
     def _submit_local(self, prompt_ids: list[int], params: SamplingParams, *, n: int, step: int | None,
                       on_token: Any) -> concurrent.futures.Future:

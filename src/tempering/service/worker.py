@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import faulthandler
 import logging
 import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 from ..engine import EngineConfig, SamplingParams
 from ..engine.grammar import GrammarSpec
-from ..errors import UnknownModelError
+from ..errors import RequestAborted, UnknownModelError
 from ..parallel import RankInfo, join, serve
 from ..storage import ModelPaths
 from ..training.data_parallel import DataParallel
@@ -60,6 +63,7 @@ class WorkerHub:
         self.services: dict[str, ModelService] = {}
         # for requests that may block (see submit)
         self._helpers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tempering-submit")
+        self._aborts: dict[concurrent.futures.Future, Callable[[], None]] = {}  # how to stop each running request
 
     def register(self, *, root: str, project: str, name: str, base_model: str, lora: LoRAConfig | None,
                  engine_config: EngineConfig | None, max_seq_len: int | None, dtype: str | None = None,
@@ -109,22 +113,63 @@ class WorkerHub:
         """
         service = self._service(name)
         if grammar is None and step is None:
-            return service.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
+            future = service.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
+            return self._abortable(future, lambda: service.abort(future))
         outer: concurrent.futures.Future = concurrent.futures.Future()
+        lock = threading.Lock()
+        state: dict[str, Any] = {"inner": None, "aborted": False}
+
+        def settle(f: concurrent.futures.Future) -> None:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # aborted before it was submitted
+                if f.cancelled():
+                    outer.set_exception(RequestAborted("the request was aborted before it started"))
+                elif f.exception() is not None:
+                    outer.set_exception(f.exception())
+                else:
+                    outer.set_result(f.result())
 
         def prepare_and_submit() -> None:
+            if state["aborted"]:
+                return
             try:
                 if grammar is not None:
                     params.grammar = service.grammars.compile(grammar)
                 inner = service.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
             except Exception as exc:
-                outer.set_exception(exc)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    outer.set_exception(exc)
                 return
-            inner.add_done_callback(lambda f: outer.set_exception(f.exception()) if f.exception() is not None
-                                    else outer.set_result(f.result()))
+            with lock:
+                state["inner"] = inner
+                aborted = state["aborted"]
+            if aborted:  # the abort came while the request was being prepared
+                service.abort(inner)
+            inner.add_done_callback(settle)
+
+        def abort() -> None:
+            with lock:
+                state["aborted"] = True
+                inner = state["inner"]
+            if inner is not None:
+                service.abort(inner)  # its RequestAborted reaches `outer` through `settle`
+            else:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    outer.set_exception(RequestAborted("the request was aborted before it started"))
 
         self._helpers.submit(prepare_and_submit)
-        return outer
+        return self._abortable(outer, abort)
+
+    def _abortable(self, future: concurrent.futures.Future, abort: Callable[[], None]) -> concurrent.futures.Future:
+        self._aborts[future] = abort
+        future.add_done_callback(lambda f: self._aborts.pop(f, None))
+        return future
+
+    def abort(self, future: concurrent.futures.Future) -> None:
+        """Stop a generation from `submit` (the driver's client went away): it fails with
+        RequestAborted. Nothing happens to one already done."""
+        abort = self._aborts.get(future)
+        if abort is not None:
+            abort()
 
     def _service(self, name: str) -> ModelService:
         service = self.services.get(name)
