@@ -17,9 +17,10 @@ from task import rollout
 import tempering as art
 
 
-async def validate(model: art.TrainableModel, db, questions, samples: int) -> dict[str, float]:
+async def validate(model: art.TrainableModel, db, questions, samples: int, max_turns: int) -> dict[str, float]:
     groups = await art.gather_trajectory_groups(
-        (art.TrajectoryGroup(rollout(model, db, q) for _ in range(samples)) for q in questions), pbar_desc="validate")
+        (art.TrajectoryGroup(rollout(model, db, q, max_turns=max_turns) for _ in range(samples)) for q in questions),
+        pbar_desc="validate")
     metrics = await model.log(groups, split="val")
     print(f"  step {await model.get_step()}: accuracy {metrics['val/correct']:.3f}  found email "
           f"{metrics['val/found_email']:.3f}  reward {metrics['val/reward']:.3f}", flush=True)
@@ -39,18 +40,19 @@ async def main(args) -> None:
         return await art.rewards.ruler_score_group(group, f"{model.name}@0", client=model.openai_client(),
                                                    swallow_exceptions=True)
 
-    before = await validate(model, db, held_out, args.val_samples)
+    before = await validate(model, db, held_out, args.val_samples, args.max_turns)
     for step in range(await model.get_step(), args.steps):
         batch = [train[(step * args.groups_per_step + i) % len(train)] for i in range(args.groups_per_step)]
         groups = await art.gather_trajectory_groups(
-            (art.TrajectoryGroup(rollout(model, db, q) for _ in range(args.group_size)) for q in batch),
+            (art.TrajectoryGroup(rollout(model, db, q, max_turns=args.max_turns) for _ in range(args.group_size))
+             for q in batch),
             pbar_desc=f"step {step + 1}/{args.steps}", after_each=judge if args.reward == "ruler" else None)
         result = await model.train(groups, config=art.TrainConfig(learning_rate=args.learning_rate))
         print(f"step {step + 1}: train/reward {result.metrics['train/reward']:.3f}  "
               f"accuracy {result.metrics['train/correct']:.3f}  {(time.perf_counter() - start) / 60:.1f} min", flush=True)
         if args.val_every and (step + 1) % args.val_every == 0 and step + 1 < args.steps:
-            await validate(model, db, held_out, args.val_samples)
-    after = await validate(model, db, held_out, args.val_samples)
+            await validate(model, db, held_out, args.val_samples, args.max_turns)
+    after = await validate(model, db, held_out, args.val_samples, args.max_turns)
     print(f"accuracy {before['val/correct']:.3f} -> {after['val/correct']:.3f} in {(time.perf_counter() - start) / 60:.1f} min")
 
 
@@ -63,8 +65,12 @@ if __name__ == "__main__":
     parser.add_argument("--reward", choices=["exact", "ruler"], default="exact")
     parser.add_argument("--num-val", type=int, default=24)
     parser.add_argument("--val-samples", type=int, default=2)
+    parser.add_argument("--max-turns", type=int, default=3, help="tool calls per episode, the last a forced answer (>= 2)")
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps too (0: before and after only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=None)
     parser.add_argument("--path", default=".tempering")
-    asyncio.run(main(parser.parse_args()))
+    args = parser.parse_args()
+    if args.max_turns < 2:
+        parser.error("--max-turns must be at least 2: a search, then the forced final answer")
+    asyncio.run(main(args))

@@ -28,7 +28,7 @@ def test_search_ranks_the_right_email_first_for_the_questions_words():
 
 def test_recipe_trains_one_step(tmp_path):
     out = run_recipe("email_agent", tmp_path, "--steps", "1", "--groups-per-step", "1", "--group-size", "2",
-                     "--num-val", "1", "--val-samples", "1", "--name", "smoke", "--path", str(tmp_path / "runs"))
+                     "--num-val", "1", "--val-samples", "1", "--max-turns", "2", "--name", "smoke", "--path", str(tmp_path / "runs"))
     assert "accuracy" in out and "->" in out
     rows = history(tmp_path / "runs", "email-agent", "smoke")
     (train,) = [r for r in rows if "train/reward" in r]  # logged at the step of the policy that played

@@ -34,7 +34,7 @@ def test_new_board_has_two_tiles_and_spawn_fills_an_empty_cell():
 
 def test_recipe_trains_one_step(tmp_path):
     out = run_recipe("game_2048", tmp_path, "--steps", "1", "--groups-per-step", "1", "--group-size", "2",
-                     "--num-val", "2", "--max-moves", "6", "--name", "smoke", "--path", str(tmp_path / "runs"))
+                     "--num-val", "1", "--max-moves", "6", "--name", "smoke", "--path", str(tmp_path / "runs"))
     assert "average max tile" in out
     rows = history(tmp_path / "runs", "game-2048", "smoke")
     (train,) = [r for r in rows if "train/reward" in r]  # logged at the step of the policy that played

@@ -20,7 +20,7 @@ def test_quickstart_notebook_trains_one_step_and_plots(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     notebook = nbformat.read(EXAMPLES / "notebooks" / "quickstart.ipynb", as_version=4)
     (parameters,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
-    parameters.source += f"\nSTEPS, GROUPS_PER_STEP, GROUP_SIZE, NUM_VAL, PATH = 1, 1, 4, 2, {str(tmp_path / 'runs')!r}"
+    parameters.source += f"\nSTEPS, GROUPS_PER_STEP, GROUP_SIZE, NUM_VAL, PATH = 1, 1, 2, 1, {str(tmp_path / 'runs')!r}"
     nbclient.NotebookClient(notebook, timeout=240, kernel_name="tempering-test",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]

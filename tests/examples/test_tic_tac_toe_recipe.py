@@ -36,11 +36,11 @@ def test_blocking_opponent_wins_first_then_blocks():
 
 
 def test_recipe_trains_one_step(tmp_path):
-    out = run_recipe("tic_tac_toe", tmp_path, "--steps", "1", "--groups-per-step", "2", "--group-size", "2",
+    out = run_recipe("tic_tac_toe", tmp_path, "--steps", "1", "--groups-per-step", "1", "--group-size", "2",
                      "--num-val", "1", "--name", "smoke", "--path", str(tmp_path / "runs"))
     assert "win+draw" in out and "->" in out
     rows = history(tmp_path / "runs", "tic-tac-toe", "smoke")
     (train,) = [r for r in rows if "train/reward" in r]  # logged at the step of the policy that played
-    assert train["step"] == 0 and train["train/num_trajectories"] == 4
+    assert train["step"] == 0 and train["train/num_trajectories"] == 2
     assert [r["step"] for r in rows if "val/win_or_draw" in r] == [0, 1]
     assert (tmp_path / "runs/tic-tac-toe/models/smoke/checkpoints/0001/adapter_model.safetensors").is_file()
