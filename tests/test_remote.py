@@ -243,18 +243,19 @@ def test_request_bodies_over_the_limit_are_413(tmp_path):
         stop(proc)
 
 
-def test_serve_refuses_to_start_without_a_key(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TEMPERING_API_KEY"}
-    out = subprocess.run([sys.executable, "-m", "tempering.cli", "serve", "--root", str(tmp_path), "--host", "0.0.0.0"],
-                         env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "no API key" in out.stdout + out.stderr
-    out = subprocess.run([sys.executable, "-m", "tempering.cli", "serve", "--root", str(tmp_path), "--host", "0.0.0.0", "--insecure"],
-                         env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "loopback" in out.stdout + out.stderr
-    # `--api-key "$KEY"` with KEY unset: an empty key matched an empty bearer token (every route open)
-    out = subprocess.run([sys.executable, "-m", "tempering.cli", "serve", "--root", str(tmp_path), "--host", "0.0.0.0",
-                          "--api-key", " "], env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "API key is empty" in out.stdout + out.stderr
+def test_serve_refuses_to_start_without_a_key(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from tempering.cli import app
+
+    monkeypatch.delenv("TEMPERING_API_KEY", raising=False)
+    serve = ["serve", "--root", str(tmp_path), "--host", "0.0.0.0"]
+    # the command's own checks, in this process (each refuses before it loads anything)
+    for extra, message in (([], "no API key"), (["--insecure"], "loopback"),
+                           # `--api-key "$KEY"` with KEY unset: an empty key matched an empty bearer token
+                           (["--api-key", " "], "API key is empty")):
+        out = CliRunner().invoke(app, [*serve, *extra])
+        assert out.exit_code != 0 and message in out.output + str(out.exception), (extra, out.output)
     from tempering.service.auth import require_api_key
 
     with pytest.raises(ValueError, match="empty"):

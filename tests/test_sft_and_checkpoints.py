@@ -6,8 +6,6 @@ import asyncio
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -167,8 +165,11 @@ def test_tempering_plot_draws_and_compares_models(tmp_path):
         for step in range(4):
             append_history(tmp_path / "proj" / "models" / name / "history.jsonl",
                            {"step": step, "train/reward": step * slope, "loss/train": 1 - step * slope, "loss/entropy": 1.0})
-    out = subprocess.run([sys.executable, "-m", "tempering.cli", "plot", "proj", "--path", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    from typer.testing import CliRunner
+
+    from tempering.cli import app
+
+    out = CliRunner().invoke(app, ["plot", "proj", "--path", str(tmp_path)])  # the command, in this process
+    assert out.exit_code == 0, out.output
     png = tmp_path / "proj" / "plots" / "reward.png"
     assert png.read_bytes()[:4] == b"\x89PNG"
