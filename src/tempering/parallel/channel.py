@@ -41,7 +41,7 @@ from typing import Any
 
 from ..errors import DistributedError, EngineError, RequestAborted
 
-__all__ = ["WorkerLink", "keep_alive", "serve"]
+__all__ = ["WorkerLink", "keep_alive", "serve", "settle"]
 
 log = logging.getLogger("tempering")
 
@@ -175,7 +175,7 @@ class WorkerLink:
             entries = [self._pending.pop(m[1], None) for m in messages if m[0] in ("call", "submit")]
         for entry in entries:
             if entry is not None:
-                _settle(entry[0], exception=error)
+                settle(entry[0], exception=error)
 
     @property
     def where(self) -> str:
@@ -226,7 +226,7 @@ class WorkerLink:
                         with self._lock:
                             entry = self._pending.pop(request_id, None)
                         if entry is not None:
-                            _settle(entry[0], exception=EngineError(f"the request's token callback raised {exc!r}"))
+                            settle(entry[0], exception=EngineError(f"the request's token callback raised {exc!r}"))
                 continue
             with self._lock:
                 entry = self._pending.pop(request_id, None)
@@ -235,9 +235,9 @@ class WorkerLink:
             # a reply to a request cancelled here (its client went away), even between a check and the
             # set, is dropped: an InvalidStateError would end this thread and every later reply with it
             if kind == "done":
-                _settle(entry[0], result=message[2])
+                settle(entry[0], result=message[2])
             else:
-                _settle(entry[0], exception=message[2])
+                settle(entry[0], exception=message[2])
         self._fail(DistributedError(self._death_reason()))
 
     def _death_reason(self) -> str:
@@ -273,7 +273,7 @@ class WorkerLink:
             self._error = error
             pending, self._pending = self._pending, {}
         for future, _ in pending.values():
-            _settle(future, exception=error)
+            settle(future, exception=error)
         if not self._closing and self._on_failure is not None:
             self._on_failure(error)
 
@@ -369,8 +369,9 @@ def serve(conn: Connection, handler: Any, *, rank: int) -> bool:
                 return done
 
 
-def _settle(future: concurrent.futures.Future, *, result: Any = None, exception: BaseException | None = None) -> None:
-    """Resolve `future` unless it is done already (cancelled by its caller, on another thread, at any moment)."""
+def settle(future: concurrent.futures.Future, *, result: Any = None, exception: BaseException | None = None) -> None:
+    """Resolve `future` with `exception`, or else `result`, unless it is done already (cancelled by its
+    caller, on another thread, at any moment)."""
     try:
         if exception is not None:
             future.set_exception(exception)

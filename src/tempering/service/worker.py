@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import faulthandler
 import logging
 import os
@@ -29,8 +28,8 @@ import torch.distributed as dist
 
 from ..engine import EngineConfig, SamplingParams
 from ..engine.grammar import GrammarSpec
-from ..errors import RequestAborted, UnknownModelError
-from ..parallel import RankInfo, join, serve
+from ..errors import UnknownModelError
+from ..parallel import RankInfo, join, serve, settle
 from ..storage import ModelPaths
 from ..training.data_parallel import DataParallel
 from ..types import LoRAConfig, TrainConfig, TrainSFTConfig
@@ -119,14 +118,13 @@ class WorkerHub:
         lock = threading.Lock()
         state: dict[str, Any] = {"inner": None, "aborted": False}
 
-        def settle(f: concurrent.futures.Future) -> None:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):  # aborted before it was submitted
-                if f.cancelled():
-                    outer.set_exception(RequestAborted("the request was aborted before it started"))
-                elif f.exception() is not None:
-                    outer.set_exception(f.exception())
-                else:
-                    outer.set_result(f.result())
+        def copy_to_outer(f: concurrent.futures.Future) -> None:
+            if f.cancelled():  # aborted before the engine admitted it
+                outer.cancel()  # serve answers a cancelled request with RequestAborted
+            elif f.exception() is not None:
+                settle(outer, exception=f.exception())
+            else:
+                settle(outer, result=f.result())
 
         def prepare_and_submit() -> None:
             if state["aborted"]:
@@ -136,25 +134,23 @@ class WorkerHub:
                     params.grammar = service.grammars.compile(grammar)
                 inner = service.submit(prompt_ids, params, n=n, step=step, on_token=on_token)
             except Exception as exc:
-                with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    outer.set_exception(exc)
+                settle(outer, exception=exc)
                 return
             with lock:
                 state["inner"] = inner
                 aborted = state["aborted"]
             if aborted:  # the abort came while the request was being prepared
                 service.abort(inner)
-            inner.add_done_callback(settle)
+            inner.add_done_callback(copy_to_outer)
 
         def abort() -> None:
             with lock:
                 state["aborted"] = True
                 inner = state["inner"]
             if inner is not None:
-                service.abort(inner)  # its RequestAborted reaches `outer` through `settle`
+                service.abort(inner)  # its RequestAborted reaches `outer` through `copy_to_outer`
             else:
-                with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    outer.set_exception(RequestAborted("the request was aborted before it started"))
+                outer.cancel()  # not submitted yet: serve answers a cancelled request with RequestAborted
 
         self._helpers.submit(prepare_and_submit)
         return self._abortable(outer, abort)
