@@ -12,8 +12,15 @@ import time
 
 import pytest
 
-from tempering.errors import ConfigError, DistributedError
+from tempering.errors import ConfigError, DistributedError, EngineError
 from tempering.parallel import WorkerLink, serve
+
+
+class TwoArgumentError(Exception):
+    """Pickles, but cannot be unpickled: its __init__ takes two arguments, its args hold one."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
 
 
 class Handler:
@@ -32,6 +39,9 @@ class Handler:
 
     def unpicklable(self) -> object:
         return threading.Lock()
+
+    def fails_oddly(self) -> None:
+        raise TwoArgumentError("/models/x", "no such file")
 
     def submit(self, *, prompt_ids, n, on_token=None):
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -142,3 +152,42 @@ def test_requests_queued_while_the_sender_waits_leave_as_one_batch_in_order(chan
         bad.result(timeout=10)
     assert after.result(timeout=10) == list(range(22))
     assert sent[:2] == ["call", "batch"]  # the 22 queued requests tried to leave in one message
+
+
+def test_a_token_callback_that_raises_fails_its_request_alone_and_the_channel_keeps_working(channel):
+    link, *_ = channel
+
+    def on_token(*token) -> None:
+        raise RuntimeError("Event loop is closed")  # what call_soon_threadsafe raises once the server's loop closed
+
+    with pytest.raises(EngineError, match="token callback raised"):
+        link.submit({"prompt_ids": [7], "n": 3}, on_token=on_token).result(timeout=10)
+    assert link.call("record", value=1).result(timeout=10) == [1]
+    assert link.submit({"prompt_ids": [5], "n": 2}).result(timeout=10) == [5, 6]
+
+
+def test_a_reply_to_a_request_cancelled_just_before_it_arrives_does_not_stop_the_channel(channel):
+    link, *_ = channel
+
+    class CancelledMeanwhile(concurrent.futures.Future):
+        """Cancelled by another thread (the server's event loop: its client went away) right as the reply is set."""
+
+        def set_result(self, result) -> None:
+            self.cancel()
+            super().set_result(result)
+
+    link.call("record", value=0).result(timeout=10)  # request id 0
+    racing = CancelledMeanwhile()
+    slow = link.call("record", value=1, delay_s=0.5)  # request id 1: its future swapped for one that races its reply
+    with link._lock:
+        link._pending[1] = (racing, link._pending[1][1])
+    assert not slow.done()
+    assert link.call("record", value=2).result(timeout=10) == [0, 1, 2]  # the reader thread lived through the race
+    assert racing.cancelled()
+
+
+def test_an_error_the_driver_cannot_unpickle_comes_back_as_a_distributed_error_with_its_text(channel):
+    link, *_ = channel
+    with pytest.raises(DistributedError, match="could not send back its error.*no such file"):
+        link.call("fails_oddly").result(timeout=10)
+    assert link.call("record", value=3).result(timeout=10) == [3]
