@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 
 # The suite never downloads (nor may the code at run time): a hub id that is not on this machine
@@ -47,3 +49,25 @@ def tiny_model_dir(tmp_path_factory, default_model_dir):
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def serve_default_model(tmp_path_factory, default_model_dir):
+    """A factory of context managers: `with serve_default_model("name") as (model, backend, loop)`
+    registers the untrained default model as `name` on a fresh LocalBackend (its own directory) and
+    closes both when the block ends; `loop` runs the test's coroutines."""
+    import tempering as art
+
+    @contextlib.contextmanager
+    def serve(name: str):
+        loop = asyncio.new_event_loop()
+        backend = art.LocalBackend(path=tmp_path_factory.mktemp(name))
+        model = art.TrainableModel(name=name, project="tests", base_model="SmolLM2-135M-Instruct")
+        try:
+            loop.run_until_complete(model.register(backend))
+            yield model, backend, loop
+        finally:
+            loop.run_until_complete(backend.close())
+            loop.close()
+
+    return serve

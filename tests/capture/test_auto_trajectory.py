@@ -17,15 +17,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "T
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, default_model_dir):
-    loop = asyncio.new_event_loop()
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("capture"))
-    model = art.TrainableModel(name="capture-test", project="tests", base_model="SmolLM2-135M-Instruct")
-    loop.run_until_complete(model.register(backend))
-    yield model, backend, loop
-    loop.run_until_complete(backend.close())
-    loop.close()
-
+def served(serve_default_model):
+    with serve_default_model("capture-test") as served:
+        yield served
 
 def run(served, coro):
     return served[2].run_until_complete(coro)

@@ -9,20 +9,12 @@ import openai
 import pytest
 import torch
 
-import tempering as art
-
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, default_model_dir):
+def served(serve_default_model):
     """A LocalBackend serving an untrained default model; yields (model, backend, loop)."""
-    loop = asyncio.new_event_loop()
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("server"))
-    model = art.TrainableModel(name="server-test", project="tests", base_model="SmolLM2-135M-Instruct")
-    loop.run_until_complete(model.register(backend))
-    yield model, backend, loop
-    loop.run_until_complete(backend.close())
-    loop.close()
-
+    with serve_default_model("server-test") as served:
+        yield served
 
 def _chat(served, **kwargs):
     model, _, loop = served

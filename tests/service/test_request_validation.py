@@ -3,14 +3,11 @@ that changes results silently ignored; the server keeps serving after each one."
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import jinja2
 import pytest
-
-import tempering as art
 
 HI = [{"role": "user", "content": "Say hi"}]
 TOOL = {"type": "function",
@@ -18,16 +15,10 @@ TOOL = {"type": "function",
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, default_model_dir):
+def served(serve_default_model):
     """A LocalBackend serving an untrained default model; yields (model, backend)."""
-    loop = asyncio.new_event_loop()
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("validation"))
-    model = art.TrainableModel(name="valid", project="tests", base_model="SmolLM2-135M-Instruct")
-    loop.run_until_complete(model.register(backend))
-    yield model, backend
-    loop.run_until_complete(backend.close())
-    loop.close()
-
+    with serve_default_model("valid") as served:
+        yield served[:2]
 
 def post(served, body, path="/chat/completions", **kwargs):
     """The response to `body` (a dict, or raw bytes sent as JSON); a chat body gets model and a short max_tokens."""

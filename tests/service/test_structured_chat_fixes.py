@@ -12,7 +12,6 @@ import math
 
 import pytest
 
-import tempering as art
 from tempering.engine import Completion
 from tempering.service.chat_stream import StreamState, sse_chat_stream
 
@@ -21,14 +20,9 @@ COUNT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, default_model_dir):
-    loop = asyncio.new_event_loop()
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("chat-fixes"))
-    model = art.TrainableModel(name="chat-fixes", project="tests", base_model="SmolLM2-135M-Instruct")
-    loop.run_until_complete(model.register(backend))
-    yield model, loop
-    loop.run_until_complete(backend.close())
-    loop.close()
+def served(serve_default_model):
+    with serve_default_model("chat-fixes") as served:
+        yield served
 
 
 def _text_of(entries) -> str:
@@ -48,7 +42,7 @@ async def _streamed_entries(client, **kwargs):
 
 @pytest.mark.parametrize("messages, stop", [(ADD, None), (COUNT, [" 4"])], ids=["eos", "stop-string"])
 def test_chat_logprobs_content_covers_exactly_the_content_tokens_streamed_or_not(served, messages, stop):
-    model, loop = served
+    model, _, loop = served
     client = model.openai_client()
     kwargs = dict(model=model.name, messages=messages, max_tokens=40, temperature=0, logprobs=True, top_logprobs=2,
                   stop=stop, n=2)
@@ -74,7 +68,7 @@ def test_chat_logprobs_content_covers_exactly_the_content_tokens_streamed_or_not
 
 def test_a_tool_calls_tokens_are_not_logprobs_content(served):
     pytest.importorskip("llguidance")
-    model, loop = served
+    model, _, loop = served
     tools = [{"type": "function", "function": {"name": "get_time", "description": "The time.",
                                                "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
     kwargs = dict(model=model.name, messages=[{"role": "user", "content": "What time is it?"}], tools=tools,

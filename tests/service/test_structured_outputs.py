@@ -51,15 +51,9 @@ ASK = [{"role": "user", "content": "Describe a made-up person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, default_model_dir):
-    loop = asyncio.new_event_loop()
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("structured"))
-    model = art.TrainableModel(name="structured-test", project="tests", base_model="SmolLM2-135M-Instruct")
-    loop.run_until_complete(model.register(backend))
-    yield model, backend, loop
-    loop.run_until_complete(backend.close())
-    loop.close()
-
+def served(serve_default_model):
+    with serve_default_model("structured-test") as served:
+        yield served
 
 def run(served, coro):
     return served[2].run_until_complete(coro)

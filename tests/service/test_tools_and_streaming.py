@@ -23,14 +23,9 @@ SYSTEM = 'When asked for the time, call get_time like this:\n<tool_call>\n{"name
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, default_model_dir):
-    loop = asyncio.new_event_loop()
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("tools"))
-    model = art.TrainableModel(name="tools-test", project="tests", base_model="SmolLM2-135M-Instruct")
-    loop.run_until_complete(model.register(backend))
-    yield model, backend, loop
-    loop.run_until_complete(backend.close())
-    loop.close()
+def served(serve_default_model):
+    with serve_default_model("tools-test") as served:
+        yield served
 
 
 def run(served, coro):
