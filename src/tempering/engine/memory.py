@@ -1,5 +1,5 @@
 """Freed memory: heap memory given back to the operating system (CPU runs), and a GPU's free memory
-counted with the blocks PyTorch's caching allocator holds unused."""
+once PyTorch's caching allocator has given back the blocks it holds unused."""
 
 from __future__ import annotations
 
@@ -24,11 +24,16 @@ def release_free_memory() -> None:
 
 
 def cuda_free_bytes(device) -> tuple[int, int]:
-    """(free, total) bytes of a CUDA `device` for this process: the driver's free memory plus what
-    PyTorch's caching allocator holds here unused (freed tensors' blocks, which `mem_get_info`
-    counts as taken: a backend closed in this process left 40+ GiB of them on a GPU)."""
+    """(free, total) bytes of a CUDA `device` for this process, after PyTorch's caching allocator has
+    given the driver back every block it holds unused (`torch.cuda.empty_cache`).
+
+    Freed tensors' blocks (a backend closed in this process left 40+ GiB of them on a GPU) thus count
+    as free. Unused blocks the allocator cannot give back count as taken: those of a live CUDA
+    graph's private pool, and the free parts of segments still partly in use. A KV cache, one large
+    tensor, cannot be carved from them: on one H200, after other GPU tests in the same process, a
+    budget that counted 69 GiB of them as free sized a 51 GiB cache with 33 GiB really free.
+    """
     import torch
 
-    free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return free + max(cached, 0), total
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
