@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import secrets
+import signal
 import socket
 import subprocess
 import threading
@@ -44,6 +45,10 @@ log = logging.getLogger("tempering")
 # how long the driver waits, after one rank of another node is lost, for that node's other
 # ranks, so that its error names all of them
 NODE_GRACE_S = 2.0
+# how often the driver looks whether a worker that hung up has exited
+WATCH_S = 0.05
+# how long the driver waits for the exit code of a worker that hung up before saying which rank it is
+EXIT_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +272,8 @@ class Driver:
             host: the interface the store and the control listener bind to.
 
         Raises:
-            DistributedError: if a worker exits or does not connect in time; the others are killed.
+            DistributedError: if a worker cannot be started (`command` is no executable), exits, or
+                does not connect in time; the others are killed.
         """
         if num_procs < 2:
             raise DistributedError(f"a multi-process run needs at least 2 processes, got {num_procs}")
@@ -278,14 +284,15 @@ class Driver:
                               timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
         info = RankInfo(0, num_procs, 0, _device(device_type, 0), num_procs, 0, socket.gethostname())
 
-        def spawn() -> list[subprocess.Popen]:
-            procs = []
-            for rank in range(1, num_procs):
-                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(num_procs), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(num_procs), "GROUP_RANK": "0", "MASTER_ADDR": host,
-                       "MASTER_PORT": str(store.port)}
-                procs.append(subprocess.Popen(list(command), env=env))
-            return procs
+        def spawn(rank: int) -> subprocess.Popen:
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(num_procs), "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": str(num_procs), "GROUP_RANK": "0", "MASTER_ADDR": host,
+                   "MASTER_PORT": str(store.port)}
+            try:
+                return subprocess.Popen(list(command), env=env)
+            except OSError as exc:
+                raise DistributedError(f"could not start worker rank {rank} with the command {list(command)!r}: "
+                                       f"{exc}; its first item must be an executable (sys.executable, say)") from exc
 
         return cls._rendezvous(info, store, host, host, spawn, timeout_s, start_timeout_s)
 
@@ -308,36 +315,45 @@ class Driver:
         # other machines reach the listener by the name they reach the store by; on one machine,
         # it takes only the loopback interface
         bind, publish = ("0.0.0.0", master) if info.spans_nodes else ("127.0.0.1", "127.0.0.1")
-        return cls._rendezvous(info, store, bind, publish, list, timeout_s, start_timeout_s)
+        return cls._rendezvous(info, store, bind, publish, None, timeout_s, start_timeout_s)
 
     @classmethod
     def _rendezvous(cls, info: RankInfo, store: dist.Store, bind: str, publish: str,
-                    spawn: Callable[[], list[subprocess.Popen]], timeout_s: float, start_timeout_s: float) -> Driver:
+                    spawn: Callable[[int], subprocess.Popen] | None, timeout_s: float,
+                    start_timeout_s: float) -> Driver:
+        """Publish the control listener, start ranks 1.. with `spawn(rank)` (None: torchrun started
+        them), take their hellos, then join the group with them; on any failure, close the listener
+        and the links, kill the workers started here, and raise."""
         key = secrets.token_bytes(32)
         listener = Listener((bind, 0), authkey=key)
-        store.set(_keys()[0], f"{publish}:{listener.address[1]}:{key.hex()}")
-        procs = spawn()
-        by_rank = dict(enumerate(procs, start=1))
+        procs: dict[int, subprocess.Popen] = {}
         links: list[WorkerLink] = []
+
+        def dead() -> DistributedError | None:
+            return next((link.error for link in links if link.error is not None), None)
+
         try:
-            hellos = _accept(listener, info.world_size - 1, by_rank, start_timeout_s)
-            links = [WorkerLink(rank, conn, process=by_rank.get(rank), pid=pid,
+            store.set(_keys()[0], f"{publish}:{listener.address[1]}:{key.hex()}")
+            for rank in range(1, info.world_size) if spawn is not None else ():
+                procs[rank] = spawn(rank)
+            hellos = _accept(listener, info.world_size - 1, procs, start_timeout_s)
+            links = [WorkerLink(rank, conn, process=procs.get(rank), pid=pid,
                                 node=node if info.spans_nodes else None, host=host)
                      for rank, (conn, pid, node, host) in sorted(hellos.items())]
             _init_group(store, info, timeout_s)
         except BaseException as exc:
             # a worker that died after joining the channel (in its init_process_group) left this
             # rank's init waiting for it until `timeout_s`: its error names it, the timeout does not
-            dead = next((link.error for link in links if link.error is not None), None)
+            error = dead()
             listener.close()
-            for proc in procs:
+            for proc in procs.values():
                 if proc.poll() is None:
                     proc.kill()
                 proc.wait()
             for link in links:  # their threads and connections
-                link.close(5.0, reason=str(dead or exc))
-            if dead is not None and isinstance(exc, Exception) and not isinstance(exc, DistributedError):
-                raise dead from exc
+                link.close(5.0, reason=str(error or exc))
+            if error is not None and isinstance(exc, Exception) and not isinstance(exc, DistributedError):
+                raise error from exc
             raise
         return cls(info, links, listener, store)
 
@@ -353,8 +369,14 @@ def _accept(listener: Listener, count: int, procs: dict[int, subprocess.Popen],
         while not stop.is_set():
             try:
                 conn = listener.accept()
-            except (OSError, EOFError):
-                return  # the listener was closed, or `_wake`'s connection
+            except (EOFError, ConnectionError) as exc:  # the peer hung up in the handshake
+                if stop.is_set():
+                    return  # `_wake`'s connection
+                # a worker that died as it connected, or a stranger: the next one must still be accepted
+                log.warning("a connection to the control listener broke in its handshake: %r", exc)
+                continue
+            except OSError:
+                return  # the listener was closed
             except Exception as exc:  # a wrong key (AuthenticationError): not one of ours
                 log.warning("refused a connection to the control listener: %r", exc)
                 continue
@@ -391,8 +413,7 @@ def _receive_hellos(arrivals: queue.Queue, count: int, procs: dict[int, subproce
         except queue.Empty:
             for rank, proc in procs.items():
                 if proc.poll() is not None and rank not in conns:
-                    raise DistributedError(f"worker rank {rank} exited with code {proc.returncode} while starting; "
-                                           "see its output above") from None
+                    raise _exited_starting(rank, proc.returncode) from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, count + 1)) - set(conns))
                 raise DistributedError(
@@ -400,13 +421,45 @@ def _receive_hellos(arrivals: queue.Queue, count: int, procs: dict[int, subproce
                     "check that every node's torchrun started and that the nodes can open TCP connections to each "
                     "other on any port (the control channel and NCCL take free ones)") from None
             continue
-        hello = conn.recv()  # ("hello", rank, pid, node, host)
-        if len(hello) != 5 or hello[0] != "hello" or hello[1] in conns:
+        try:
+            # a worker says hello as soon as it is connected; one that does not is waited for until the deadline
+            hello = conn.recv() if conn.poll(max(0.0, deadline - time.monotonic())) else None
+        except (EOFError, OSError):
+            conn.close()
+            raise _hung_up(procs, set(conns)) from None
+        if hello is None or len(hello) != 5 or hello[0] != "hello" or hello[1] in conns:
             conn.close()
             continue
         keep_alive(conn)
-        conns[hello[1]] = (conn, *hello[2:])
+        conns[hello[1]] = (conn, *hello[2:])  # hello: ("hello", rank, pid, node, host)
     return conns
+
+
+def _exited_starting(rank: int, code: int) -> DistributedError:
+    how = f"code {code}"
+    if code < 0:
+        try:
+            how += f" ({signal.Signals(-code).name})"
+        except ValueError:  # a real-time signal has no name
+            pass
+    return DistributedError(f"worker rank {rank} exited with {how} while starting, before it joined the run; see its "
+                            "output above (the workers started here write to this process's stdout and stderr)")
+
+
+def _hung_up(procs: dict[int, subprocess.Popen], ranks_in: set[int]) -> DistributedError:
+    """The error for a worker that connected and hung up before its hello: it names the worker by its
+    process, when that was started here and exits within EXIT_GRACE_S."""
+    waiting = {rank: proc for rank, proc in procs.items() if rank not in ranks_in}
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while True:
+        for rank, proc in waiting.items():
+            if proc.poll() is not None:
+                return _exited_starting(rank, proc.returncode)
+        if not waiting or time.monotonic() > deadline:
+            return DistributedError("a worker connected to the driver's control channel and hung up before saying "
+                                    "which rank it is: it died while starting; see the workers' output (above, or "
+                                    "torchrun's on each node)")
+        time.sleep(WATCH_S)
 
 
 def join(*, device_type: str, timeout_s: float = 600.0,
