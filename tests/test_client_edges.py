@@ -7,6 +7,7 @@ import asyncio
 import gc
 import time
 
+import httpx
 import pytest
 
 import tempering as art
@@ -111,5 +112,43 @@ def test_a_child_that_dies_during_a_train_call_fails_it_promptly_with_its_log(tm
             assert time.monotonic() - start < 5  # not the ~25 s of reconnecting to a dead server
         finally:
             await backend.close()
+
+    asyncio.run(main())
+
+
+def test_closing_the_backend_closes_the_models_openai_client(tmp_path):
+    # model.openai_client() pools connections to the backend's server; they once stayed open after
+    # backend.close(), one pool per model left behind by every backend of a session
+    async def main():
+        backend = art.LocalBackend(path=tmp_path, device="cpu")
+        model = art.Model(name="m", project="p", inference_base_url="http://127.0.0.1:9/v1", inference_api_key="k")
+        await model.register(backend)
+        client = model.openai_client()
+        assert model.openai_client() is client and not client._client.is_closed
+        await backend.close()
+        assert client._client.is_closed
+        assert not model.openai_client()._client.is_closed  # a new client; closing it is the caller's
+
+    asyncio.run(main())
+
+
+def test_a_backend_closes_only_the_clients_of_models_still_registered_with_it():
+    async def main():
+        def remote() -> art.RemoteBackend:
+            return art.RemoteBackend("http://server", "key",
+                                     transport=httpx.MockTransport(lambda request: httpx.Response(200, json={})))
+
+        first, second = remote(), remote()
+        model = art.Model(name="m", project="p", inference_base_url="http://server/v1", inference_api_key="k")
+        await model.register(first)
+        await model.register(first)  # registered twice: still closed once, without error
+        old = model.openai_client()
+        await model.register(second)  # the old endpoint's client goes at once
+        assert old._client.is_closed
+        current = model.openai_client()
+        await first.close()
+        assert not current._client.is_closed  # the model moved on: the first backend leaves its client alone
+        await second.close()
+        assert current._client.is_closed
 
     asyncio.run(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Iterable, Mapping
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from .backends.base import Backend
 
 __all__ = ["Model", "TrainableModel"]
+
+log = logging.getLogger("tempering")
 
 
 class Model(BaseModel):
@@ -78,12 +81,28 @@ class Model(BaseModel):
             self._wandb = None
 
     async def register(self, backend: Backend) -> None:
-        """Attach the model to `backend` (where its history and checkpoints are kept)."""
+        """Attach the model to `backend` (where its history and checkpoints are kept).
+
+        `backend.close()` closes the model's `openai_client()`; a later call makes a new one.
+        """
         self._backend = backend
-        if self._openai_client is not None:  # the previous endpoint's client: its pooled connections go
-            client, self._openai_client = self._openai_client, None
-            await client.close()
+        await self._close_openai_client()  # the previous endpoint's client: its pooled connections go
         await backend.register(self)
+
+    async def _backend_closed(self, backend: Backend) -> None:
+        """Called by `backend.close()`: close the OpenAI client whose connections go to its server,
+        unless the model has been registered with another backend since."""
+        if self._backend is backend:
+            await self._close_openai_client()
+
+    async def _close_openai_client(self) -> None:
+        client, self._openai_client = self._openai_client, None
+        if client is None:
+            return
+        try:
+            await client.close()
+        except Exception as exc:  # its connections belong to an event loop that has closed: nothing left to close
+            log.debug("closing model %r's OpenAI client failed: %s: %s", self.name, type(exc).__name__, exc)
 
     def _require_backend(self) -> Backend:
         if self._backend is None:
@@ -91,7 +110,8 @@ class Model(BaseModel):
         return self._backend
 
     def openai_client(self) -> AsyncOpenAI:
-        """An `openai.AsyncOpenAI` client for this model's endpoint (cached).
+        """An `openai.AsyncOpenAI` client for this model's endpoint (cached until the model is
+        registered again or its backend is closed, which close it).
 
         Its chat completions are captured inside `art.capture_auto_trajectory(...)` (and by
         tracing), through the client's HTTP transport; elsewhere it is a plain client.

@@ -171,3 +171,41 @@ def test_the_chat_models_of_many_rollouts_share_one_connection_pool():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_wrap_rollout_returns_the_rollouts_own_trajectory_with_a_warning_when_nothing_was_captured(caplog):
+    # ART's wrap_rollout returns the rollout's trajectory as it is when its log holds no LLM call;
+    # tempering once raised TrajectoryError, failing rollouts that ART code expects to come back
+    pytest.importorskip("langchain_openai")
+    from tempering.langgraph import wrap_rollout
+
+    model = art.Model(name="m", project="p", inference_base_url="http://127.0.0.1:9/v1")
+    scored = art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=0.5, metrics={"x": 1.0})
+
+    async def scored_without_llm_calls() -> art.Trajectory:
+        return scored
+
+    async def returns_nothing() -> None:
+        return None
+
+    with caplog.at_level("WARNING", logger="tempering"):
+        returned = asyncio.run(wrap_rollout(model, scored_without_llm_calls)())
+    assert returned is scored and returned.messages_and_choices == [{"role": "user", "content": "hi"}]
+    assert returned.reward == 0.5 and returned.metrics["x"] == 1.0
+    assert "no LLM call" in caplog.text and "init_chat_model" in caplog.text
+    with pytest.raises(art.TrajectoryError, match="returned None"):  # no trajectory at all to hand back
+        asyncio.run(wrap_rollout(model, returns_nothing)())
+
+
+def test_scenario_json_without_a_scenarios_key_raises_a_value_error_naming_the_key_and_the_shape():
+    from tempering.integrations.mcp.types import GeneratedScenarioCollection
+
+    with pytest.raises(ValueError, match=r'no "scenarios" key \(found keys \[\'items\'\]\).*"task"') as info:
+        GeneratedScenarioCollection.from_json('{"items": [{"task": "t", "difficulty": 1}]}')
+    assert isinstance(info.value, art.ConfigError) and not isinstance(info.value, KeyError)
+    with pytest.raises(art.ConfigError, match="holds a str where a list of scenarios belongs"):
+        GeneratedScenarioCollection.from_json('"just text"')
+    with pytest.raises(art.ConfigError, match=r"needs 'difficulty', found keys \['task'\]"):
+        GeneratedScenarioCollection.from_json('{"scenarios": [{"task": "t"}]}')
+    collection = GeneratedScenarioCollection.from_json('{"scenarios": [{"task": "t", "difficulty": 2}]}')
+    assert GeneratedScenarioCollection.from_json(collection.to_json()).to_dicts() == [{"task": "t", "difficulty": 2}]

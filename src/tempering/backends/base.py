@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import ConfigError
 from ..types import TrainConfig, TrainResult, TrajectoryGroup
 
-__all__ = ["Backend", "ModelRef", "TrainableModelRef", "check_awaited", "report_nothing_learned"]
+__all__ = ["Backend", "ModelClients", "ModelRef", "TrainableModelRef", "check_awaited", "report_nothing_learned"]
 
 log = logging.getLogger("tempering")
 
@@ -41,7 +41,8 @@ class ModelRef(Protocol):
 
     The backends depend on the client's models only through these names (they never import
     model.py, which imports them). A backend also reads, where present, `trainable`,
-    `lora_config` and ART's `_internal_config` (with getattr: a plain `Model` has none of them).
+    `lora_config` and ART's `_internal_config` (with getattr: a plain `Model` has none of them),
+    and its `close()` awaits the model's `_backend_closed(backend)` (see `ModelClients`).
 
     Attributes:
         name: the model's name (unique among a backend's models; what requests send as `model`).
@@ -54,6 +55,36 @@ class ModelRef(Protocol):
     def model_dump(self, *, mode: str = "python", exclude: Any = None) -> dict[str, Any]:
         """The model's fields (pydantic's `model_dump`), stored beside its checkpoints."""
         ...
+
+
+class ModelClients:
+    """The models registered with a backend, whose OpenAI clients the backend's `close()` closes.
+
+    `model.openai_client()` keeps a pool of connections to the backend's server; left open they
+    outlive the server (and, in a long test session or notebook, pile up). The backend calls
+    `add(model)` in `register` and `await close_all(backend)` in `close`, which awaits each
+    model's `_backend_closed(backend)` hook; a model registered with another backend since then
+    keeps its client (the hook checks). A failure to close one client is logged, never raised:
+    the backend still closes.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[int, Any] = {}  # id -> model: a model registered twice is closed once
+
+    def add(self, model: Any) -> None:
+        self._models[id(model)] = model
+
+    async def close_all(self, backend: Any) -> None:
+        models, self._models = list(self._models.values()), {}
+        for model in models:
+            hook = getattr(model, "_backend_closed", None)
+            if hook is None:
+                continue
+            try:
+                await hook(backend)
+            except Exception as exc:  # closing is best effort: the backend must still shut down
+                log.debug("closing the OpenAI client of model %r failed: %s: %s",
+                          getattr(model, "name", model), type(exc).__name__, exc)
 
 
 class TrainableModelRef(ModelRef, Protocol):

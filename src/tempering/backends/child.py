@@ -71,6 +71,7 @@ class ChildProcessBackend(RemoteBackend):
                             enable_expert_replay=enable_expert_replay)
         root = Path(path) if path is not None else DEFAULT_ROOT
         root.mkdir(parents=True, exist_ok=True)
+        self.path = root  # the storage root, on this machine (as LocalBackend.path)
         self.log_path = root / "server.log"
         from ..service.auth import generate_api_key  # with the HTTP stack, which only a serving process needs
 

@@ -40,7 +40,7 @@ from .art_mapping import (
     resolve_internal_config,
     train_config_from_options,
 )
-from .base import ModelRef, TrainableModelRef, check_awaited, report_nothing_learned
+from .base import ModelClients, ModelRef, TrainableModelRef, check_awaited, report_nothing_learned
 
 if TYPE_CHECKING:
     from ..service.server import ServerThread
@@ -148,6 +148,7 @@ class LocalBackend:
         self._api_key = api_key or generate_api_key()
         self._server: ServerThread | None = None
         self._closed = False
+        self._clients = ModelClients()
         if self._driver is not None:
             self._driver.on_failure(self._worker_died)
 
@@ -170,7 +171,11 @@ class LocalBackend:
         self._close_sync()
 
     async def close(self) -> None:
-        """Stop the server and free every model. The backend cannot be used afterwards."""
+        """Close the models' OpenAI clients, stop the server and free every model. The backend
+        cannot be used afterwards. (Leaving a `with` block closes all but the clients, which only
+        an event loop can close.)"""
+        if not self._closed:
+            await self._clients.close_all(self)  # first: their connections go to the server stopped next
         await asyncio.to_thread(self._close_sync)
 
     def _close_sync(self) -> None:
@@ -243,6 +248,7 @@ class LocalBackend:
             dtype=options.dtype,
             dedicated=True if options.dedicated else None,
         )
+        self._clients.add(model)
         if trainable:
             await asyncio.to_thread(self._ensure_server)
 

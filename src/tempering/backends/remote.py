@@ -38,7 +38,7 @@ from .art_mapping import (
     resolve_internal_config,
     train_config_from_options,
 )
-from .base import ModelRef, TrainableModelRef, check_awaited, report_nothing_learned
+from .base import ModelClients, ModelRef, TrainableModelRef, check_awaited, report_nothing_learned
 
 __all__ = ["RemoteBackend"]
 
@@ -86,6 +86,7 @@ class RemoteBackend:
         )
         self._closed = False
         self._model_options: dict[str, ModelOptions] = {}
+        self._clients = ModelClients()
 
     async def __aenter__(self) -> RemoteBackend:
         return self
@@ -94,9 +95,10 @@ class RemoteBackend:
         await self.close()
 
     async def close(self) -> None:
-        """Close the connection pool (the server and its models keep running)."""
+        """Close the connection pool and the models' OpenAI clients (the server and its models keep running)."""
         if not self._closed:
             self._closed = True
+            await self._clients.close_all(self)
             await self._client.aclose()
 
     # ---- HTTP with retries --------------------------------------------------------------------
@@ -159,6 +161,7 @@ class RemoteBackend:
             "model_json": model.model_dump(mode="json", exclude={"inference_api_key"}),
             **({"dedicated_gpus": options.num_gpus} if options.dedicated else {}),
         })
+        self._clients.add(model)
 
     async def _prepare_backend_for_training(self, model: TrainableModelRef, config: Any = None) -> tuple[str, str]:
         return f"{self.base_url}/v1", self._api_key

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,6 +39,8 @@ except ImportError as exc:
     ) from exc
 
 __all__ = ["init_chat_model", "wrap_rollout"]
+
+log = logging.getLogger("tempering")
 
 _rollout_model: contextvars.ContextVar[Model | None] = contextvars.ContextVar("tempering_langgraph_model", default=None)
 
@@ -115,15 +118,18 @@ def wrap_rollout(model: Model, fn: Rollout | None = None) -> Any:
 
     `fn` returns the Trajectory it scored (reward, metrics, metadata; its conversation is
     replaced by the captured one), or None: then the captured trajectory is returned, with the
-    reward set through `art.auto_trajectory().reward`.
+    reward set through `art.auto_trajectory().reward`. When no LLM call was captured, the
+    Trajectory `fn` returned comes back unchanged, as ART's does, with a warning logged if it
+    holds no `Choice` (the agent used a model tempering does not see: build it with
+    `init_chat_model()`); training on it then fails, naming the missing choice.
 
     Raises:
         Exception: whatever `fn` raises (the agent failed: the rollout fails, and
             `gather_trajectory_groups(max_exceptions=...)` counts it), with a note of how many LLM
             calls had been captured.
         TypeError: `fn` returned something other than a Trajectory or None.
-        TrajectoryError: no LLM call was captured and the trajectory holds no choice (the agent
-            used a model that tempering does not see: build it with `init_chat_model()`).
+        TrajectoryError: `fn` returned None and no LLM call was captured (there is no trajectory
+            to return).
     """
     if fn is None:
         return functools.partial(wrap_rollout, model)
@@ -141,21 +147,27 @@ def wrap_rollout(model: Model, fn: Rollout | None = None) -> Any:
         finally:
             _rollout_model.reset(token)
         captured = scope.trajectory
+        if result is not None and not isinstance(result, Trajectory):
+            raise TypeError(f"a wrap_rollout rollout must return an art.Trajectory or None, got {type(result).__name__}")
         if result is None:
             trajectory = captured.finish()
-        elif isinstance(result, Trajectory):
+        else:
             trajectory = result
             if scope.num_calls:
                 trajectory.messages_and_choices = captured.messages_and_choices
                 trajectory.tools = captured.tools
                 trajectory.additional_histories = captured.additional_histories
-        else:
-            raise TypeError(f"a wrap_rollout rollout must return an art.Trajectory or None, got {type(result).__name__}")
         if not any(isinstance(item, Choice) for h in trajectory.histories() for item in h.messages_and_choices):
-            raise TrajectoryError(
-                "the rollout made no LLM call that tempering could capture: build the agent's chat model with "
-                "tempering.langgraph.init_chat_model() (or wrap an openai client with art.capture_client)"
-            )
+            if result is None:
+                raise TrajectoryError(
+                    "the rollout returned None and made no LLM call that tempering could capture, so there is no "
+                    "trajectory: build the agent's chat model with tempering.langgraph.init_chat_model() (or wrap an "
+                    "openai client with art.capture_client)"
+                )
+            log.warning("wrap_rollout(%s): the rollout made no LLM call that tempering could capture, so its trajectory "
+                        "is returned as it is, with no Choice to train on; build the agent's chat model with "
+                        "tempering.langgraph.init_chat_model() (or wrap an openai client with art.capture_client)",
+                        getattr(fn, "__qualname__", fn))
         return trajectory
 
     return rollout

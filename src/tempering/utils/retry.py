@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..errors import ConfigError
+
 __all__ = ["retry"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -35,16 +37,22 @@ def retry(
     Args:
         max_attempts: total calls, >= 1.
         delay: seconds before the second attempt, >= 0.
-        backoff_factor: multiplier of the delay after each failed attempt, >= 1.
+        backoff_factor: multiplier of the delay after each failed attempt, >= 0 (as in ART, a
+            factor below 1 shortens the waits: 0.5 halves each one).
         exceptions: an exception class or a tuple of them.
         on_retry: called with (exception, attempt number) before each new attempt.
 
     Raises:
-        ValueError: for max_attempts < 1, delay < 0 or backoff_factor < 1.
+        ConfigError (a ValueError): for max_attempts < 1, delay < 0 or backoff_factor < 0.
     """
-    if max_attempts < 1 or delay < 0 or backoff_factor < 1:
-        raise ValueError(f"retry needs max_attempts >= 1, delay >= 0, backoff_factor >= 1; got "
-                         f"{max_attempts}, {delay}, {backoff_factor}")
+    problems = [f"{name} must be {bound}, got {value!r}" for name, value, bound, ok in (
+        ("max_attempts", max_attempts, ">= 1 (the first call counts)", max_attempts >= 1),
+        ("delay", delay, ">= 0 seconds", delay >= 0),
+        ("backoff_factor", backoff_factor, ">= 0 (it multiplies the delay after each failed attempt)",
+         backoff_factor >= 0),
+    ) if not ok]
+    if problems:
+        raise ConfigError(f"retry: {'; '.join(problems)}")
 
     def decorate(func: F) -> F:
         if inspect.iscoroutinefunction(func):

@@ -105,6 +105,16 @@ class GeneratedScenario:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GeneratedScenario:
+        """From `{"task": str, "difficulty": int}`.
+
+        Raises:
+            ConfigError (a ValueError): `data` is not such a dict, or its values are invalid.
+        """
+        missing = [key for key in ("task", "difficulty") if not isinstance(data, dict) or key not in data]
+        if missing:
+            found = f"keys {sorted(data)}" if isinstance(data, dict) else f"a {type(data).__name__}"
+            raise ConfigError(f"a scenario needs {' and '.join(repr(k) for k in missing)}, found {found}; "
+                              'expected {"task": str, "difficulty": int from 1 to 5}')
         return cls(task=data["task"], difficulty=data["difficulty"])
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,9 +136,23 @@ class GeneratedScenarioCollection:
 
     @classmethod
     def from_json(cls, text: str) -> GeneratedScenarioCollection:
-        """From `{"scenarios": [...]}` or a bare list."""
+        """From `{"scenarios": [...]}` (what `to_json` writes) or a bare list of scenarios.
+
+        Raises:
+            json.JSONDecodeError (a ValueError): `text` is not JSON.
+            ConfigError (a ValueError): the JSON has another shape (an object without "scenarios",
+                say), or a scenario lacks "task" or "difficulty"; the message says what was found.
+        """
         data = json.loads(text)
-        return cls.from_dicts(data["scenarios"] if isinstance(data, dict) else data)
+        if isinstance(data, dict):
+            if "scenarios" not in data:
+                raise ConfigError(f'scenario JSON has no "scenarios" key (found keys {sorted(data)}); expected '
+                                  '{"scenarios": [{"task": str, "difficulty": int}, ...]} or a bare list of scenarios')
+            data = data["scenarios"]
+        if not isinstance(data, list):
+            raise ConfigError(f"scenario JSON holds a {type(data).__name__} where a list of scenarios belongs; expected "
+                              '{"scenarios": [{"task": str, "difficulty": int}, ...]} or a bare list of scenarios')
+        return cls.from_dicts(data)
 
     def to_dicts(self) -> list[dict[str, Any]]:
         return [s.to_dict() for s in self.scenarios]
