@@ -22,7 +22,8 @@ Besides the OpenAI fields, every choice carries what training needs:
   (modeling/routing_format.py); training replays them (`TrainConfig.moe_routing_replay`).
 
 With `tools`, the model's `<tool_call>{...}</tool_call>` text becomes OpenAI `tool_calls` with
-`finish_reason="tool_calls"` (a malformed call stays plain content). `tool_choice` "auto"
+`finish_reason="tool_calls"` (a malformed call, or one cut by max_tokens, stays plain content; the
+latter with `finish_reason="length"`: `_chat_choice`). `tool_choice` "auto"
 (default), "none", "required" or a named function; the last two start the assistant turn with a
 call (that forced text is part of `prompt_token_ids`, not of the sampled `token_ids`).
 `stream=true` sends server-sent events (chat_stream.py).
@@ -146,15 +147,13 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
 
         def finish(c: Completion) -> dict[str, Any]:
             """The choice's message and finish reason; remembers the turn's exact ids."""
-            content, calls = parse_tool_calls((prefix or "") + c.text, allowed=allowed) if tools else (c.text, [])
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = [call.to_openai() for call in calls]
+            final = _chat_choice(c, prefix=prefix, tool_names=allowed)
+            message = final["message"]
             # the model's own text of the turn (stop string included): how a later request renders it back
             raw = (prefix or "") + (c.text if c.raw_text is None else c.raw_text)
-            service.turns.remember(prompt_ids, c.token_ids, raw, content, [call.id for call in calls])
-            return {"message": message, "finish_reason": "tool_calls" if calls else c.finish_reason, **_forced(c),
-                    **_routed(c)}
+            service.turns.remember(prompt_ids, c.token_ids, raw, message["content"],
+                                   [call["id"] for call in message.get("tool_calls", ())])
+            return {**final, **_forced(c), **_routed(c)}
 
         if body.stream:
             states = [StreamState(decode_text, prefix=prefix, tools_on=bool(tools), stop=params.stop) for _ in range(body.n)]
@@ -384,6 +383,32 @@ async def _compiled(service: Any, spec: GrammarSpec | None) -> CompiledGrammar |
     return await asyncio.to_thread(compile_checked, service.grammars, spec)
 
 
+def _chat_choice(c: Completion, *, prefix: str | None, tool_names: set[str] | None) -> dict[str, Any]:
+    """A chat choice's {"message": ..., "finish_reason": ...}, streamed or not.
+
+    Args:
+        c: the finished sample.
+        prefix: the text the turn was forced to start with (a tool call's opening), or None.
+        tool_names: the tools the model may call now; None when it may call none (no call is parsed).
+
+    The engine ends a call at its `</tool_call>` (a stop string, cut from `c.text`), so a call's
+    closing tag is missing from every text; what tells a finished call from a cut one is the finish
+    reason. A sample that ran out of max_tokens ("length") holds no finished call, even where its
+    JSON happens to be whole: its closing tag and end of turn were never sampled. It keeps
+    finish_reason "length" (OpenAI's meaning: max_tokens ran out) and its text, forced prefix
+    included, stays plain content with no `tool_calls`, as a malformed call does: an agent loop or
+    RL rollout never runs a truncated call as if the model had finished it.
+    """
+    if tool_names is None:
+        return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+    text = (prefix or "") + c.text
+    content, calls = parse_tool_calls(text, allowed=tool_names) if c.finish_reason != "length" else (text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.to_openai() for call in calls]
+    return {"message": message, "finish_reason": "tool_calls" if calls else c.finish_reason}
+
+
 def _forced(c: Completion) -> dict[str, Any]:
     """`grammar_forced` of a constrained choice (per sampled token: the grammar allowed only it)."""
     return {"grammar_forced": c.forced} if c.forced is not None else {}
@@ -403,13 +428,22 @@ def _wants_routing(body: Any, request: Request) -> bool:
 
 
 def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar: CompiledGrammar | None = None) -> SamplingParams:
+    """The engine's SamplingParams of a chat or completion request.
+
+    A guided choice (`guided_choice`, `structured_outputs.choice`) ignores the request's stop
+    strings: its grammar already ends the sample after a whole choice, and a stop string inside
+    the chosen option ("stop" in "nonstop") would cut it, so that the content would be none of the
+    choices. vLLM applies them to the detokenized text regardless; here the whole choice is
+    returned. Other constraints (JSON, regex, grammar) keep them.
+    """
+    is_choice = grammar is not None and grammar.spec.kind == "choice"
     return SamplingParams(
         max_tokens=min(max_tokens or room, room),
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         seed=body.seed,
-        stop=body.stop,
+        stop=[] if is_choice else body.stop,
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         num_top_logprobs=num_top,
