@@ -34,10 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..modeling.lora import AdapterWeights, collect_adapter
-from ..modeling.precision import linear_f32
+from ..modeling.precision import linear, linear_f32
 from .layers.ops import TORCH_OPS
 
 __all__ = ["AdapterWeights", "EngineAdapter", "LoRAGroup", "LoRASegment", "SpareRows", "add_rms_norm_with_lora",
@@ -203,7 +202,7 @@ def linear_with_lora(x: torch.Tensor, full_w: torch.Tensor, full_b: torch.Tensor
         bias = full_b[:num_out] if full_b is not None else None
         if out_dtype != x.dtype:
             return linear_f32(x, full_w[:num_out], bias).to(out_dtype), None
-        return F.linear(x, full_w[:num_out], bias), None
+        return linear(x, full_w[:num_out], bias), None
     rows = num_out + spare_rows_for(g.num_rows, num_out)
     defers = defer and g.BT is not None
     summed = defers and tp is not None  # the ranks' x W^T and x A^T summed in one all-reduce
@@ -335,7 +334,7 @@ def silu_and_mul_with_lora(x: torch.Tensor, full_w: torch.Tensor, num_out: int, 
     """silu(gate) * up of x [N, in] through the fused gate/up weight, with the bound adapter's delta
     fused in (gate and up rounded once, after the delta)."""
     if g is None:
-        return silu_and_mul(F.linear(x, full_w[:num_out]))
+        return silu_and_mul(linear(x, full_w[:num_out]))
     y = linear_f32(x, full_w[:num_out + spare_rows_for(g.num_rows, num_out)])  # [N, 2I + spare] float32
     t = y[:, num_out:num_out + g.num_rows]
     if not _kernels_for(y):

@@ -33,7 +33,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear_f32"]
+__all__ = ["linear", "linear_f32"]
+
+# On a CPU, a product of a few rows (a decode step's) with a large weight runs 1.3-2.5x faster in
+# MKL as W x^T, transposed back, than as x W^T (SmolLM2-135M's projections and LM head in float32,
+# 2-core AMD EPYC, torch 2.13: 45 against 110 ms a decode step's products at 4 rows, 39 against 69
+# at 2, 237 against 299 at 64; about even at 128, and slower at 1,024 rows).
+SKINNY_ROWS = 64
+
+
+def _is_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SKINNY_ROWS
+            and x.dtype == weight.dtype == torch.float32)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`: x [N, in] x weight [out, in] (+ bias [out]) -> [N, out] contiguous, in x's dtype.
+    A float32 CPU product of at most SKINNY_ROWS rows is taken as (W x^T)^T: the same products,
+    summed by MKL in another order (float32 rounding apart, the same values)."""
+    if not _is_skinny(x, weight):
+        return F.linear(x, weight, bias)
+    y = torch.mm(weight, x.t()).t().contiguous()
+    return y if bias is None else y.add_(bias)
 
 
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -53,7 +74,10 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         (exact products, float32 sums).
     """
     if x.dtype == torch.float32 and out is None:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
+    if out is not None and _is_skinny(x, weight):
+        out.copy_(torch.mm(weight, x.t()).t())
+        return out if bias is None else out.add_(bias)
     into = {"out": out} if out is not None else {}
     if x.dtype == torch.float32:
         y = torch.mm(x, weight.T, **into)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from ...modeling.precision import linear_f32
+from ...modeling.precision import linear, linear_f32
 from . import activation, norm, rotary
 from .attention import store_kv
 
@@ -29,7 +29,7 @@ TORCH_OPS = SimpleNamespace(
     rotary_=rotary.rotary_,
     rotary_and_store_=rotary_and_store_,
     silu_and_mul=activation.silu_and_mul,
-    linear=F.linear,  # [N, in] x [out, in] -> [N, out] in the model dtype
+    linear=linear,  # [N, in] x [out, in] -> [N, out] in the model dtype
     linear_f32=linear_f32,  # the same, float32 and unrounded
     batch_invariant=False,
 )
