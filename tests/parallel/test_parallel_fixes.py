@@ -120,3 +120,11 @@ def test_a_worker_that_cannot_be_started_leaves_no_listener_open_and_no_worker_r
         for proc in procs:  # what the old code left running
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("command", [[], "python worker.py"])
+def test_an_empty_or_string_worker_command_is_refused_before_anything_starts(command):
+    before = set(threading.enumerate())
+    with pytest.raises(DistributedError, match="non-empty argv list"):
+        Driver.start(2, device_type="cpu", command=command, timeout_s=5, start_timeout_s=5)
+    assert [t for t in threading.enumerate() if t not in before] == []

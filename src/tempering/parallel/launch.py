@@ -272,11 +272,14 @@ class Driver:
             host: the interface the store and the control listener bind to.
 
         Raises:
-            DistributedError: if a worker cannot be started (`command` is no executable), exits, or
-                does not connect in time; the others are killed.
+            DistributedError: if `command` is empty or a string, if a worker cannot be started
+                (`command` is no executable), exits, or does not connect in time; the others are killed.
         """
         if num_procs < 2:
             raise DistributedError(f"a multi-process run needs at least 2 processes, got {num_procs}")
+        if isinstance(command, str) or not command:
+            raise DistributedError(f"a worker's command must be a non-empty argv list (tempering.service.worker."
+                                   f"worker_command() gives tempering's), got {command!r}")
         if device_type == "cuda" and torch.cuda.device_count() < num_procs:
             raise DistributedError(f"{num_procs} GPUs were asked for but {torch.cuda.device_count()} are visible "
                                    "(CUDA_VISIBLE_DEVICES); ask for fewer")
