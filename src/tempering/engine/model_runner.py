@@ -185,9 +185,10 @@ class ModelRunner:
         allocate_routing = getattr(model, "allocate_routing", None)
         self.routing = allocate_routing(self.num_blocks * self.block_size) if allocate_routing is not None else None
         if self.is_cuda:  # before any graph is captured
-            # the budget counted the caching allocator's unused blocks as free; those the cache did not
-            # take go back to the driver: a graph's private pool cannot reuse them and a capture cannot
-            # free them (on 4x H100 a 72B leader holding 28.6 GiB of them ran a decode bucket eagerly)
+            # the caching allocator's unused blocks go back to the driver (cuda_free_bytes did so
+            # already when it sized the cache; a num_kv_blocks from the config skips it): a graph's
+            # private pool cannot reuse them and a capture cannot free them (on 4x H100 a 72B leader
+            # holding 28.6 GiB of them ran a decode bucket eagerly)
             torch.cuda.empty_cache()
         # FlashAttention takes half precision; a float32 model's prefill runs SDPA over its block tables
         self.use_varlen = self.is_cuda and HAS_VARLEN and model.dtype in (torch.bfloat16, torch.float16)

@@ -47,13 +47,18 @@ def _is_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype == torch.float32)
 
 
+def _skinny_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T taken as (W x^T)^T: [N, out], a transposed view."""
+    return torch.mm(weight, x.t()).t()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`: x [N, in] x weight [out, in] (+ bias [out]) -> [N, out] contiguous, in x's dtype.
     A float32 CPU product of at most SKINNY_ROWS rows is taken as (W x^T)^T: the same products,
     summed by MKL in another order (float32 rounding apart, the same values)."""
     if not _is_skinny(x, weight):
         return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.t()).t().contiguous()
+    y = _skinny_mm(x, weight).contiguous()
     return y if bias is None else y.add_(bias)
 
 
@@ -76,7 +81,7 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if x.dtype == torch.float32 and out is None:
         return linear(x, weight, bias)
     if out is not None and _is_skinny(x, weight):
-        out.copy_(torch.mm(weight, x.t()).t())
+        out.copy_(_skinny_mm(x, weight))
         return out if bias is None else out.add_(bias)
     into = {"out": out} if out is not None else {}
     if x.dtype == torch.float32:

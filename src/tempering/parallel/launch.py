@@ -331,10 +331,6 @@ class Driver:
         listener = Listener((bind, 0), authkey=key)
         procs: dict[int, subprocess.Popen] = {}
         links: list[WorkerLink] = []
-
-        def dead() -> DistributedError | None:
-            return next((link.error for link in links if link.error is not None), None)
-
         try:
             store.set(_keys()[0], f"{publish}:{listener.address[1]}:{key.hex()}")
             for rank in range(1, info.world_size) if spawn is not None else ():
@@ -347,7 +343,7 @@ class Driver:
         except BaseException as exc:
             # a worker that died after joining the channel (in its init_process_group) left this
             # rank's init waiting for it until `timeout_s`: its error names it, the timeout does not
-            error = dead()
+            error = next((link.error for link in links if link.error is not None), None)
             listener.close()
             for proc in procs.values():
                 if proc.poll() is None:
