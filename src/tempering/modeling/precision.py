@@ -35,10 +35,10 @@ import torch.nn.functional as F
 
 __all__ = ["linear", "linear_f32"]
 
-# On a CPU, a product of a few rows (a decode step's) with a large weight runs 1.3-2.5x faster in
-# MKL as W x^T, transposed back, than as x W^T (SmolLM2-135M's projections and LM head in float32,
-# 2-core AMD EPYC, torch 2.13: 45 against 110 ms a decode step's products at 4 rows, 39 against 69
-# at 2, 237 against 299 at 64; about even at 128, and slower at 1,024 rows).
+# On a CPU, MKL runs a product of a few rows (a decode step's) with a large weight faster as W x^T,
+# transposed back, than as x W^T: the default model's decode steps with the live adapter, 2-core AMD
+# EPYC, torch 2.13, 1.73x at 4 rows and 1.1-1.2x at 8-32, even at 1 and 64
+# (benchmarks/cpu_decode.py); the products alone were about even at 128 rows and slower at 1,024.
 SKINNY_ROWS = 64
 
 
