@@ -323,7 +323,7 @@ class LocalBackend:
             BackendError: if the backend was closed while the call waited for the thread (its
                 queued call is dropped, not run).
         """
-        future = self.hub.train_executor.submit(fn, *args)
+        future = self.hub.submit_training(fn, *args)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

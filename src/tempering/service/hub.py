@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..engine import EngineConfig
+from ..engine.cpu_threads import run_in_own_thread
 from ..engine.memory import release_free_memory
 from ..errors import ConfigError, DistributedError, UnknownModelError
 from ..parallel import Driver
@@ -93,7 +94,7 @@ class ModelHub:
             self._check_dedicated()
         self.dedicated = dedicated
         self.registry = ServiceRegistry()
-        # every training call runs on this one thread: its memory stays in one allocator arena
+        # training calls run one at a time, queued on this thread (`submit_training`)
         self.train_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tempering-train")
         self._projects: dict[str, str] = {}  # model name -> project (names are global: requests use them)
         self._lock = threading.Lock()
@@ -102,6 +103,11 @@ class ModelHub:
         self._load_lock = threading.Lock()
         if driver is not None and len(driver.nodes) > 1:
             self._check_shared_root()
+
+    def submit_training(self, fn, /, *args) -> concurrent.futures.Future:
+        """`fn(*args)` queued on the training thread (one call at a time); on CPU it runs in a
+        thread of its own (engine/cpu_threads.py), so its OpenMP pool ends with the call."""
+        return self.train_executor.submit(run_in_own_thread, fn, *args)
 
     def _check_shared_root(self) -> None:
         """Raises ConfigError unless every node of the run sees the files rank 0 writes under root."""
@@ -218,7 +224,7 @@ class ModelHub:
                                 on_run_failure=self.driver.fail if self.driver is not None else None, **options)
 
         if not links:
-            return load()
+            return run_in_own_thread(load)  # on CPU its OpenMP pool ends with it (engine/cpu_threads.py)
         futures = {link.rank: link.call("register", root=str(self.root.resolve()), project=paths.project,
                                         name=paths.name, base_model=base_model, dtype=dtype_name, **options)
                    for link in links}

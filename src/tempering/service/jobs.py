@@ -94,7 +94,7 @@ class TrainJobs:
                     break
                 del self._jobs[old_id]
                 self._by_request.pop(old.request_id, None)
-        self.hub.train_executor.submit(self._run, job, work)
+        self.hub.submit_training(self._run, job, work)
         return job
 
     def get(self, job_id: str) -> TrainJob | None:

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from ..chat import ChatRenderer, TurnCache
 from ..engine import Engine, EngineConfig, HFEngine, Policy, SamplingParams, engine_model_for
 from ..engine.grammar import GrammarCompiler
+from ..engine.cpu_threads import run_in_own_thread
 from ..engine.memory import release_free_memory
 from ..engine.models import fallback_reason
 from ..engine.request import out_of_vocabulary
@@ -362,7 +363,7 @@ class ModelService:
                 name = self._step_adapters.get(step)
             if name is None:
                 name = f"step-{step:04d}"
-                self.peft_model.load_adapter(str(checkpoint), adapter_name=name, is_trainable=False)
+                run_in_own_thread(self.peft_model.load_adapter, str(checkpoint), adapter_name=name, is_trainable=False)
                 self.peft_model.set_adapter(ADAPTER_NAME)
                 with self._step_adapters_lock:
                     self._step_adapters[step] = name

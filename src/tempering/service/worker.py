@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..engine import EngineConfig, SamplingParams
 from ..engine.grammar import GrammarSpec
+from ..engine.cpu_threads import run_in_own_thread
 from ..errors import UnknownModelError
 from ..parallel import RankInfo, join, serve, settle
 from ..storage import ModelPaths
@@ -88,15 +89,15 @@ class WorkerHub:
             service.close()
 
     def follow_train(self, *, name: str, sequences: list, config: TrainConfig, new_step: int) -> None:
-        self._service(name).follow_train(sequences, config, new_step)
+        run_in_own_thread(self._service(name).follow_train, sequences, config, new_step)
 
     def follow_train_sft(self, *, name: str, per_trajectory: list, config: TrainSFTConfig, new_step: int) -> None:
-        self._service(name).follow_train_sft(per_trajectory, config, new_step)
+        run_in_own_thread(self._service(name).follow_train_sft, per_trajectory, config, new_step)
 
     def help_train(self, *, name: str, sequences: list, config: TrainConfig, data_step: int, key: str) -> int:
         """Dedicated mode: micro-batches of rank 0's step while this rank's engine is idle
         (ModelService.help_train)."""
-        return self._service(name).help_train(sequences, config, data_step, key)
+        return run_in_own_thread(self._service(name).help_train, sequences, config, data_step, key)
 
     def receive_adapter(self, *, name: str, lora: LoRAConfig, new_step: int) -> None:
         """Dedicated mode: rank 0's adapter after its training call (ModelService.receive_adapter)."""
