@@ -63,6 +63,7 @@ import torch
 import vllm_rollout
 from tempering.chat import ChatRenderer
 from tempering.engine import BasePolicy, Engine, EngineConfig, SamplingParams, engine_model_for
+from tempering.engine.cpu_threads import run_in_own_thread
 
 GPU_WORKLOADS = {
     "R": dict(num_prompts=32, n=8, max_new=256),
@@ -526,7 +527,12 @@ def main() -> None:
     names = args.workloads.split(",") if args.workloads else (list(workloads) if gpu else ["R"])
 
     vllm = run_vllm(workloads, names, args.vllm_path, tuple(args.vllm_modes.split(","))) if args.vllm else None
-    model, tokenizer = build_gpu_model(device, args.model) if gpu else load_cpu_model(getattr(torch, args.cpu_dtype))
+    # on a CPU, main-thread torch work off the main thread (engine/cpu_threads.py): a pool the main
+    # thread kept would make the engine's OpenMP workers sleep between products, as no backend does
+    if gpu:
+        model, tokenizer = build_gpu_model(device, args.model)
+    else:
+        model, tokenizer = run_in_own_thread(load_cpu_model, getattr(torch, args.cpu_dtype))
     vocab = model.config.vocab_size
 
     class _Tok:  # random-weight GPU model: no tokenizer; EOS ignored anyway
@@ -535,8 +541,8 @@ def main() -> None:
 
     generate_s = None
     if not args.skip_generate and "R" in names:  # first: the trainer below changes the model's settings
-        generate_s = time_generate(model, make_prompts(workloads["R"]["num_prompts"], tokenizer, vocab, seed=7),
-                                   workloads["R"], device)
+        prompts = make_prompts(workloads["R"]["num_prompts"], tokenizer, vocab, seed=7)
+        generate_s = run_in_own_thread(time_generate, model, prompts, workloads["R"], device)
 
     holder = {"peft": None}
     # the grammar's stop id (Qwen's <|im_end|> on the random model): under a grammar a sample ends only
@@ -554,7 +560,7 @@ def main() -> None:
     if not args.skip_lora:
         from tempering.service.policies import AdapterPolicy
 
-        trainer = add_live_adapter(model)
+        trainer = run_in_own_thread(add_live_adapter, model)
         holder["peft"] = trainer.peft_model
         policies["lora"] = AdapterPolicy(trainer.peft_model, "default", 1)
     modes = list(policies)
@@ -574,7 +580,8 @@ def main() -> None:
                     off = trainer.peft_model.disable_adapter() if trainer is not None and mode == "base" else nullcontext()
                     with off:
                         forward = trainer.peft_model if trainer is not None else model
-                        record[f"{mode}_logprob_abs_err_mean_max"] = logprob_error(forward, prompts, results, device)
+                        record[f"{mode}_logprob_abs_err_mean_max"] = run_in_own_thread(
+                            logprob_error, forward, prompts, results, device)
                 if r == 0 and mode == "lora" and k == 0:
                     switch_results = results
         for mode in modes:
@@ -613,7 +620,8 @@ def main() -> None:
         entry["generate_warm_tok_per_s"] = round(work["num_prompts"] * work["n"] * work["max_new"] / generate_s, 1)
         entry["base_vs_generate"] = round(entry["base_tok_per_s"] / entry["generate_warm_tok_per_s"], 2)
     if trainer is not None:
-        record.update(adapter_switch(engine, trainer, make_prompts(8, tokenizer, vocab, seed=99), switch_results))
+        probes = make_prompts(8, tokenizer, vocab, seed=99)
+        record.update(run_in_own_thread(adapter_switch, engine, trainer, probes, switch_results))
     engine.close()
     print(json.dumps(record))
 

@@ -13,8 +13,9 @@ import torch
 from tempering.engine.cpu_threads import run_in_own_thread
 from tempering.service.hub import ModelHub
 
-needs_threads = pytest.mark.skipif(torch.cuda.is_available() or torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"),
-                                   reason="a CPU-only Linux machine with torch on two threads or more")
+needs_threads = pytest.mark.skipif(
+    torch.cuda.is_available() or torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"),
+    reason="a CPU-only Linux machine with torch on two threads or more")
 REQUEST = contextvars.ContextVar("REQUEST", default=None)
 
 
