@@ -37,8 +37,8 @@ __all__ = ["linear", "linear_f32"]
 
 # On a CPU, MKL runs a product of a few rows (a decode step's) with a large weight faster as W x^T,
 # transposed back, than as x W^T: the default model's decode steps with the live adapter, 2-core AMD
-# EPYC, torch 2.13, 1.73x at 4 rows and 1.1-1.2x at 8-32, even at 1 and 64
-# (benchmarks/cpu_decode.py); the products alone were about even at 128 rows and slower at 1,024.
+# EPYC, torch 2.13, 1.65x at 1 row (padded to 2), 2.58x at 2, 1.82x at 4, 1.1-1.2x at 8-32, even at
+# 64 (benchmarks/cpu_decode.py); the products alone were about even at 128 rows and slower at 1,024.
 SKINNY_ROWS = 64
 
 
@@ -49,8 +49,7 @@ def _is_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _skinny_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T taken as (W x^T)^T: [N, out], a transposed view. One row is padded with a zero row:
-    MKL takes a one-column product on one thread and a two-column one on all of them (2.1x on
-    2 cores for the default model's projections)."""
+    MKL takes a one-column product on one thread and a two-column one on all of them."""
     if x.shape[0] == 1:
         padded = x.new_zeros(2, x.shape[1])
         padded[0] = x[0]
