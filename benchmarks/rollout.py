@@ -547,11 +547,11 @@ def main() -> None:
     holder = {"peft": None}
     # the grammar's stop id (Qwen's <|im_end|> on the random model): under a grammar a sample ends only
     # when its grammar does, which no workload's budget allows (token 0 is an ordinary token there)
-    engine = Engine(
+    engine = run_in_own_thread(lambda: Engine(
         engine_model_for(model, 4096), tokenizer or _Tok(), stop_token_ids=[tokenizer.eos_token_id if tokenizer else 151645],
         lock=threading.RLock(), config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, cpu_kv_cache_bytes=1 << 30),
         max_seq_len=4096, peft_model=lambda: holder["peft"],
-    )
+    ))
     record: dict = {"benchmark": "rollout", "device": args.device, "machine": machine(device),
                     "model": "Qwen2.5-1.5B-shaped random bf16" if gpu else f"SmolLM2-135M-Instruct {args.cpu_dtype}",
                     "engine_returns_logprobs": True, "torch": torch.__version__, "workloads": {}}
