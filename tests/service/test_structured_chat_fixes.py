@@ -205,16 +205,18 @@ def test_a_tool_call_whose_json_is_whole_but_that_max_tokens_cut_is_length_and_p
     (CompletionRequest, {"structured_outputs": {"choice": ["nonstop", "full stop"]}}),
 ], ids=["chat-guided_choice", "completions-structured_outputs"])
 @pytest.mark.parametrize("chosen", ["nonstop", "full stop"])
-def test_a_guided_choice_that_holds_a_stop_string_is_returned_whole(tokenizer, grammars, request_type, constraint,
+def test_a_guided_choice_that_holds_a_stop_string_or_token_is_returned_whole(tokenizer, grammars, request_type, constraint,
                                                                     chosen):
     is_chat = request_type is ChatCompletionRequest
     where = {"messages": [{"role": "user", "content": "Pick."}]} if is_chat else {"prompt": "Pick:"}
-    body = request_type(model="m", stop=["stop", "xyz"], **where, **constraint)
+    choice_ids = tokenizer(chosen, add_special_tokens=False)["input_ids"]
+    # a stop string and a stop token id inside the option
+    body = request_type(model="m", stop=["stop", "xyz"], stop_token_ids=[choice_ids[-1]], **where, **constraint)
     stop_ids = grammars.stop_token_ids
     grammar = compile_checked(grammars, request_spec(body))
     params = _params(body, 16, 100, 0, grammar)
     # the engine's stop checks, token by token, on the chosen option and the end of turn the grammar then allows
-    ids = tokenizer(chosen, add_special_tokens=False)["input_ids"] + [stop_ids[0]]
+    ids = choice_ids + [stop_ids[0]]
     k = next(k for k in range(1, len(ids) + 1) if finish_reason_of(ids[:k], params, 16, stop_ids, tokenizer))
     assert k == len(ids)  # not ended inside the choice
     completion = completion_of(ids[:k], [0.0] * k, [[] for _ in range(k)], "stop", params, tokenizer)
@@ -224,8 +226,9 @@ def test_a_guided_choice_that_holds_a_stop_string_is_returned_whole(tokenizer, g
                         stop=params.stop)
     assert "".join(state.push(t) for t in ids) == chosen
     # other constraints keep the request's stop strings
-    regex = request_type(model="m", stop=["stop"], guided_regex="[a-z ]+", **where)
-    assert _params(regex, 16, 100, 0, compile_checked(grammars, request_spec(regex))).stop == ["stop"]
+    regex = request_type(model="m", stop=["stop"], stop_token_ids=[choice_ids[-1]], guided_regex="[a-z ]+", **where)
+    regex_params = _params(regex, 16, 100, 0, compile_checked(grammars, request_spec(regex)))
+    assert regex_params.stop == ["stop"] and regex_params.stop_token_ids == [choice_ids[-1]]
 
 
 async def _streamed_choice(client, **kwargs):

@@ -431,10 +431,10 @@ def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar:
     """The engine's SamplingParams of a chat or completion request.
 
     A guided choice (`guided_choice`, `structured_outputs.choice`) ignores the request's stop
-    strings: its grammar already ends the sample after a whole choice, and a stop string inside
-    the chosen option ("stop" in "nonstop") would cut it, so that the content would be none of the
-    choices. vLLM applies them to the detokenized text regardless; here the whole choice is
-    returned. Other constraints (JSON, regex, grammar) keep them.
+    strings and stop token ids: its grammar already ends the sample after a whole choice, and a
+    stop inside the chosen option ("stop" in "nonstop", or one of its tokens) would cut it, so that
+    the content would be none of the choices. vLLM applies them regardless; here the whole choice
+    is returned. Other constraints (JSON, regex, grammar) keep them.
     """
     is_choice = grammar is not None and grammar.spec.kind == "choice"
     return SamplingParams(
@@ -444,7 +444,7 @@ def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar:
         top_k=body.top_k,
         seed=body.seed,
         stop=[] if is_choice else body.stop,
-        stop_token_ids=body.stop_token_ids,
+        stop_token_ids=[] if is_choice else body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         num_top_logprobs=num_top,
         grammar=grammar,
