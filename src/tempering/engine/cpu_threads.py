@@ -4,9 +4,9 @@ PyTorch's CPU build runs its parallel regions on GNU OpenMP (libgomp), which giv
 that opens one a pool of workers of its own, kept until that thread exits. Once the pools of a
 process hold more threads than it has cores, libgomp's workers stop spinning between regions and
 sleep: each region then waits for a wake-up. A decode step is ~200 small products, one region
-each, and the engine's CPU steps took about twice as long beside one other pool (the default
-model with its live adapter, 2-core AMD EPYC, torch 2.13: 80 -> 40 ms at one row, 113 -> 50 ms
-at four).
+each, and beside one other thread's pool the engine's CPU steps take 2.0-2.8x as long at 1-16
+rows (the default model with its live adapter, 2-core AMD EPYC, torch 2.13:
+benchmarks/cpu_decode.py).
 
 So on a machine without CUDA the engine's thread is the one long-lived thread of tempering that
 runs torch in parallel: a training step or a model load runs in a thread that ends with the call
