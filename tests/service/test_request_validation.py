@@ -233,10 +233,10 @@ def test_logprob_bytes_are_the_tokens_raw_bytes(served):
     assert len(out["logprobs"]["text_offset"]) == len(out["token_ids"])
     assert out["logprobs"]["text_offset"][0] == 0
 
-    from tempering.service.openai_routes import _token_decoder
+    from tempering.service.logprob_fields import token_decoder
 
     tokenizer = served[1].hub.registry.get(served[0].name).tokenizer
-    decode = _token_decoder(tokenizer)
+    decode = token_decoder(tokenizer)
     ids = tokenizer.encode("🎉 é\n<|im_end|>", add_special_tokens=False)
     assert b"".join(bytes(decode.bytes(t)) for t in ids) == "🎉 é\n<|im_end|>".encode()
 

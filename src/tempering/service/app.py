@@ -187,7 +187,7 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         response = _error(exc.status_code, str(exc.detail), type_="invalid_request_error",
-                          param=getattr(exc, "param", None))  # openai_routes' _BadParam names the field
+                          param=getattr(exc, "param", None))  # request_checks.BadParam names the field
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         return response

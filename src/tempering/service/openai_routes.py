@@ -29,7 +29,7 @@ call (that forced text is part of `prompt_token_ids`, not of the sampled `token_
 `stream=true` sends server-sent events (chat_stream.py).
 
 A field tempering does not implement gets a 400 naming it whenever it would change the results
-(`logit_bias`, `min_p`, ...: `_reject_unsupported`), as does a field OpenAI does not define.
+(`logit_bias`, `min_p`, ...: request_checks.py), as does a field OpenAI does not define.
 
 Structured outputs (service/structured.py): `response_format`, vLLM's `guided_*` and
 `structured_outputs`, and "required"/named tool calls constrain sampling with a grammar. Such a
@@ -43,10 +43,7 @@ started but not held to the schema.
 from __future__ import annotations
 
 import asyncio
-import codecs
-import functools
 import json
-import re
 import time
 import uuid
 from typing import Any
@@ -61,7 +58,9 @@ from ..engine.grammar import CompiledGrammar, GrammarSpec, llguidance_installed
 from ..errors import ConfigError, UnknownModelError
 from ..modeling.routing_format import encode_routed_experts
 from .chat_stream import StreamState, num_content_tokens, sse_chat_stream, start_stream
+from .logprob_fields import chat_logprob, completion_logprobs, logprob_entry, token_decoder
 from .registry import ServiceRegistry
+from .request_checks import check_tokens, checked_tools, reject_unsupported, valid_unicode
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .structured import compile_checked, request_spec, tool_call_spec
 
@@ -94,7 +93,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_openai_router(registry: ServiceRegistry) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(_valid_unicode)])
+    router = APIRouter(dependencies=[Depends(valid_unicode)])
 
     def model_object(name: str, created: int) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "tempering",
@@ -115,11 +114,11 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        _reject_unsupported(body)
+        reject_unsupported(body)
         service, step = registry.resolve(body.model)
         if step is not None:  # a saved step's adapter may have to be loaded: not on the event loop
             await asyncio.to_thread(service.prepare_step, step)
-        prompt_tools = _checked_tools(body)  # rendered even with tool_choice "none": the prompt stays stable
+        prompt_tools = checked_tools(body)  # rendered even with tool_choice "none": the prompt stays stable
         tools = prompt_tools if body.tool_choice != "none" else None  # tools the model may call now
         prefix = forced_prefix(body.tool_choice) if tools else None
         allowed = {t["function"]["name"] for t in tools} if tools else None
@@ -133,14 +132,14 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         prompt_ids = service.renderer.render_prompt([m.template_dict() for m in body.messages], prompt_tools,
                                                     tool_choice=body.tool_choice, turns=service.turns,
                                                     template_kwargs=body.chat_template_kwargs)
-        _check_tokens(service, body, prompt_ids)
+        check_tokens(service, body, prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
         params = _params(body, max_tokens, service.max_seq_len - len(prompt_ids), num_top, grammar)
         params.return_routed_experts = _wants_routing(body, request)
         if tools and TOOL_CALL_END not in params.stop:
             params.stop = [*params.stop, TOOL_CALL_END]  # a call ends the turn; the engine hands back control
-        decode = _token_decoder(service.tokenizer)
+        decode = token_decoder(service.tokenizer)
 
         def decode_text(ids: list[int]) -> str:
             return service.tokenizer.decode(ids, skip_special_tokens=True)
@@ -162,7 +161,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             events = sse_chat_stream(
                 started=started, abort=service.abort,
                 model=body.model, prompt_ids=prompt_ids, n=body.n, states=states,
-                token_entry=(lambda t, lp, top: _logprob_entry(decode, t, lp, top, num_top)) if body.logprobs else None,
+                token_entry=(lambda t, lp, top: logprob_entry(decode, t, lp, top, num_top)) if body.logprobs else None,
                 finish=lambda i, c: finish(c), include_usage=bool((body.stream_options or {}).get("include_usage")),
             )
             return StreamingResponse(events, media_type="text/event-stream")
@@ -174,7 +173,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             num_entries = num_content_tokens(decode_text, c.token_ids, prefix, choice["message"]["content"]) \
                 if body.logprobs else 0
             choice.update({
-                "logprobs": {"content": [_chat_logprob(decode, c, t, num_top) for t in range(num_entries)]}
+                "logprobs": {"content": [chat_logprob(decode, c, t, num_top) for t in range(num_entries)]}
                 if body.logprobs else None,
                 "token_ids": c.token_ids,
                 "sampled_logprobs": c.logprobs,
@@ -187,7 +186,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _reject_unsupported(body)
+        reject_unsupported(body)
         service, step = registry.resolve(body.model)
         if step is not None:
             await asyncio.to_thread(service.prepare_step, step)
@@ -195,20 +194,20 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             prompt_ids = service.tokenizer(body.prompt, add_special_tokens=True)["input_ids"]
         else:
             prompt_ids = list(body.prompt)
-        _check_tokens(service, body, prompt_ids)
+        check_tokens(service, body, prompt_ids)
         num_top = body.logprobs or 0
         grammar = await _compiled(service, request_spec(body))
         params = _params(body, body.max_tokens or 16, service.max_seq_len - len(prompt_ids), num_top, grammar)
         params.return_routed_experts = _wants_routing(body, request)
         results = await _generated(request, service, service.submit(prompt_ids, params, n=body.n, step=step))
-        decode = _token_decoder(service.tokenizer)
+        decode = token_decoder(service.tokenizer)
         choices = []
         for i, c in enumerate(results):
             choices.append({
                 "index": i,
                 "text": c.text,
                 "finish_reason": c.finish_reason,
-                "logprobs": _completion_logprobs(decode, c, num_top) if body.logprobs is not None else None,
+                "logprobs": completion_logprobs(decode, c, num_top) if body.logprobs is not None else None,
                 "token_ids": c.token_ids,
                 "sampled_logprobs": c.logprobs,
                 "prompt_token_ids": prompt_ids,
@@ -220,156 +219,6 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         return _response("text_completion", body.model, choices, len(prompt_ids), results)
 
     return router
-
-
-class _BadParam(HTTPException):
-    """A 400 naming the request field at fault (OpenAI's `error.param`)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(400, message)
-        self.param = param
-
-
-def _checked_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The request's tools, checked, and tool_choice checked against them."""
-    choice = body.tool_choice
-    if choice is not None and choice not in ("auto", "none", "required") and not (
-        isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
-    ):
-        raise _BadParam("tool_choice", 'tool_choice must be "auto", "none", "required" or '
-                                       '{"type": "function", "function": {"name": ...}}')
-    if not body.tools:
-        if isinstance(choice, dict) or choice == "required":
-            raise _BadParam("tool_choice", f"tool_choice {choice!r} needs a non-empty `tools` list")
-        return None
-    names = set()
-    for i, tool in enumerate(body.tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _BadParam(f"tools[{i}]", f"tools[{i}] must be "
-                                           "{'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
-        if not _TOOL_NAME.fullmatch(fn["name"]):
-            raise _BadParam(f"tools[{i}].function.name",
-                            f"tools[{i}].function.name {fn['name']!r} must be 1 to 64 letters, digits, '_' or '-' "
-                            "(as OpenAI requires)")
-        if fn["name"] in names:
-            raise _BadParam(f"tools[{i}].function.name", f"tools[{i}].function.name {fn['name']!r} is taken by an "
-                                                          "earlier tool; give each tool its own name")
-        names.add(fn["name"])
-    if isinstance(choice, dict) and choice["function"].get("name") not in names:
-        raise _BadParam("tool_choice", f"tool_choice names {choice['function'].get('name')!r}, which is not in tools "
-                                       f"{sorted(names)}")
-    return body.tools
-
-
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-# OpenAI fields that change nothing sampled here
-# parallel_tool_calls: a turn ends after its first call (the engine hands the call back to the agent),
-# which both values allow: false forbids several calls in a turn, true permits them (LangChain's
-# with_structured_output(method="function_calling") sends false)
-_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                       "parallel_tool_calls"})
-# Fields (OpenAI's and vLLM's) that would change the results: refused unless they hold the value that
-# changes nothing (null always does). field: (that value, what to do instead); None: any value is refused.
-_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "logit_bias": ({}, "constrain the output with guided_choice, guided_regex or response_format instead"),
-    "min_p": (0, "use top_p or top_k"),
-    "min_tokens": (0, "ignore_eos=true samples exactly max_tokens tokens"),
-    "repetition_penalty": (1, "leave it at 1"),
-    "include_stop_str_in_output": (False, "the text ends before the stop string; token_ids holds every sampled token"),
-    "skip_special_tokens": (True, "the text never holds special tokens; token_ids holds them"),
-    "guided_whitespace_pattern": (None, "JSON is generated without free whitespace"),
-    # changes nothing for tempering's models' templates, so it would be silently ignored
-    "reasoning_effort": (None, 'to turn off a Qwen3 model\'s thinking send chat_template_kwargs={"enable_thinking": false}'),
-}
-_UNSUPPORTED_CHAT = {
-    **_UNSUPPORTED,
-    "functions": (None, 'send them as tools=[{"type": "function", "function": {...}}]'),
-    "function_call": (None, "use tool_choice"),
-    "prediction": (None, "leave it out"),
-    "modalities": (["text"], 'only text output is supported; send ["text"] or leave it out'),
-    "audio": (None, "only text output is supported"),
-    "continue_final_message": (False, "the reply is always a new assistant turn"),
-    "add_generation_prompt": (True, "the prompt always ends with the assistant turn's header"),
-}
-_UNSUPPORTED_COMPLETIONS = {
-    **_UNSUPPORTED,
-    "best_of": (1, "sample n completions and pick among them yourself"),
-    "suffix": (None, "leave it out"),
-    "echo": (False, "prepend the prompt yourself (prompt_token_ids holds its ids)"),
-}
-
-
-def _reject_unsupported(body: Any) -> None:
-    """400 for a field that tempering would ignore although it changes results, or for a combination OpenAI refuses."""
-    if isinstance(body, CompletionRequest) and body.stream:
-        raise _BadParam("stream", "stream=true is supported on /v1/chat/completions only; send stream=false")
-    if body.presence_penalty or body.frequency_penalty:
-        raise _BadParam("presence_penalty" if body.presence_penalty else "frequency_penalty",
-                        "presence_penalty and frequency_penalty are not supported; leave them at 0")
-    table = _UNSUPPORTED_CHAT if isinstance(body, ChatCompletionRequest) else _UNSUPPORTED_COMPLETIONS
-    extra = body.model_extra or {}
-    for name, value in extra.items():
-        if name in table and value != table[name][0]:
-            raise _BadParam(name, f"{name} is not supported by tempering; {table[name][1]}")
-    unknown = sorted(set(extra) - set(table) - _HARMLESS)
-    if unknown:
-        raise _BadParam(unknown[0], f"Unrecognized request argument supplied: {', '.join(unknown)} "
-                                 "(not supported by tempering; check the spelling, or leave it out)")
-    if body.max_tokens is not None and getattr(body, "max_completion_tokens", None) not in (None, body.max_tokens):
-        raise _BadParam("max_completion_tokens",
-                        f"max_tokens ({body.max_tokens}) and max_completion_tokens ({body.max_completion_tokens}) "
-                                 "differ; send only one of them")
-    if isinstance(body, ChatCompletionRequest):
-        if body.top_logprobs is not None and not body.logprobs:
-            raise _BadParam("top_logprobs", "top_logprobs needs logprobs=true")
-        if body.stream_options is not None and not body.stream:
-            raise _BadParam("stream_options", "stream_options needs stream=true")
-
-
-def _check_tokens(service: Any, body: Any, prompt_ids: list[int]) -> None:
-    """400 for token ids outside the vocabulary, or a prompt that leaves no room to sample."""
-    given = {"stop_token_ids": body.stop_token_ids}
-    if isinstance(getattr(body, "prompt", None), list):
-        given["prompt token ids"] = prompt_ids
-    for name, ids in given.items():
-        vocab = len(service.tokenizer) if ids else 0
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise _BadParam("stop_token_ids" if name == "stop_token_ids" else "prompt",
-                            f"{name} must be in [0, {vocab}) (the model's vocabulary); {bad} is not")
-    if len(prompt_ids) >= service.max_seq_len:
-        raise _BadParam("messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                        f"the prompt has {len(prompt_ids)} tokens but at most {service.max_seq_len - 1} fit in "
-                        f"the model's context of {service.max_seq_len}; shorten it")
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate, paired or not
-_SURROGATE = re.compile("[\ud800-\udfff]")  # one that json.loads left unpaired
-
-
-async def _valid_unicode(request: Request) -> None:
-    """400 naming the first string of the body that holds an unpaired UTF-16 surrogate (half an emoji,
-    as JavaScript's `slice` leaves it), which no tokenizer can encode."""
-    if request.method != "POST" or not _SURROGATE_ESCAPE.search(await request.body()):
-        return
-    try:
-        data = await request.json()
-    except (ValueError, RecursionError):
-        return  # the body's validation reports it
-    todo = [("", data)]
-    while todo:
-        path, value = todo.pop()
-        if isinstance(value, str) and (found := _SURROGATE.search(value)):
-            path = path.encode("utf-8", "backslashreplace").decode()  # the path itself may hold one (in a key)
-            raise HTTPException(400, f"{path or 'the body'} holds an unpaired UTF-16 surrogate \\u{ord(found.group()):04x}; "
-                                     "send whole characters (both halves of a surrogate pair)")
-        if isinstance(value, dict):
-            for key, item in reversed(value.items()):
-                where = f"{path}.{key}" if path else key
-                todo += [(where, item), (f"the key {where}", key)]
-        elif isinstance(value, list):
-            todo += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]
 
 
 async def _compiled(service: Any, spec: GrammarSpec | None) -> CompiledGrammar | None:
@@ -449,95 +298,6 @@ def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar:
         num_top_logprobs=num_top,
         grammar=grammar,
     )
-
-
-@functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """Byte-level BPE (GPT-2's alphabet): the character that stands for each byte in the vocabulary → the byte."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
-
-
-class _TokenDecoder:
-    """A request's per-token texts (`decode(id)`) and raw bytes (`decode.bytes(id)`: a token can hold
-    part of a UTF-8 character, whose text is then U+FFFD), cached."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-        self._bytes: dict[int, list[int]] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def bytes(self, token_id: int) -> list[int]:
-        data = self._bytes.get(token_id)
-        if data is None:
-            data = self._bytes[token_id] = list(self._raw(token_id))
-        return data
-
-    @functools.cached_property
-    def _byte_level(self) -> bool:
-        decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
-        return type(decoder).__name__ == "ByteLevel"
-
-    @functools.cached_property
-    def _added(self) -> dict[int, Any]:
-        return self.tokenizer.added_tokens_decoder  # stored as plain text, also in a byte-level vocabulary
-
-    def _raw(self, token_id: int) -> bytes:
-        token = self.tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(token, str):
-            if self._byte_level and token_id not in self._added:
-                try:
-                    return bytes(_byte_decoder()[ch] for ch in token)
-                except KeyError:
-                    pass
-            if match := _BYTE_TOKEN.fullmatch(token):
-                return bytes([int(match.group(1), 16)])
-        return self(token_id).encode("utf-8")
-
-
-def _token_decoder(tokenizer: Any) -> _TokenDecoder:
-    return _TokenDecoder(tokenizer)
-
-
-def _logprob_entry(decode, token_id: int, logprob: float, top: list[tuple[int, float]], num_top: int) -> dict[str, Any]:
-    return {
-        "token": decode(token_id),
-        "logprob": logprob,
-        "bytes": decode.bytes(token_id),
-        "top_logprobs": [
-            {"token": decode(a), "logprob": lp, "bytes": decode.bytes(a)} for a, lp in top
-        ] if num_top else [],
-    }
-
-
-def _completion_logprobs(decode, c: Completion, num_top: int) -> dict[str, Any]:
-    """The legacy completions API's `logprobs` object of one choice."""
-    tokens = [decode(t) for t in c.token_ids]
-    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-    offsets, pos = [], 0
-    for t in c.token_ids:  # a character split over tokens counts at its last token
-        offsets.append(pos)
-        pos += len(utf8.decode(bytes(decode.bytes(t))))
-    return {
-        "tokens": tokens,
-        "token_logprobs": c.logprobs,
-        "top_logprobs": [{decode(a): lp for a, lp in top} for top in c.top_logprobs] if num_top else None,
-        "text_offset": offsets,
-    }
-
-
-def _chat_logprob(decode, c: Completion, t: int, num_top: int) -> dict[str, Any]:
-    return _logprob_entry(decode, c.token_ids[t], c.logprobs[t], c.top_logprobs[t], num_top)
 
 
 def _response(kind: str, model: str, choices: list[dict], num_prompt: int, results: list[Completion]) -> Response:

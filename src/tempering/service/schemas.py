@@ -32,7 +32,7 @@ _TEMPLATE_ARGS = frozenset({
 
 class _SamplingFields(BaseModel):
     # Undeclared fields are kept in `model_extra`: the routes refuse those that would change results
-    # (openai_routes._reject_unsupported).
+    # (request_checks.reject_unsupported).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=300)

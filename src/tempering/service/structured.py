@@ -8,7 +8,8 @@ Accepted, at most one per request:
   strings), `guided_grammar` (Lark or GBNF); and its newer `structured_outputs={"json" | "regex" |
   "choice" | "grammar": ..., or "json_object": true}` (its whitespace options are accepted; JSON
   is always generated without free whitespace). A choice is returned whole: the request's `stop`
-  strings are not applied to it (vLLM's would cut "nonstop" at "stop"; openai_routes `_params`).
+  strings and `stop_token_ids` are not applied to it (vLLM's would cut "nonstop" at "stop";
+  openai_routes `_params`).
 - `tool_choice="required"` or a named function (chat only): the assistant turn already starts
   with the Hermes call's opening (chat/tools.py `forced_prefix`); the grammar makes the rest a
   complete call of that function (or, for "required", of one of `tools`) whose arguments follow
