@@ -40,5 +40,8 @@ def test_forced_prefixes_and_rendered_calls():
     assert forced_prefix("auto") is None and forced_prefix("none") is None and forced_prefix(None) is None
     text = tool_call_text("add", '{"a": 1}')
     assert parse_tool_calls(text)[1][0].name == "add"
+    # a call without arguments, sent back as "" (as some clients write it), renders as the model wrote it: {}
+    assert {tool_call_text("now", args) for args in ("", " ", "{}", {})} == {tool_call_text("now", {})}
+    assert parse_tool_calls(tool_call_text("now", ""))[1][0].arguments == "{}"
     prompt = tools_system_prompt(TOOLS)
     assert '"name": "add"' in prompt and "<tool_call>" in prompt

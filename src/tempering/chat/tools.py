@@ -53,10 +53,12 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
 
 
 def tool_call_text(name: str, arguments: str | dict[str, Any]) -> str:
-    """The Hermes text of one call (how an assistant turn with `tool_calls` is rendered back)."""
+    """The Hermes text of one call (how an assistant turn with `tool_calls` is rendered back).
+    Empty `arguments` ("", as some clients send a call without any) render as {}, as the model
+    writes such a call; text that is not JSON is rendered as a string."""
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
             pass
     return f"{TOOL_CALL_START}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{TOOL_CALL_END}"
