@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import TrajectoryError
+from .training.sft import message_weight
 from .types import TrainResult, TrainSFTConfig, Trajectory
 
 if TYPE_CHECKING:
@@ -37,11 +38,11 @@ def read_sft_jsonl(path: str | Path) -> list[Trajectory]:
             messages = record.get("messages") if isinstance(record, dict) else None
             if not isinstance(messages, list) or not messages:
                 raise TrajectoryError(f'{path}:{number}: expected {{"messages": [...]}}')
-            for i, m in enumerate(messages):
-                weight = m.get("weight", 1) if isinstance(m, dict) else 1
-                if isinstance(weight, bool) or weight not in (0, 1):
-                    raise TrajectoryError(f'{path}:{number}: message {i} has "weight": {weight!r}; '
-                                          "it must be 0 (context only) or 1 (learn from it)")
+            try:
+                for i, m in enumerate(messages):
+                    message_weight(m if isinstance(m, dict) else {}, i)
+            except TrajectoryError as exc:
+                raise TrajectoryError(f"{path}:{number}: {exc}") from None
             assistant = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
             if not assistant:
                 raise TrajectoryError(f"{path}:{number}: no assistant message to learn from")

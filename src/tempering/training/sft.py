@@ -20,10 +20,10 @@ from ..errors import TrajectoryError
 from ..types import TrainSFTConfig, Trajectory
 from .tokenize import TokenizedSequence
 
-__all__ = ["sft_batches", "sft_sequences"]
+__all__ = ["message_weight", "sft_batches", "sft_sequences"]
 
 
-def _weight(message: dict[str, Any], index: int) -> int:
+def message_weight(message: dict[str, Any], index: int) -> int:
     """Message `index`'s `weight` (OpenAI's chat fine-tuning format): 1 (learn from it, the default) or 0.
 
     Raises:
@@ -48,7 +48,7 @@ def sft_sequences(trajectory: Trajectory, renderer: ChatRenderer, *, max_seq_len
     out: list[TokenizedSequence] = []
     for history in trajectory.histories():
         messages, tools = history.messages(), history.tools
-        weights = [_weight(m, i) for i, m in enumerate(messages)]
+        weights = [message_weight(m, i) for i, m in enumerate(messages)]
         messages = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
         current: TokenizedSequence | None = None
         for i, message in enumerate(messages):
