@@ -527,8 +527,9 @@ def main() -> None:
     names = args.workloads.split(",") if args.workloads else (list(workloads) if gpu else ["R"])
 
     vllm = run_vllm(workloads, names, args.vllm_path, tuple(args.vllm_modes.split(","))) if args.vllm else None
-    # on a CPU, main-thread torch work off the main thread (engine/cpu_threads.py): a pool the main
-    # thread kept would make the engine's OpenMP workers sleep between products, as no backend does
+    # on a CPU the torch work of this script runs off the main thread, as a backend's does: an OpenMP
+    # pool kept by the main thread would make the engine's workers sleep between products
+    # (engine/cpu_threads.py)
     if gpu:
         model, tokenizer = build_gpu_model(device, args.model)
     else:
