@@ -229,6 +229,10 @@ def test_a_guided_choice_that_holds_a_stop_string_or_token_is_returned_whole(tok
     regex = request_type(model="m", stop=["stop"], stop_token_ids=[choice_ids[-1]], guided_regex="[a-z ]+", **where)
     regex_params = _params(regex, 16, 100, 0, compile_checked(grammars, request_spec(regex)))
     assert regex_params.stop == ["stop"] and regex_params.stop_token_ids == [choice_ids[-1]]
+    # with tools the model may call, a call's end is a stop string, except beside a choice (no call can be sampled)
+    assert _params(body, 16, 100, 0, grammar, tools_on=True).stop == []
+    assert _params(regex, 16, 100, 0, compile_checked(grammars, request_spec(regex)), tools_on=True).stop == [
+        "stop", "</tool_call>"]
 
 
 async def _streamed_choice(client, **kwargs):

@@ -135,10 +135,9 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
         check_tokens(service, body, prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
-        params = _params(body, max_tokens, service.max_seq_len - len(prompt_ids), num_top, grammar)
+        params = _params(body, max_tokens, service.max_seq_len - len(prompt_ids), num_top, grammar,
+                         tools_on=bool(tools))
         params.return_routed_experts = _wants_routing(body, request)
-        if tools and TOOL_CALL_END not in params.stop:
-            params.stop = [*params.stop, TOOL_CALL_END]  # a call ends the turn; the engine hands back control
         decode = token_decoder(service.tokenizer)
 
         def decode_text(ids: list[int]) -> str:
@@ -276,23 +275,31 @@ def _wants_routing(body: Any, request: Request) -> bool:
     return body.return_routed_experts or request.headers.get(ROUTED_EXPERTS_HEADER, "").lower() in ("1", "true")
 
 
-def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar: CompiledGrammar | None = None) -> SamplingParams:
+def _params(body: Any, max_tokens: int | None, room: int, num_top: int, grammar: CompiledGrammar | None = None,
+            *, tools_on: bool = False) -> SamplingParams:
     """The engine's SamplingParams of a chat or completion request.
+
+    With tools the model may call (`tools_on`), `</tool_call>` is a stop string: a call ends the
+    turn and the engine hands back control.
 
     A guided choice (`guided_choice`, `structured_outputs.choice`) ignores the request's stop
     strings and stop token ids: its grammar already ends the sample after a whole choice, and a
     stop inside the chosen option ("stop" in "nonstop", or one of its tokens) would cut it, so that
     the content would be none of the choices. vLLM applies them regardless; here the whole choice
-    is returned. Other constraints (JSON, regex, grammar) keep them.
+    is returned, and `</tool_call>` is not added (the grammar allows no call). Other constraints
+    (JSON, regex, grammar) keep them.
     """
     is_choice = grammar is not None and grammar.spec.kind == "choice"
+    stop = [] if is_choice else list(body.stop)
+    if tools_on and not is_choice and TOOL_CALL_END not in stop:
+        stop.append(TOOL_CALL_END)
     return SamplingParams(
         max_tokens=min(max_tokens or room, room),
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         seed=body.seed,
-        stop=[] if is_choice else body.stop,
+        stop=stop,
         stop_token_ids=[] if is_choice else body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         num_top_logprobs=num_top,
