@@ -3,9 +3,8 @@ import math
 import pytest
 import torch
 
-from tempering.training.losses import kl_estimate, policy_loss, sequence_mean
+from tempering.training.losses import kl_estimate, policy_loss, sequence_mean, token_weights
 from tempering.training.tokenize import TokenizedSequence
-from tempering.training.trainer import token_weights
 
 
 def _loss(new, old, adv, fn="ppo", lo=0.2, hi=0.2, **kw):

@@ -1,4 +1,5 @@
-"""Policy-gradient surrogate losses per token, KL estimators and importance-ratio corrections.
+"""Policy-gradient surrogate losses per token, their aggregation weights, KL estimators and
+importance-ratio corrections.
 
 Notation: `ratio = exp(logprob_new - logprob_sampled)` is the token-level importance ratio
 between the policy being trained and the one that sampled the token (the engine's logprobs are
@@ -7,9 +8,40 @@ used as π_old directly: "bypass mode" in verl's terms).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-__all__ = ["kl_estimate", "policy_loss", "sequence_mean"]
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .tokenize import TokenizedSequence
+
+__all__ = ["kl_estimate", "policy_loss", "sequence_mean", "token_weights"]
+
+
+def token_weights(sequences: list[TokenizedSequence], aggregation: str, dr_grpo_normalizer: int | None) -> list[float]:
+    """The loss weight of each trained token of each sequence, for one mini-batch.
+
+    token_mean: 1 / (trained tokens in the mini-batch); sequence_mean: 1 / (sequences × this
+    sequence's trained tokens); dr_grpo: 1 / (sequences × normalizer), the normalizer defaulting
+    to the mini-batch's longest completion (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like
+    Training").
+
+    Raises:
+        ConfigError: for another `aggregation`.
+    """
+    counts = [s.num_completion_tokens for s in sequences]
+    n = len(sequences)
+    if aggregation == "token_mean":
+        total = sum(counts)
+        return [1.0 / total] * n
+    if aggregation == "sequence_mean":
+        return [1.0 / (n * c) if c else 0.0 for c in counts]
+    if aggregation == "dr_grpo":
+        normalizer = dr_grpo_normalizer or max(counts)
+        return [1.0 / (n * normalizer)] * n
+    raise ConfigError(f"unknown loss_aggregation {aggregation!r}")
 
 
 def sequence_mean(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:

@@ -41,7 +41,6 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -58,10 +57,13 @@ from .data_parallel import DataParallel
 from .decoder import PackedDecoder
 from .gemma3_decoder import Gemma3PackedDecoder
 from .logprobs import selective_logprobs
+from .losses import token_weights
 from .moe import MoEPackedDecoder, expert_modules_of, expert_target_modules
-from .objective import STATS, histogram_quantile, rl_objective
+from .objective import STATS, rl_objective
+from .step_stats import RATIO_MAX_INDEX, StepMetrics, StepTotals, combine_stats, rl_step_metrics
 from .tensor_parallel import full_optimizer_state, load_sharded_adapter, save_full_adapter, shard_optimizer_state
 from .tokenize import TokenizedSequence
+from .undo import UndoRecord
 from .work_sharing import MicroBatchClaims, SharedUpdate, run_claimed
 
 __all__ = ["ADAPTER_NAME", "StepMetrics", "Trainer"]
@@ -94,75 +96,6 @@ class _NoGate:
 
     def __exit__(self, *exc: object) -> None:
         return None
-
-
-@dataclass(slots=True)
-class StepMetrics:
-    values: dict[str, float]
-
-
-_MAX = STATS.index("ratio_max")
-
-
-def _combine(total: torch.Tensor | None, stats: torch.Tensor, max_index: int | None = _MAX) -> torch.Tensor:
-    """`total + stats` for statistics vectors (entry `max_index`: the max), on the device; None + stats is a copy."""
-    if total is None:
-        return stats.clone()
-    out = total + stats
-    if max_index is not None:
-        out[max_index] = torch.maximum(total[max_index], stats[max_index])  # no host value reaches the device
-    return out
-
-
-@dataclass(slots=True)
-class _Totals:
-    """A step's statistics: device-side sums of the objective's STATS vectors, read at the end."""
-
-    sums: torch.Tensor | None = None  # [len(STATS)] over the whole step
-    first_update: torch.Tensor | None = None  # the same over the first update (mismatch before any change)
-    tokens: int = 0
-    grad_norms: list[float] = field(default_factory=list)  # of the updates taken
-    num_skipped: int = 0  # updates skipped for a non-finite gradient norm
-    _read: dict[str, float] | None = None
-
-    def add(self, stats: torch.Tensor) -> None:
-        """Add one update's statistics (before its grad norm is appended)."""
-        self.sums = _combine(self.sums, stats)
-        if not self.grad_norms and not self.num_skipped:
-            self.first_update = _combine(self.first_update, stats)
-
-    def values(self) -> dict[str, float]:
-        """The sums as floats (reads the device once; call after the last `add`)."""
-        if self._read is not None:
-            return self._read
-        zeros = [0.0] * len(STATS)
-        sums = dict(zip(STATS, self.sums.tolist() if self.sums is not None else zeros))
-        first = dict(zip(STATS, self.first_update.tolist() if self.first_update is not None else zeros))
-        self._read = {**sums, "first_trained": first["trained"], "first_mismatch_abs": first["mismatch_abs"],
-                      "first_mismatch_k3": first["mismatch_k3"], "first_bitwise_equal": first["bitwise_equal"],
-                      "first_mismatch_p99": histogram_quantile([first[k] for k in STATS if k.startswith("mismatch_hist_")],
-                                                               0.99)}
-        return self._read
-
-
-def token_weights(sequences: list[TokenizedSequence], aggregation: str, dr_grpo_normalizer: int | None) -> list[float]:
-    """The loss weight of each trained token of each sequence, for one mini-batch.
-
-    token_mean: 1 / (trained tokens in the mini-batch); sequence_mean: 1 / (sequences × this
-    sequence's trained tokens); dr_grpo: 1 / (sequences × normalizer), the normalizer defaulting
-    to the mini-batch's longest completion.
-    """
-    counts = [s.num_completion_tokens for s in sequences]
-    n = len(sequences)
-    if aggregation == "token_mean":
-        total = sum(counts)
-        return [1.0 / total] * n
-    if aggregation == "sequence_mean":
-        return [1.0 / (n * c) if c else 0.0 for c in counts]
-    if aggregation == "dr_grpo":
-        normalizer = dr_grpo_normalizer or max(counts)
-        return [1.0 / (n * normalizer)] * n
-    raise ConfigError(f"unknown loss_aggregation {aggregation!r}")
 
 
 class Trainer:
@@ -223,7 +156,7 @@ class Trainer:
         self._checkpointing = False
         self.rows = RowGraphs(self.params, self.params[0].device)
         self._snapshot_buffers: list[torch.Tensor] | None = None  # reused by every step's snapshot
-        self._undo: _Undo | None = None  # what a failing step restores (see _undoable)
+        self._undo: UndoRecord | None = None  # what a failing step restores (see _undoable)
         self._updates_this_step = 0  # optimizer updates taken by the running step
         self._num_rescored: int | None = None  # the running step's trained tokens rescored (None: no scorer)
         self._rescore_s = 0.0  # the running step's seconds in the scorer
@@ -410,7 +343,7 @@ class Trainer:
         Raises:
             DistributedError: when another rank's part of the step failed (this rank undid it too).
         """
-        self._undo = _Undo(self.num_updates, self.rng.getstate(), torch.get_rng_state(), self.gate.version)
+        self._undo = UndoRecord(self.num_updates, self.rng.getstate(), torch.get_rng_state(), self.gate.version)
         try:
             if not self._is_synced:
                 self.dp.broadcast_(self.params)  # the LoRA init or loaded adapter: rank 0's on every rank
@@ -449,14 +382,15 @@ class Trainer:
         self._updates_this_step, self._num_rescored = 0, 0 if scorer is not None else None
         self._rescore_s = 0.0
         self._shared_rows = None
-        totals = _Totals()
+        totals = StepTotals()
         try:
             with self._forward_mode(config.gradient_checkpointing):
                 self._run_minibatches(sequences, config, totals, on_update, version, scorer, sharing)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         totals.values()  # waits for the device: the step time below is the whole step's
-        return StepMetrics(self._metrics(totals, config, time.perf_counter() - start))
+        return StepMetrics(rl_step_metrics(totals, config, time.perf_counter() - start, shared_rows=self._shared_rows,
+                                           num_rescored=self._num_rescored, rescore_s=self._rescore_s))
 
     @contextlib.contextmanager
     def _forward_mode(self, checkpointing: bool) -> Iterator[None]:
@@ -512,7 +446,7 @@ class Trainer:
                 config.decoupled, config.importance_ratio_mask, config.kl_penalty_coef, config.kl_estimator,
                 config.logprob_chunk_size, self._checkpointing, scorer)
 
-    def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: _Totals,
+    def _run_minibatches(self, sequences: list[TokenizedSequence], config: TrainConfig, totals: StepTotals,
                          on_update=None, version: int | None = None, scorer=None,
                          sharing: SharedUpdate | None = None) -> None:
         minibatches = self._minibatches(sequences, config)
@@ -524,7 +458,7 @@ class Trainer:
             weights = token_weights(minibatch, config.aggregation, config.dr_grpo_normalizer)
             totals.tokens += sum(len(s) for s in minibatch)
             stats = self._accumulate(minibatch, weights, config.micro_batch_tokens, objective, key, capture=capture,
-                                     failure=failure, num_stats=len(STATS), max_index=_MAX, scorer=scorer,
+                                     failure=failure, num_stats=len(STATS), max_index=RATIO_MAX_INDEX, scorer=scorer,
                                      sharing=sharing)
             if stats is not None:
                 totals.add(stats)
@@ -570,7 +504,7 @@ class Trainer:
                 with self._forward_mode(config.gradient_checkpointing):
                     self._accumulate(sequences, weights, config.micro_batch_tokens, objective,
                                      self._objective_key(config, False), capture=self._can_capture(config),
-                                     failure=None, num_stats=len(STATS), max_index=_MAX, sharing=sharing,
+                                     failure=None, num_stats=len(STATS), max_index=RATIO_MAX_INDEX, sharing=sharing,
                                      may_claim=may_claim)
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -613,7 +547,7 @@ class Trainer:
                     nonlocal stats
                     micro = micros[index]
                     if micro.loss_mask[0, 1:].any():  # else nothing is trained in this row
-                        stats = _combine(stats, self.rows.run(micro, objective, key, capture=capture), max_index)
+                        stats = combine_stats(stats, self.rows.run(micro, objective, key, capture=capture), max_index)
 
                 if sharing is None:
                     for index in range(len(micros)):
@@ -802,88 +736,20 @@ class Trainer:
                 max_length_k=row.max_seq_len,
             ).last_hidden_state[0]  # [T, H]
 
-    def _metrics(self, totals: _Totals, config: TrainConfig, elapsed: float) -> dict[str, float]:
-        t = totals.values()  # the step's one read of device values
-        n = max(t["trained"], 1)
-        updates = max(len(totals.grad_norms) + totals.num_skipped, 1)
-        metrics = {
-            "loss/train": t["loss"] / updates,
-            "loss/grad_norm": sum(totals.grad_norms) / len(totals.grad_norms) if totals.grad_norms else math.nan,
-            "loss/grad_norm_max": max(totals.grad_norms, default=math.nan),
-            "loss/num_updates_skipped": float(totals.num_skipped),
-            "loss/entropy": t["entropy"] / n,
-            "loss/learning_rate": config.learning_rate,
-            "loss/clip_fraction": t["clipped"] / n,
-            "offpolicy/ratio_mean": t["ratio_sum"] / n,
-            "offpolicy/ratio_max": t["ratio_max"],
-            "data/step_trainer_tokens": float(totals.tokens),
-            "data/step_completion_tokens": t["trained"],
-            "data/step_num_optimizer_updates": float(len(totals.grad_norms)),  # taken
-            "time/step_trainer_s": elapsed,
-            "throughput/trainer_tok_per_s": totals.tokens / elapsed if elapsed > 0 else 0.0,
-        }
-        if self._shared_rows is not None:  # work sharing: the micro-batches the serving ranks computed
-            metrics["data/step_micro_batches"] = float(self._shared_rows[0])
-            metrics["data/step_micro_batches_shared"] = float(self._shared_rows[0] - self._shared_rows[1])
-        if t["first_trained"]:  # before any update: the engine-vs-trainer mismatch alone
-            metrics["offpolicy/mismatch_abs_logprob"] = t["first_mismatch_abs"] / t["first_trained"]
-            metrics["offpolicy/mismatch_kl"] = t["first_mismatch_k3"] / t["first_trained"]
-            metrics["offpolicy/mismatch_abs_logprob_p99"] = t["first_mismatch_p99"]  # a histogram bin's upper edge
-            metrics["offpolicy/bitwise_equal_fraction"] = t["first_bitwise_equal"] / t["first_trained"]
-        if self._num_rescored is not None:  # exact on-policy: the share of trained tokens the engine recomputed
-            metrics["offpolicy/rescored_fraction"] = self._num_rescored / n
-            metrics["time/step_rescore_s"] = self._rescore_s  # within time/step_trainer_s
-        if config.kl_penalty_coef > 0:
-            metrics["loss/kl"] = t["kl"] / n
-        if config.truncated_importance_sampling is not None:
-            metrics["offpolicy/tis_capped_fraction"] = t["tis_capped"] / n
-        if config.importance_ratio_mask is not None:
-            metrics["offpolicy/masked_fraction"] = t["masked"] / n
-        return metrics
-
     # ---- failure safety -------------------------------------------------------------------
 
     def _save_tensors(self) -> None:
-        """Copy the adapter and the optimizer state into the pending undo record (once per step).
+        """Copy the adapter and the optimizer state into the pending undo record (once per step)."""
+        if self._undo is not None:
+            self._snapshot_buffers = self._undo.save_tensors(self.params, self.optimizer, self._snapshot_buffers)
 
-        The tensors (hundreds: A and B of every projection, and Adam's two moments of each) are
-        copied with one multi-tensor kernel into buffers kept from the last step, not one
-        allocation and copy each: that cost a GPU step tens of milliseconds of host time.
-        """
-        undo = self._undo
-        if undo is None or undo.tensors is not None:
-            return
-        state = self.optimizer.state
-        undo.keys = [(i, k) for i, p in enumerate(self.params) if p in state
-                     for k, v in state[p].items() if torch.is_tensor(v)]
-        tensors = [p.detach() for p in self.params] + [state[self.params[i]][k] for i, k in undo.keys]
-        undo.others = {i: {k: v for k, v in state[p].items() if not torch.is_tensor(v)}
-                       for i, p in enumerate(self.params) if p in state}
-        buffers = self._snapshot_buffers
-        if buffers is None or [b.shape for b in buffers] != [t.shape for t in tensors]:
-            buffers = self._snapshot_buffers = [torch.empty_like(t) for t in tensors]
-        torch._foreach_copy_(buffers, tensors)
-        undo.tensors = buffers
-
-    def _restore(self, undo: _Undo) -> None:
+    def _restore(self, undo: UndoRecord) -> None:
         self.num_updates = undo.num_updates
         self.rng.setstate(undo.python_rng)
         torch.set_rng_state(undo.torch_rng)
-        for p in self.params:
-            p.grad = None
-        if undo.tensors is None:  # failed before the first update: the tensors never changed
-            return
-        self._snapshot_buffers = None  # the saved moments become the optimizer's own tensors below
-        n = len(self.params)
-        with torch.no_grad(), self.gate:  # a write to the shared adapter, and its version back with it
-            for p, copy_ in zip(self.params, undo.tensors[:n]):
-                p.copy_(copy_)
-            self.gate.version = undo.version
-        self.optimizer.state.clear()  # parameters without state before the step get none back
-        for i, extra in undo.others.items():
-            self.optimizer.state[self.params[i]] = dict(extra)
-        for (i, k), tensor in zip(undo.keys, undo.tensors[n:]):
-            self.optimizer.state[self.params[i]][k] = tensor
+        if undo.tensors is not None:
+            self._snapshot_buffers = None  # the saved moments become the optimizer's own tensors
+        undo.restore_tensors(self.params, self.optimizer, self.gate)
 
 
 def _by_trajectory(sequences: list[TokenizedSequence]) -> list[list[TokenizedSequence]]:
@@ -915,19 +781,6 @@ def _attach_exact_logprobs(sequences: list[TokenizedSequence], scorer, *, weight
     for seq, values in zip(rescore, scores):
         seq.exact_logprobs = [math.nan] + [v if trained else math.nan for v, trained in zip(values, seq.loss_mask[1:])]
     return sum(s.num_completion_tokens for s in rescore)
-
-
-@dataclass(slots=True)
-class _Undo:
-    """What a failed step puts back: update count and RNG states, and (once saved) the tensors."""
-
-    num_updates: int
-    python_rng: Any
-    torch_rng: torch.Tensor
-    version: int  # the gate's policy version before the step
-    tensors: list[torch.Tensor] | None = None  # params, then optimizer state tensors at `keys`
-    keys: list[tuple[int, str]] = field(default_factory=list)
-    others: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def _jsonable(value: Any) -> Any:
