@@ -39,7 +39,6 @@ import logging
 import math
 import random
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Self
@@ -50,7 +49,7 @@ from torch.autograd.graph import increment_version
 from ..errors import CheckpointError, ConfigError, DistributedError
 from ..modeling.tensor_parallel import TensorParallel, init_row_parallel_lora_A_, lora_shard_dim
 from ..types import LoRAConfig, TrainConfig
-from .attention import use_packed_attention, uses_varlen
+from .attention import uses_varlen
 from .batching import MicroBatch, Row, RowShape, pack_sequences
 from .cuda_graphs import RowGraphs
 from .data_parallel import DataParallel
@@ -60,6 +59,7 @@ from .logprobs import selective_logprobs
 from .losses import token_weights
 from .moe import MoEPackedDecoder, expert_modules_of, expert_target_modules
 from .objective import STATS, rl_objective
+from .peft_forward import peft_forward_mode, peft_row_hidden, quiet_peft
 from .step_stats import RATIO_MAX_INDEX, StepMetrics, StepTotals, combine_stats, rl_step_metrics
 from .tensor_parallel import full_optimizer_state, load_sharded_adapter, save_full_adapter, shard_optimizer_state
 from .tokenize import TokenizedSequence
@@ -71,19 +71,6 @@ __all__ = ["ADAPTER_NAME", "StepMetrics", "Trainer"]
 ADAPTER_NAME = "default"
 
 log = logging.getLogger("tempering")
-
-
-@contextlib.contextmanager
-def _quiet_peft() -> Iterator[None]:
-    """Silence one FutureWarning: peft 0.21 reads `model.is_gradient_checkpointing`, which
-    transformers 5 deprecated in favour of `is_activation_checkpointing`; and, for a mixture of
-    experts, the RuntimeWarning that the rank/alpha patterns PEFT itself adds for the fused
-    gate/up experts "did not match any targeted module" (they apply: they target a parameter)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=r".*_pattern keys did not match any targeted module.*\.gate_up_proj",
-                                category=RuntimeWarning)
-        yield
 
 
 class _NoGate:
@@ -187,7 +174,7 @@ class Trainer:
             r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
             bias="none", task_type="CAUSAL_LM",
         )
-        with torch.random.fork_rng(devices=[]), _quiet_peft():
+        with torch.random.fork_rng(devices=[]), quiet_peft():
             torch.manual_seed(seed)  # reproducible A init (B starts at 0)
             peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
         if tp is not None and tp.size > 1:  # the sharded A's: slices of one full draw, the same on every rank
@@ -201,11 +188,11 @@ class Trainer:
         from peft import PeftModel
 
         if tp is not None and tp.size > 1:
-            with _quiet_peft():
+            with quiet_peft():
                 peft_model = load_sharded_adapter(model, adapter_dir, ADAPTER_NAME, tp)
         else:
             try:
-                with _quiet_peft():
+                with quiet_peft():
                     peft_model = PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=ADAPTER_NAME,
                                                            is_trainable=True)
             except Exception as exc:
@@ -395,50 +382,14 @@ class Trainer:
     @contextlib.contextmanager
     def _forward_mode(self, checkpointing: bool) -> Iterator[None]:
         """Switch layer recomputation on for the block (also while the backward recomputes), and with
-        the transformers forward, packed attention and autocast."""
+        the transformers forward, packed attention and autocast (peft_forward.py)."""
         self._checkpointing = checkpointing
         try:
-            if self.decoder is not None:
+            with contextlib.nullcontext() if self.decoder is not None else peft_forward_mode(self.peft_model,
+                                                                                           checkpointing):
                 yield
-            else:
-                self._set_hf_checkpointing(checkpointing)
-                try:
-                    with self._hf_compute_context():
-                        yield
-                finally:
-                    self._set_hf_checkpointing(False)
         finally:
             self._checkpointing = False
-
-    @contextlib.contextmanager
-    def _hf_compute_context(self) -> Iterator[None]:
-        """Packed attention; with a bf16/fp16 model also autocast, so that PEFT runs the LoRA matmuls
-        in that dtype on the activations instead of copying every activation to float32 (the
-        adapter weights stay float32 for the optimizer)."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(use_packed_attention(self.model))
-            dtype = self.model.get_input_embeddings().weight.dtype
-            if dtype in (torch.bfloat16, torch.float16):
-                from peft.helpers import disable_input_dtype_casting
-
-                device_type = self.params[0].device.type
-                stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype))
-                stack.enter_context(disable_input_dtype_casting(self.peft_model))
-            yield
-
-    def _set_hf_checkpointing(self, on: bool) -> None:
-        """Recompute each of the transformers model's decoder layers in the backward pass
-        (transformers >= 5.23 renamed the methods)."""
-        model = self.model
-        if on:
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.peft_model.enable_input_require_grads()
-        else:
-            disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-            disable()
 
     def _objective_key(self, config: TrainConfig, scorer: bool) -> tuple:
         """Everything the captured objective depends on besides the row's shape."""
@@ -725,16 +676,7 @@ class Trainer:
             replay = {"routed_experts": row.routed_experts} if moe else {}  # the experts the sampler routed to
             return self.decoder(row.input_ids, row.position_ids, row.cu_seq_lens, row.max_seq_len, keys=row.keys,
                                 lora=lora, checkpointing=self._checkpointing, **replay)
-        with contextlib.nullcontext() if lora else self.peft_model.disable_adapter():
-            return self.model.get_decoder()(
-                input_ids=row.input_ids[None],
-                position_ids=row.position_ids[None],
-                use_cache=False,
-                cu_seq_lens_q=row.cu_seq_lens,
-                cu_seq_lens_k=row.cu_seq_lens,
-                max_length_q=row.max_seq_len,
-                max_length_k=row.max_seq_len,
-            ).last_hidden_state[0]  # [T, H]
+        return peft_row_hidden(self.peft_model, row, lora=lora)
 
     # ---- failure safety -------------------------------------------------------------------
 
