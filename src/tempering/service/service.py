@@ -44,7 +44,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
 import secrets
 import threading
 import time
@@ -61,16 +60,16 @@ from ..engine.grammar import GrammarCompiler
 from ..engine.cpu_threads import run_in_own_thread
 from ..engine.memory import release_free_memory
 from ..engine.models import fallback_reason
-from ..engine.request import out_of_vocabulary
 from ..errors import ConfigError, DistributedError, TrajectoryError, UnknownModelError
 from ..parallel import Router, WorkerLink
 from ..parallel.shard_load import dummy_model, load_llama_shards
 from ..modeling.tensor_parallel import TensorParallel
 from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
 from ..storage.checkpoints import is_complete
-from ..training import TokenizedSequence, Trainer, group_advantages, tokenize_trajectory
+from ..training import TokenizedSequence, Trainer
 from ..training.data_parallel import DataParallel
 from ..training.policy_age import policy_age_metrics
+from ..training.rl_batch import in_vocabulary, rl_batch
 from ..training.sft import sft_batches, sft_sequences
 from ..training.trainer import ADAPTER_NAME
 from ..training.work_sharing import SharedUpdate
@@ -80,7 +79,6 @@ from ..types import (
     TrainResult,
     TrainSFTConfig,
     TrajectoryGroup,
-    check_reward,
     summarize_groups,
 )
 from .base_model import check_fits_device, default_dtype, resolve_base_model
@@ -467,7 +465,9 @@ class ModelService:
         """
         start = time.perf_counter()
         emit = on_event or (lambda event: None)
-        sequences, num_trainable, num_groups, num_without_tokens = self._prepare(groups, config)
+        batch = rl_batch(groups, config, renderer=self.renderer, max_seq_len=self.max_seq_len,
+                         vocab_size=self.vocab_size, policy_version=self.gate.version)
+        sequences, num_trainable, num_groups = batch.sequences, batch.num_trainable, batch.num_groups
         # the call's host work beside the trainer's step (its own time is time/step_trainer_s)
         timings = {"time/step_prepare_s": time.perf_counter() - start, "time/step_checkpoint_s": 0.0}
         emit({"type": "started", "num_sequences": len(sequences), "num_groups": num_groups,
@@ -528,7 +528,7 @@ class ModelService:
             "data/step_num_groups_trainable": float(num_trainable),
             "data/step_num_groups_skipped": float(num_groups - num_trainable),
             "data/step_num_trajectories": float(sum(len(g) for g in groups)),
-            "data/step_num_trajectories_without_tokens": float(num_without_tokens),
+            "data/step_num_trajectories_without_tokens": float(batch.num_without_tokens),
             "time/step_wall_s": time.perf_counter() - start,
         })
         row = {"step": data_step, **summarize_groups(groups, split="train"), **metrics}
@@ -555,7 +555,8 @@ class ModelService:
         per_trajectory = []
         for i, trajectory in enumerate(trajectories):
             try:
-                per_trajectory.append(self._in_vocabulary(sft_sequences(trajectory, self.renderer, max_seq_len=self.max_seq_len)))
+                per_trajectory.append(in_vocabulary(sft_sequences(trajectory, self.renderer, max_seq_len=self.max_seq_len),
+                                                  self.vocab_size))
             except TrajectoryError as exc:
                 raise TrajectoryError(f"trajectory {i}: {exc}") from None
         with self.train_lock:
@@ -713,80 +714,6 @@ class ModelService:
         if error is not None:
             raise error
         return trainer
-
-    def _prepare(self, groups: list[TrajectoryGroup],
-                 config: TrainConfig) -> tuple[list[TokenizedSequence], int, int, int]:
-        """Validate and tokenize; returns (sequences with advantages, trainable groups, groups,
-        trajectories without tokens).
-
-        A trainable group has a trajectory with tokens and a nonzero advantage (with tokens on
-        every trajectory, as before tokenless ones were allowed: a group with reward spread)."""
-        if not groups:
-            raise TrajectoryError("train() got an empty list of trajectory groups; gather some rollouts first")
-        if not any(len(g) for g in groups):
-            raise TrajectoryError(
-                "every trajectory group is empty (all rollouts failed?); see each group's `exceptions`"
-            )
-        rewards_G = [
-            [check_reward(t.reward, where=f"group {g}, trajectory {i}") for i, t in enumerate(group)]
-            for g, group in enumerate(groups)
-        ]
-        mode = config.advantage_mode
-        batch_std = None
-        if mode == "batch":  # group mean, std over the whole batch (Lite PPO; TRL scale_rewards="batch")
-            flat = [r for rewards in rewards_G for r in rewards]
-            mean = sum(flat) / len(flat)
-            batch_std = math.sqrt(sum((r - mean) ** 2 for r in flat) / len(flat))
-        sequences_G = []  # per group, per trajectory: its sequences ([] for one with no assistant turn)
-        for g, group in enumerate(groups):
-            per_trajectory = []
-            for i, trajectory in enumerate(group):
-                try:
-                    per_trajectory.append(self._in_vocabulary(tokenize_trajectory(
-                        trajectory, self.renderer, max_seq_len=self.max_seq_len,
-                        exclude_forced_tokens=config.exclude_forced_tokens, routing_replay=config.moe_routing_replay)))
-                except TrajectoryError as exc:
-                    raise TrajectoryError(f"group {g}, trajectory {i}: {exc}") from None
-            sequences_G.append(per_trajectory)
-        num_without_tokens = sum(not seqs for per_trajectory in sequences_G for seqs in per_trajectory)
-        if num_without_tokens == sum(len(g) for g in groups):
-            raise TrajectoryError(
-                f"none of the {num_without_tokens} trajectories has an assistant turn, so there is nothing to train "
-                "on; append each completion's Choice (completion.choices[0]) to its trajectory's messages_and_choices"
-            )
-        sequences, num_trainable = [], 0
-        for g, per_trajectory in enumerate(sequences_G):
-            # every trajectory's reward counts, one with no tokens included: it shifts the group's mean
-            advantages = group_advantages(rewards_G[g], normalize=mode == "group")
-            if batch_std is not None:
-                advantages = [a / (batch_std + 1e-6) for a in advantages]
-            # a sequence with no token in the loss (every sampled token forced by a grammar, with
-            # exclude_forced_tokens) teaches nothing: a group of only those is not trainable
-            per_trajectory = [[s for s in seqs if any(s.loss_mask)] for seqs in per_trajectory]
-            trained = [(i, a, seqs) for i, (a, seqs) in enumerate(zip(advantages, per_trajectory)) if a != 0.0 and seqs]
-            num_trainable += bool(trained)
-            for i, advantage, seqs in trained:
-                versions = groups[g].trajectories[i].policy_versions()
-                on_policy = bool(versions) and all(v == self.gate.version for v in versions)
-                for seq in seqs:
-                    seq.advantage, seq.group_index, seq.trajectory_index = advantage, g, i
-                    seq.on_policy = on_policy
-                    sequences.append(seq)
-        return sequences, num_trainable, len(groups), num_without_tokens
-
-    def _in_vocabulary(self, sequences: list) -> list:
-        """`sequences` (TokenizedSequence), after checking every token id is one of the model's: a
-        Choice sampled from another model, or ids built by hand, would index past the embedding
-        (on a GPU a device-side assert that ends the process's CUDA context).
-
-        Raises:
-            TrajectoryError: naming the id and the vocabulary size.
-        """
-        for seq in sequences:
-            if (bad := out_of_vocabulary(seq.token_ids, self.vocab_size)) is not None:
-                raise TrajectoryError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size}): were its "
-                                      "Choices sampled from another model? Sample them through model.openai_client()")
-        return sequences
 
     @contextlib.contextmanager
     def _on_train_stream(self):
