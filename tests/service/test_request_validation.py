@@ -3,6 +3,7 @@ that changes results silently ignored; the server keeps serving after each one."
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -239,6 +240,14 @@ def test_logprob_bytes_are_the_tokens_raw_bytes(served):
     decode = token_decoder(tokenizer)
     ids = tokenizer.encode("🎉 é\n<|im_end|>", add_special_tokens=False)
     assert b"".join(bytes(decode.bytes(t)) for t in ids) == "🎉 é\n<|im_end|>".encode()
+    # transformers 5.17 builds this tokenizer's decoder as a Sequence around ByteLevel: the same bytes
+    from tokenizers import decoders
+
+    sequenced = copy.deepcopy(tokenizer)
+    sequenced.backend_tokenizer.decoder = decoders.Sequence([
+        decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "), decoders.ByteLevel()])
+    assert sequenced.decode(ids) == "🎉 é\n<|im_end|>"
+    assert b"".join(bytes(token_decoder(sequenced).bytes(t)) for t in ids) == "🎉 é\n<|im_end|>".encode()
 
 
 def test_clear_messages_for_common_mistakes(served):

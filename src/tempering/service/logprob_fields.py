@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import json
 import re
 from typing import Any
 
@@ -23,6 +24,11 @@ def _byte_decoder() -> dict[str, int]:
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def _has_byte_level(spec: dict[str, Any]) -> bool:
+    """Whether a serialized `tokenizers` decoder is ByteLevel or a Sequence holding one."""
+    return spec.get("type") == "ByteLevel" or any(_has_byte_level(d) for d in spec.get("decoders") or ())
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
@@ -51,8 +57,17 @@ class _TokenDecoder:
 
     @functools.cached_property
     def _byte_level(self) -> bool:
+        """Whether the vocabulary spells tokens in GPT-2's byte alphabet: a ByteLevel decoder, alone
+        or inside a Sequence (transformers 5.17 converts a GGUF's GPT-2-style tokenizer with
+        [ByteFallback, Fuse, Replace, ByteLevel]; 5.24 with ByteLevel alone)."""
         decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
-        return type(decoder).__name__ == "ByteLevel"
+        if decoder is None:
+            return False
+        try:
+            spec = json.loads(decoder.__getstate__())  # the `tokenizers` decoder's own serialization
+        except (AttributeError, TypeError, ValueError):
+            return type(decoder).__name__ == "ByteLevel"
+        return _has_byte_level(spec)
 
     @functools.cached_property
     def _added(self) -> dict[int, Any]:
