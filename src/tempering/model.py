@@ -210,7 +210,7 @@ class TrainableModel(Model):
             ART's `art.dev.LoRAConfig` dict is accepted too.
         _internal_config: ART's `art.dev.InternalModelConfig` (engine_args, init_args, peft_args,
             trainer_args, ...), mapped to tempering's settings when the model is registered (the
-            README's compatibility table lists each option). It may also be assigned after
+            table of ART options in docs/guides/art-compatibility.md lists each option). It may also be assigned after
             construction (`model._internal_config = ...`), as ART's notebooks do.
 
     Raises:

@@ -84,7 +84,7 @@ def _apply_section(section: str, values: Mapping[str, Any], out: ModelOptions, i
         where = f"{section}.{name}" if section in ("engine_args", "init_args", "peft_args", "trainer_args") else name
         if option is None:
             if SECTIONS[section].unknown == "error":
-                raise UnknownOptionError(f"unknown option {where!r}; see the compatibility table in tempering's README")
+                raise UnknownOptionError(f"unknown option {where!r}; see the table of ART options in docs/guides/art-compatibility.md#art-options")
             ignored.append(where)
         elif option.status in ("mapped", "differs") and option.to is not None:
             if value is None:  # ART's TypedDicts allow None for "not set"
@@ -112,7 +112,7 @@ def _warn_ignored(ignored: list[str], where: str) -> None:
         warnings.warn(
             f"{where}: tempering has no equivalent of {', '.join(ignored)} and ignores "
             f"{'it' if len(ignored) == 1 else 'them'} (results do not depend on "
-            f"{'it' if len(ignored) == 1 else 'them'}; see the compatibility table in the README)",
+            f"{'it' if len(ignored) == 1 else 'them'}; see the table of ART options in docs/guides/art-compatibility.md#art-options)",
             ArtOptionWarning, stacklevel=2)
 
 

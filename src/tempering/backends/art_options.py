@@ -14,7 +14,7 @@ peft_args=..., trainer_args=...))`, `lora_config=...`, `backend.train(model, gro
   would change results, so it raises `UnsupportedOptionError` naming the option and the fix.
 
 A key of a known section that the table does not list follows the section's `unknown` policy
-(`SECTIONS`). The README's compatibility section is generated from this table
+(`SECTIONS`). The ART options section of docs/guides/art-compatibility.md is generated from this table
 (`compatibility_markdown`), and a test checks that the two agree. `art_mapping` applies it.
 """
 
@@ -40,7 +40,7 @@ class ArtOption:
         section: where ART code passes it (a key of `SECTIONS`).
         name: the option's name in ART.
         status: see the module docstring.
-        tempering: the tempering setting it maps to, for the README ("" when none).
+        tempering: the tempering setting it maps to, for the docs' table ("" when none).
         note: how the meaning differs, or why it has no effect.
         to: (bucket, convert) for mapped/differs options: `convert(value)` returns the updates
             of the bucket ("engine": EngineConfig fields, "lora": LoRAConfig fields, "model":
@@ -343,7 +343,7 @@ _STATUS_TEXT = {"mapped": "mapped", "differs": "mapped, differs", "ignored": "ig
 
 
 def compatibility_markdown() -> str:
-    """The README's table of ART options (generated; edit ART_OPTIONS, not the README)."""
+    """The table of ART options in docs/guides/art-compatibility.md (generated: edit ART_OPTIONS, not the page)."""
     lines: list[str] = []
     for key, section in SECTIONS.items():
         rows = [o for o in ART_OPTIONS if o.section == key]

@@ -92,7 +92,7 @@ class LocalBackend:
             backend), as ART's LocalBackend does by default: the engine and the trainer get a
             process of their own. Not faster on the workloads measured (benchmarks/RESULTS.md).
         gpu_cost_per_hour_usd, enable_expert_replay: ART's options, accepted for compatibility
-            (see the compatibility table in the README).
+            (see the table of ART options in docs/guides/art-compatibility.md#art-options).
         dedicated: with `gpus` > 1, GPU 0 trains and the others serve, for every trainable model
             (a model's `_internal_config` trainer/inference GPU ids choose it per model).
 
@@ -288,8 +288,8 @@ class LocalBackend:
         `loss_fn` ("ppo", "cispo", "gspo"), `epsilon`, `epsilon_high`, `kl_penalty_coef`,
         `truncated_importance_sampling`, `importance_sampling_level` ("sequence" is GSPO),
         `mask_prob_ratio`, `logprob_calculation_chunk_size`, `save_checkpoint`. ART options
-        tempering does not implement are accepted at their default value (README, "API
-        compatibility with ART").
+        tempering does not implement are accepted at their default value (docs/guides/art-compatibility.md,
+        "ART options").
 
         As ART's, it does not log the step: history.jsonl gets its row and trajectories/train its
         groups when the caller logs them, `await model.log(groups, metrics=result.metrics,

@@ -5,7 +5,7 @@ init_args=art.dev.InitArgs(...), peft_args=art.dev.PeftArgs(...), trainer_args=.
 `model.train(..., _config=art.dev.TrainConfig(...))` run unchanged. These are TypedDicts: plain
 dicts at run time, whose keys ART documents for its vLLM/Unsloth/TRL internals. What tempering
 does with each key (mapped, ignored with a warning, or refused with an error naming the fix) is
-the table `tempering.backends.art_options.ART_OPTIONS`, rendered in the README.
+the table `tempering.backends.art_options.ART_OPTIONS`, rendered in docs/guides/art-compatibility.md.
 `model.register(backend, _openai_client_config=art.dev.OpenAIServerConfig(...))` configures ART's
 own vLLM server; tempering's server has its settings from the backend, so every key given there is
 ignored with one warning naming them.

@@ -1,4 +1,4 @@
-"""`EngineArgs`: ART's vLLM engine options (see the README's compatibility table for each key)."""
+"""`EngineArgs`: ART's vLLM engine options (docs/guides/art-compatibility.md, "ART options", says what each key does)."""
 
 from __future__ import annotations
 

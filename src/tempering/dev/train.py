@@ -9,7 +9,7 @@ __all__ = ["TrainConfig", "TrainSFTConfig"]
 
 class TrainConfig(TypedDict, total=False):
     """ART's `dev.TrainConfig` keys; each is mapped to tempering's TrainConfig or checked as
-    the README's compatibility table says (the same options as `backend.train`)."""
+    the table of ART options in docs/guides/art-compatibility.md says (the same options as `backend.train`)."""
 
     advantage_balance: float
     allow_training_without_logprobs: bool

@@ -3,7 +3,7 @@
 llguidance (https://github.com/guidance-ai/llguidance, MIT) compiles JSON schemas, regexes and
 Lark/GBNF grammars into a lazily built lexer and an Earley parser over the tokenizer's token
 trie; a matcher computes the allowed-token bitmask of its parse state and consumes sampled
-tokens. Why llguidance rather than xgrammar, with the measurements: README, "Structured outputs".
+tokens. Why llguidance rather than xgrammar, with the measurements: docs/guides/structured-outputs.md.
 
 JSON is generated compactly in OpenAI's style (`{"a": 1, "b": [2, 3]}`: no free whitespace), so
 a model cannot spend its tokens on newlines and spaces; a schema's own `"x-guidance"` options
