@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.request import out_of_vocabulary
 from ..errors import TrajectoryError
 from ..types import TrainConfig, TrajectoryGroup, check_reward
 from .advantages import group_advantages
@@ -106,7 +105,9 @@ def in_vocabulary(sequences: list[TokenizedSequence], vocab_size: int) -> list[T
         TrajectoryError: naming the id and the vocabulary size.
     """
     for seq in sequences:
-        if (bad := out_of_vocabulary(seq.token_ids, vocab_size)) is not None:
+        ids = seq.token_ids  # a min and a max in the usual case (the engine checks a prompt the same way)
+        if ids and not (min(ids) >= 0 and max(ids) < vocab_size):
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
             raise TrajectoryError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size}): were its "
                                   "Choices sampled from another model? Sample them through model.openai_client()")
     return sequences
