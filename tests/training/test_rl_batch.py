@@ -3,12 +3,11 @@
 import math
 
 import pytest
+from test_tokenize import FakeRenderer, choice
 
 from tempering.errors import TrajectoryError
 from tempering.training.rl_batch import rl_batch
 from tempering.types import TrainConfig, Trajectory, TrajectoryGroup
-
-from test_tokenize import FakeRenderer, choice
 
 
 def trajectory(reward, token_ids=(7, 2), *, answered=True):
