@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Reinforcement learning for LLM agents.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
+                  help="Reinforcement learning for LLM agents.")
 
 
 @app.command()
