@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import codecs
 import functools
-import json
 import re
 from typing import Any
 
 from ..engine import Completion
+from ..engine.grammar.compiler import holds_byte_level
 
 __all__ = ["chat_logprob", "completion_logprobs", "logprob_entry", "token_decoder"]
 
@@ -24,11 +24,6 @@ def _byte_decoder() -> dict[str, int]:
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-
-
-def _has_byte_level(spec: dict[str, Any]) -> bool:
-    """Whether a serialized `tokenizers` decoder is ByteLevel or a Sequence holding one."""
-    return spec.get("type") == "ByteLevel" or any(_has_byte_level(d) for d in spec.get("decoders") or ())
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
@@ -61,13 +56,7 @@ class _TokenDecoder:
         or inside a Sequence (transformers 5.17 converts a GGUF's GPT-2-style tokenizer with
         [ByteFallback, Fuse, Replace, ByteLevel]; 5.24 with ByteLevel alone)."""
         decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
-        if decoder is None:
-            return False
-        try:
-            spec = json.loads(decoder.__getstate__())  # the `tokenizers` decoder's own serialization
-        except (AttributeError, TypeError, ValueError):
-            return type(decoder).__name__ == "ByteLevel"
-        return _has_byte_level(spec)
+        return decoder is not None and holds_byte_level(decoder)
 
     @functools.cached_property
     def _added(self) -> dict[int, Any]:

@@ -25,8 +25,8 @@ from typing import Any
 from ...errors import ConfigError, MissingDependencyError
 from .spec import GrammarSpec
 
-__all__ = ["MAX_SHARDS", "CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "default_num_shards", "import_llguidance",
-           "llguidance_installed"]
+__all__ = ["MAX_SHARDS", "CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "default_num_shards", "holds_byte_level",
+           "import_llguidance", "llguidance_installed"]
 
 log = logging.getLogger("tempering")
 
@@ -252,6 +252,17 @@ def _lltokenizer(llg: Any, hf_tokenizer: Any, vocab_size: int, stop_token_ids: l
                                      eos_token=eos if eos in stop_token_ids else stop_token_ids[0])
 
 
+def holds_byte_level(component: Any) -> bool:
+    """Whether a `tokenizers` decoder or pre-tokenizer is ByteLevel (GPT-2's byte alphabet) or a
+    Sequence holding one, read from its own serialization."""
+
+    def found(node: dict) -> bool:
+        parts = node.get("pretokenizers") or node.get("decoders") or []
+        return node.get("type") == "ByteLevel" or any(found(part) for part in parts)
+
+    return found(json.loads(component.__getstate__()))
+
+
 def _byte_level_decoder(hf_tokenizer: Any) -> Any:
     """`hf_tokenizer`, or a copy whose decoder is plain ByteLevel where its tokens are byte-level but
     its decoder a Sequence around ByteLevel (transformers 5.17 converts SmolLM2's GGUF tokenizer to
@@ -262,16 +273,8 @@ def _byte_level_decoder(hf_tokenizer: Any) -> Any:
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if backend is None or backend.decoder is None or backend.pre_tokenizer is None:
         return hf_tokenizer
-
-    def state(component: Any) -> dict:
-        return json.loads(component.__getstate__())
-
-    def byte_level(node: dict) -> list[dict]:
-        parts = node.get("pretokenizers") or node.get("decoders") or []
-        return [node] if node.get("type") == "ByteLevel" else [d for part in parts for d in byte_level(part)]
-
-    decoder = state(backend.decoder)
-    if decoder.get("type") != "Sequence" or not byte_level(decoder) or not byte_level(state(backend.pre_tokenizer)):
+    is_sequence = json.loads(backend.decoder.__getstate__()).get("type") == "Sequence"
+    if not is_sequence or not holds_byte_level(backend.decoder) or not holds_byte_level(backend.pre_tokenizer):
         return hf_tokenizer
     from tokenizers import decoders
 
