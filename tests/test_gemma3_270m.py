@@ -43,6 +43,7 @@ def test_prompts_render_as_the_tokenizers_apply_chat_template(gemma):
     _, model, tokenizer = gemma
     renderer = ChatRenderer(tokenizer, stop_token_ids=model.generation_config.eos_token_id)
     assert renderer.stop_token_ids == [1, 106]  # <eos> and <end_of_turn>
+    assert renderer.end_of_turn_id == 106  # where a grammar-held sample ends
     for messages in CONVERSATIONS:
         expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
         assert renderer.render_prompt(messages) == expected["input_ids"]

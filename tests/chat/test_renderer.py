@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 
 from tempering.chat import ChatRenderer, TurnCache
@@ -58,7 +60,7 @@ def test_the_turn_cache_gives_back_the_sampled_ids_not_a_retokenization(tokenize
     messages = [{"role": "user", "content": "say hello"}]
     prompt = renderer.render_prompt(messages, turns=turns)
     # the model spelled "hello" letter by letter, then ended its turn: a spelling re-tokenization never gives
-    completion = [tokenizer.convert_tokens_to_ids(c) for c in "hello"] + [tokenizer.eos_token_id]
+    completion = [tokenizer.convert_tokens_to_ids(c) for c in "hello"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     assert tokenizer("hello", add_special_tokens=False)["input_ids"] != completion[:-1]
     turns.remember(prompt, completion, "hello", "hello", [])
     follow_up = messages + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
@@ -88,3 +90,16 @@ def test_a_prompt_sent_again_is_tokenized_once_and_the_oldest_texts_are_forgotte
     turns.tokenize(texts[1]), turns.tokenize(texts[2])  # the first is now the oldest of three: forgotten
     turns.tokenize(texts[0])
     assert calls == [texts[0], texts[1], texts[2], texts[0]]
+
+
+def test_the_end_of_turn_is_the_stop_id_the_template_closes_an_assistant_turn_with(tokenizer):
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # SmolLM2's generation config's eos_token_id
+    # transformers 5.24 converts SmolLM2's GGUF with <|im_end|> as the tokenizer's EOS, 5.17 with <|im_start|>
+    for eos in ("<|im_end|>", "<|im_start|>"):
+        converted = copy.deepcopy(tokenizer)
+        converted.eos_token = eos
+        renderer = ChatRenderer(converted, stop_token_ids=[im_end])
+        assert renderer.end_of_turn_id == im_end, eos
+    assert renderer.stop_token_ids == [1, 2]
+    # with <|im_start|> alone as a stop id the template ends no turn on a stop id: the tokenizer's EOS
+    assert ChatRenderer(converted).end_of_turn_id == 1

@@ -246,6 +246,9 @@ def test_a_grammar_library_that_takes_one_eos_id_ends_grammars_on_the_tokenizers
     hf = SimpleNamespace(eos_token_id=2)  # SmolLM2's <|im_end|>; its <|endoftext|> (0) also stops a sample
     assert _lltokenizer(llg_1_6, hf, 49152, [0, 2]) == ("lltokenizer", 2)
     assert calls == [[0, 2], 2]
+    # the template's end of turn where the tokenizer's EOS is another stop id (Gemma 3's <eos> and
+    # <end_of_turn>; SmolLM2's <|im_start|> as transformers 5.17 converts its GGUF)
+    assert _lltokenizer(llg_1_6, SimpleNamespace(eos_token_id=1), 262144, [1, 106], 106) == ("lltokenizer", 106)
 
 
 def test_byte_level_tokens_under_a_sequence_decoder_reach_the_grammar_as_their_bytes(parts):

@@ -30,6 +30,14 @@ class ChatRenderer:
         stop_token_ids: ids that end an assistant turn besides the tokenizer's EOS (for example
             the `eos_token_id` list of the model's generation config).
 
+    Attributes:
+        stop_token_ids: sorted, the tokenizer's EOS among them.
+        end_of_turn_id: the stop id the template closes an assistant turn with (ChatML's
+            `<|im_end|>`, Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`): where a sample
+            held to a grammar ends, so that the turn renders back as it was sampled. It can
+            differ from the tokenizer's EOS (Gemma's `<eos>`; SmolLM2's `<|im_start|>` as
+            transformers 5.17 converts its GGUF).
+
     Raises:
         ValueError: if the tokenizer has no chat template (a base, not an instruct, model).
     """
@@ -49,6 +57,20 @@ class ChatRenderer:
             self.template_renders_tools = self._text(probe, [_PROBE_TOOL], True) != self._text(probe, None, True)
         except Exception:  # a template that rejects the tools argument
             self.template_renders_tools = False
+        self.end_of_turn_id = self._end_of_turn_id(probe)
+
+    def _end_of_turn_id(self, probe: list[dict[str, Any]]) -> int | None:
+        """The first stop id after the assistant's content in a rendered [user, assistant] exchange
+        (the tokenizer's EOS when the template shows none there, None without stop ids)."""
+        eos = self.tokenizer.eos_token_id
+        fallback = eos if eos is not None else (self.stop_token_ids[0] if self.stop_token_ids else None)
+        try:
+            prompt = self._encode(self._text(probe, None, True), [], None)
+            ids = self._encode(self._text([*probe, {"role": "assistant", "content": "y"}], None, False), [], None)
+        except Exception:  # a template that needs more than a plain exchange
+            return fallback
+        turn = ids[len(prompt):] if ids[:len(prompt)] == prompt else ids  # the turn itself where the prompt leads
+        return next((t for t in turn if t in self.stop_token_ids), fallback)
 
     def render_prompt(
         self,

@@ -215,7 +215,7 @@ class ModelService:
         self.turns = TurnCache(self.tokenizer)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # the logits' width
         self.grammars = GrammarCompiler(self.tokenizer, stop_token_ids=self.renderer.stop_token_ids,
-                                        vocab_size=self.vocab_size)
+                                        vocab_size=self.vocab_size, end_of_turn_id=self.renderer.end_of_turn_id)
 
         self.trainer: Trainer | None = None
         self.step = latest_step(paths.checkpoints_dir)

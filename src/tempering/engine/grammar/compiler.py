@@ -157,6 +157,9 @@ class GrammarCompiler:
             other way (e.g. from a tiktoken vocabulary, for benchmarks of models without one).
         stop_token_ids: ids that end a sample; once the grammar is complete these are the only
             allowed tokens.
+        end_of_turn_id: the one of them a completed grammar ends on where the grammar library
+            takes a single id (llguidance < 1.7): the chat template's end of turn
+            (`ChatRenderer.end_of_turn_id`); default: the tokenizer's EOS.
         vocab_size: V, the width of the model's logits (it may exceed `len(tokenizer)`; ids
             past the tokenizer are never allowed). Masks have ceil(V / 32) int32 words per row.
         cache_size: how many compiled grammars to keep (least recently used ones are dropped).
@@ -164,11 +167,12 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, *, stop_token_ids: list[int], vocab_size: int, cache_size: int = 256,
-                 num_shards: int | None = None) -> None:
+                 num_shards: int | None = None, end_of_turn_id: int | None = None) -> None:
         if not stop_token_ids:
             raise ConfigError("a grammar needs at least one stop token id to end on")
         self.hf_tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
+        self.end_of_turn_id = end_of_turn_id
         self.vocab_size = int(vocab_size)
         self.cache_size = cache_size
         self.num_shards = num_shards if num_shards is not None else default_num_shards()
@@ -230,26 +234,30 @@ class GrammarCompiler:
                 self._executor = llg.LLExecutor(num_threads=1)
             if self._lltokenizer is None:
                 try:
-                    self._lltokenizer = _lltokenizer(llg, self.hf_tokenizer, self.vocab_size, self.stop_token_ids)
+                    self._lltokenizer = _lltokenizer(llg, self.hf_tokenizer, self.vocab_size, self.stop_token_ids,
+                                                     self.end_of_turn_id)
                 except ValueError as exc:  # a slow (Python) tokenizer
                     raise ConfigError(f"structured outputs need a fast (tokenizers-backed) tokenizer: {exc}") from None
                 self._executor = llg.LLExecutor(num_threads=1)
         return llg
 
 
-def _lltokenizer(llg: Any, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
+def _lltokenizer(llg: Any, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 end_of_turn_id: int | None = None) -> Any:
     """llguidance's tokenizer, ending a completed grammar on any of `stop_token_ids`.
 
     llguidance before 1.7 takes one EOS id only (its wheels for glibc 2.28, 1.6.1, among them):
-    then a completed grammar ends on the tokenizer's own EOS, which is the end of turn of the chat
-    models' tokenizers (SmolLM2's and Qwen's `<|im_end|>`, Llama 3 Instruct's `<|eot_id|>`)."""
+    then a completed grammar ends on `end_of_turn_id`, else on the tokenizer's own EOS. The two
+    differ for Gemma 3 (`<end_of_turn>` against `<eos>`) and for SmolLM2 as transformers 5.17
+    converts its GGUF (`<|im_end|>` against `<|im_start|>`): a sample ended on the tokenizer's EOS
+    then did not render back as it was sampled, so its next turn's prompt was tokenized anew and
+    the trainer split the conversation in two (seen on a GPU machine)."""
     hf_tokenizer = _byte_level_decoder(hf_tokenizer)
     try:
         return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
     except TypeError:  # "'list' object cannot be interpreted as an integer": llguidance < 1.7
-        eos = hf_tokenizer.eos_token_id
-        return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                     eos_token=eos if eos in stop_token_ids else stop_token_ids[0])
+        eos = next((t for t in (end_of_turn_id, hf_tokenizer.eos_token_id) if t in stop_token_ids), stop_token_ids[0])
+        return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
 
 
 def holds_byte_level(component: Any) -> bool:
