@@ -104,3 +104,21 @@ def test_a_worker_rank_converts_a_builtin_model_with_its_weights_and_replaces_an
     assert (target / "config.json").is_file() and (target / "model.safetensors").is_file()
     assert (target / "tokenizer.json").stat().st_size > 1000
     assert [p.name for p in target.parent.iterdir()] == ["Tiny"]  # nothing left beside it
+
+
+def test_a_converted_tokenizer_whose_eos_is_not_the_models_takes_the_models(default_model_dir):
+    """transformers 5.17 converts SmolLM2's GGUF with <|im_start|> (its BOS) as the tokenizer's EOS."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from tempering.service.builtin_models import match_tokenizer_eos
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    converted = copy.deepcopy(tokenizer)
+    converted.eos_token = "<|im_start|>"
+    match_tokenizer_eos(converted, 2)  # the GGUF's eos_token_id, in the generation config
+    assert converted.eos_token == "<|im_end|>" and converted.eos_token_id == 2
+    gemma_like = copy.deepcopy(tokenizer)  # an EOS among several of the model's is kept
+    match_tokenizer_eos(gemma_like, [0, 2])
+    assert gemma_like.eos_token_id == 2

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -29,10 +30,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import MissingDependencyError
 
-__all__ = ["BUILTIN_MODELS", "BuiltinModel", "GEMMA3_CHAT_TEMPLATE", "builtin_model", "builtin_model_dir"]
+__all__ = ["BUILTIN_MODELS", "BuiltinModel", "GEMMA3_CHAT_TEMPLATE", "builtin_model", "builtin_model_dir", "match_tokenizer_eos"]
+
+log = logging.getLogger("tempering")
 
 # Google's Gemma 3 chat template, as in the tokenizer_config.json of the Gemma 3 checkpoints: the
 # system prompt is prefixed to the first user turn, "assistant" is rendered as "model".
@@ -150,6 +154,17 @@ BUILTIN_MODELS = (
 )
 
 
+def match_tokenizer_eos(tokenizer: Any, eos_token_id: int | list[int] | None) -> None:
+    """Make the tokenizer's EOS the GGUF's (`eos_token_id`, from the model's generation config)
+    when it is none of those ids. transformers 5.17 converts SmolLM2's GGUF with `<|im_start|>`,
+    its BOS, as the tokenizer's EOS, where the GGUF and the original model say `<|im_end|>`."""
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    if ids and tokenizer.eos_token_id not in ids:
+        log.info("the converted tokenizer's EOS %r is not the model's (%s): set to %r", tokenizer.eos_token, ids,
+                 tokenizer.convert_ids_to_tokens(ids[0]))
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(ids[0])
+
+
 def builtin_model(spec: str) -> BuiltinModel | None:
     """The built-in model that `spec` names (case-insensitive), or None."""
     key = spec.strip().lower()
@@ -189,6 +204,7 @@ def builtin_model_dir(model: BuiltinModel, cache_dir: Path) -> Path:
             eos = hf_model.generation_config.eos_token_id
             eos = [eos] if isinstance(eos, int) else list(eos or [])
             hf_model.generation_config.eos_token_id = eos + [i for i in model.extra_eos_token_ids if i not in eos]
+        match_tokenizer_eos(tokenizer, hf_model.generation_config.eos_token_id)
         # transformers writes a model's files on torch.distributed rank 0 only; every rank converting its
         # own copy (a worker of LocalBackend(gpus=N), a node of its own) must write them
         hf_model.should_save_on_this_rank = lambda is_main_process: True
