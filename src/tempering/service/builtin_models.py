@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import MissingDependencyError
 
-__all__ = ["BUILTIN_MODELS", "BuiltinModel", "GEMMA3_CHAT_TEMPLATE", "builtin_model", "builtin_model_dir", "match_tokenizer_eos"]
+__all__ = ["BUILTIN_MODELS", "GEMMA3_CHAT_TEMPLATE", "BuiltinModel", "builtin_model", "builtin_model_dir", "match_tokenizer_eos"]
 
 log = logging.getLogger("tempering")
 
