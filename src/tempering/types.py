@@ -541,3 +541,10 @@ def check_reward(reward: Any, *, where: str) -> float:
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise TrajectoryError(f"{where} has reward {reward!r}; rewards must be finite numbers (not NaN, inf or None)")
     return float(reward)
+
+
+def out_of_vocabulary(token_ids: list[int], vocab_size: int) -> int | None:
+    """The first id of `token_ids` outside [0, vocab_size), or None (a min and a max in the usual case)."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return None
+    return next(t for t in token_ids if not 0 <= t < vocab_size)

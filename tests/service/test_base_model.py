@@ -117,7 +117,7 @@ def test_a_converted_tokenizer_whose_eos_is_not_the_models_takes_the_models(defa
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     converted = copy.deepcopy(tokenizer)
     converted.eos_token = "<|im_start|>"
-    match_tokenizer_eos(converted, 2)  # the GGUF's eos_token_id, in the generation config
+    match_tokenizer_eos(converted, [2])  # the GGUF's eos_token_id, in the generation config
     assert converted.eos_token == "<|im_end|>" and converted.eos_token_id == 2
     gemma_like = copy.deepcopy(tokenizer)  # an EOS among several of the model's is kept
     match_tokenizer_eos(gemma_like, [0, 2])

@@ -8,6 +8,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..types import out_of_vocabulary
 from .sampling_params import SamplingParams
 
 __all__ = ["BasePolicy", "Completion", "GenerationRequest", "Policy", "TokenCallback", "new_request"]
@@ -99,13 +100,6 @@ class GenerationRequest:
     policy: Policy
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     on_token: TokenCallback | None = None
-
-
-def out_of_vocabulary(token_ids: list[int], vocab_size: int) -> int | None:
-    """The first id of `token_ids` outside [0, vocab_size), or None (a min and a max in the usual case)."""
-    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
-        return None
-    return next(t for t in token_ids if not 0 <= t < vocab_size)
 
 
 def new_request(prompt_ids: list[int], params: SamplingParams, n: int, policy: Policy, on_token: TokenCallback | None,

@@ -154,11 +154,10 @@ BUILTIN_MODELS = (
 )
 
 
-def match_tokenizer_eos(tokenizer: Any, eos_token_id: int | list[int] | None) -> None:
-    """Make the tokenizer's EOS the GGUF's (`eos_token_id`, from the model's generation config)
+def match_tokenizer_eos(tokenizer: Any, ids: list[int]) -> None:
+    """Make the tokenizer's EOS the GGUF's (`ids`: the model's generation config's eos_token_id)
     when it is none of those ids. transformers 5.17 converts SmolLM2's GGUF with `<|im_start|>`,
     its BOS, as the tokenizer's EOS, where the GGUF and the original model say `<|im_end|>`."""
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     if ids and tokenizer.eos_token_id not in ids:
         log.info("the converted tokenizer's EOS %r is not the model's (%s): set to %r", tokenizer.eos_token, ids,
                  tokenizer.convert_ids_to_tokens(ids[0]))
@@ -200,11 +199,12 @@ def builtin_model_dir(model: BuiltinModel, cache_dir: Path) -> Path:
             hf_model.hf_quantizer.remove_quantization_config(hf_model)
         if model.chat_template and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = model.chat_template
+        eos = hf_model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
         if model.extra_eos_token_ids:
-            eos = hf_model.generation_config.eos_token_id
-            eos = [eos] if isinstance(eos, int) else list(eos or [])
-            hf_model.generation_config.eos_token_id = eos + [i for i in model.extra_eos_token_ids if i not in eos]
-        match_tokenizer_eos(tokenizer, hf_model.generation_config.eos_token_id)
+            eos += [i for i in model.extra_eos_token_ids if i not in eos]
+            hf_model.generation_config.eos_token_id = eos
+        match_tokenizer_eos(tokenizer, eos)
         # transformers writes a model's files on torch.distributed rank 0 only; every rank converting its
         # own copy (a worker of LocalBackend(gpus=N), a node of its own) must write them
         hf_model.should_save_on_this_rank = lambda is_main_process: True

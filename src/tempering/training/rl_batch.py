@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import TrajectoryError
-from ..types import TrainConfig, TrajectoryGroup, check_reward
+from ..types import TrainConfig, TrajectoryGroup, check_reward, out_of_vocabulary
 from .advantages import group_advantages
 from .tokenize import TokenizedSequence, tokenize_trajectory
 
@@ -105,9 +105,7 @@ def in_vocabulary(sequences: list[TokenizedSequence], vocab_size: int) -> list[T
         TrajectoryError: naming the id and the vocabulary size.
     """
     for seq in sequences:
-        ids = seq.token_ids  # a min and a max in the usual case (the engine checks a prompt the same way)
-        if ids and not (min(ids) >= 0 and max(ids) < vocab_size):
-            bad = next(t for t in ids if not 0 <= t < vocab_size)
+        if (bad := out_of_vocabulary(seq.token_ids, vocab_size)) is not None:
             raise TrajectoryError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size}): were its "
                                   "Choices sampled from another model? Sample them through model.openai_client()")
     return sequences

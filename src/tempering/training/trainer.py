@@ -689,9 +689,8 @@ class Trainer:
         self.num_updates = undo.num_updates
         self.rng.setstate(undo.python_rng)
         torch.set_rng_state(undo.torch_rng)
-        if undo.tensors is not None:
-            self._snapshot_buffers = None  # the saved moments become the optimizer's own tensors
-        undo.restore_tensors(self.params, self.optimizer, self.gate)
+        if undo.restore_tensors(self.params, self.optimizer, self.gate):
+            self._snapshot_buffers = None  # the saved moments became the optimizer's own tensors
 
 
 def _by_trajectory(sequences: list[TokenizedSequence]) -> list[list[TokenizedSequence]]:
