@@ -20,6 +20,7 @@ and the largest ratio of a step's gradient norm to its run's median.
     python benchmarks/learning.py --device cuda --seeds 0 1 2 3 4
     python benchmarks/learning.py --device cuda --batch-invariant     # exact on-policy
     python benchmarks/learning.py --device cuda --dtype float32       # the float32 reference on a GPU
+    python benchmarks/learning.py --device cuda --base-model gemma-3-270m --task repeat-word
     python benchmarks/learning.py --device cuda --gpus 2 --dedicated --train-option micro_batch_tokens=256
         # GPU 0 trains, GPU 1 serves and computes part of each step (work sharing): small micro-batches
         # give a step of the demo several to share
@@ -50,7 +51,8 @@ def _value(text: str):
 
 
 async def one_seed(seed: int, root: Path, device: str | None, train_options: dict, batch_invariant: bool,
-                   dtype: str | None = None, gpus: int = 1, dedicated: bool = False) -> dict:
+                   dtype: str | None = None, gpus: int = 1, dedicated: bool = False,
+                   base_model: str | None = None, task: str = "addition") -> dict:
     from tempering.demo.run import run_demo_async
     from tempering.storage import read_history
 
@@ -58,7 +60,8 @@ async def one_seed(seed: int, root: Path, device: str | None, train_options: dic
     result = await run_demo_async(path=root, seed=seed, name=f"learning-{seed}", device=device,
                                   train_options=train_options or None, echo=lambda line: None,
                                   engine_config={"batch_invariant": True} if batch_invariant else None, dtype=dtype,
-                                  gpus=gpus, dedicated=dedicated)
+                                  gpus=gpus, dedicated=dedicated, task=task,
+                                  **({"base_model": base_model} if base_model else {}))
     rows = [r for r in read_history(result.history_path) if "loss/grad_norm" in r or "offpolicy/mismatch_abs_logprob" in r]
     mismatch = [r["offpolicy/mismatch_abs_logprob"] for r in rows if r.get("offpolicy/mismatch_abs_logprob") is not None]
     p99 = [r["offpolicy/mismatch_abs_logprob_p99"] for r in rows
@@ -96,6 +99,10 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=1, help="LocalBackend(gpus=N): one process per GPU")
     parser.add_argument("--dedicated", action="store_true",
                         help="with --gpus > 1: GPU 0 trains, the others serve and share each step's micro-batches")
+    parser.add_argument("--base-model", default=None,
+                        help="the model to train (default: the demo's, SmolLM2-135M-Instruct), e.g. gemma-3-270m")
+    parser.add_argument("--task", default="addition",
+                        help="the demo's task: addition, or repeat-word for a pretrained model such as gemma-3-270m")
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
     options = dict((k, _value(v)) for k, v in (o.split("=", 1) for o in args.train_option))
@@ -104,7 +111,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 runs.append(asyncio.run(one_seed(seed, Path(tmp), args.device, options, args.batch_invariant,
-                                                 args.dtype, args.gpus, args.dedicated)))
+                                                 args.dtype, args.gpus, args.dedicated, args.base_model,
+                                                 args.task)))
             except Exception as exc:  # a failed seed is a result too
                 runs.append({"seed": seed, "error": f"{type(exc).__name__}: {exc}"})
     done = [r for r in runs if "error" not in r]
@@ -115,7 +123,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "train_options": options, "batch_invariant": args.batch_invariant, "dtype": args.dtype,
         "matmul_precision": args.matmul_precision, "seeds": args.seeds, "gpus": args.gpus,
-        "dedicated": args.dedicated,
+        "dedicated": args.dedicated, "base_model": args.base_model, "task": args.task,
         "micro_batches_shared": sum(m or 0 for r in done for m in r["micro_batches_shared"]),
         "micro_batches": sum(m or 0 for r in done for m in r["micro_batches"]),
         "mean_gain": statistics.mean(gains) if gains else None, "min_gain": min(gains, default=None),

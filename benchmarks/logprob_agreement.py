@@ -22,6 +22,7 @@ importance ratio.
     python benchmarks/logprob_agreement.py --device cuda --reference     # GPU, bfloat16
     python benchmarks/logprob_agreement.py --device cuda --adapter DIR --grad
     python benchmarks/logprob_agreement.py --device cuda --adapter DIR --batch-invariant
+    python benchmarks/logprob_agreement.py --device cuda --base-model gemma-3-270m --task repeat-word
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--base-model", default=None,
+                        help="the model (default: the demo's, SmolLM2-135M-Instruct), e.g. gemma-3-270m")
+    parser.add_argument("--task", default="addition", help="whose prompts to sample: addition or repeat-word")
     parser.add_argument("--reference", action="store_true", help="also compare with float32 transformers")
     parser.add_argument("--grad", action="store_true", help="also one training step's gradient norm")
     parser.add_argument("--per-sequence", action="store_true", help="with --grad: each sample's gradient norm alone")
@@ -148,26 +152,27 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
 
-    from tempering.demo.task import AdditionTask
+    from tempering.demo.run import TASKS
     from tempering.service.base_model import DEFAULT_BASE_MODEL
     from tempering.service.service import ModelService
     from tempering.storage import ModelPaths
     from tempering.types import TrainConfig
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    task = AdditionTask()
+    task = TASKS[args.task]()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         from tempering.engine import EngineConfig
 
-        service = ModelService(ModelPaths(Path(tmp), "agreement", "probe"), DEFAULT_BASE_MODEL, device=args.device,
+        service = ModelService(ModelPaths(Path(tmp), "agreement", "probe"), args.base_model or DEFAULT_BASE_MODEL, device=args.device,
                                dtype=dtype, engine_config=EngineConfig(batch_invariant=args.batch_invariant))
         trainer = service._ensure_trainer(TrainConfig())
         if args.adapter is not None:
             load_adapter(trainer, args.adapter)
         scenarios = task.scenarios(args.num_prompts, seed=args.seed + 20_000)
         prompts = [service.renderer.render_prompt([{"role": "user", "content": s.prompt}]) for s in scenarios]
-        result = {"device": str(service.device), "dtype": str(service.dtype).removeprefix("torch."),
+        result = {"base_model": args.base_model or DEFAULT_BASE_MODEL, "task": args.task,
+                  "device": str(service.device), "dtype": str(service.dtype).removeprefix("torch."),
                   "matmul_precision": torch.get_float32_matmul_precision(),
                   "gpu": torch.cuda.get_device_name(service.device) if service.device.type == "cuda" else None,
                   "adapter": str(args.adapter) if args.adapter else None, "temperatures": {}}

