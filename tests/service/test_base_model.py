@@ -43,6 +43,19 @@ def test_a_model_larger_than_the_gpu_is_refused_naming_tensor_parallelism(tmp_pa
         check_fits_device(str(tmp_path), torch.bfloat16, "cuda:0")
 
 
+def test_a_gpu_that_other_processes_fill_is_refused_naming_gpu_memory_fraction(tmp_path, monkeypatch):
+    """Four tempering processes started at once on one H200 left a fifth no memory for its CUDA context:
+    it failed in torch.cuda.mem_get_info with a bare 'CUDA error: out of memory'."""
+    from tempering.engine import memory
+
+    def no_context(device):
+        raise torch.AcceleratorError("CUDA error: out of memory")
+
+    monkeypatch.setattr(memory, "cuda_free_bytes", no_context)
+    with pytest.raises(ConfigError, match="no memory left for this process.*gpu_memory_fraction"):
+        check_fits_device(str(tmp_path), torch.bfloat16, "cuda:0")
+
+
 def test_a_gpus_free_memory_counts_the_cached_blocks_the_allocator_gives_back(monkeypatch):
     """A closed backend's weights stay in PyTorch's caching allocator, which the driver counts as
     taken: a 72B resume in the same process saw 5.2 GiB free of 79.2 GiB. The allocator gives them

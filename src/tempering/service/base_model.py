@@ -182,7 +182,8 @@ def check_fits_device(model_ref: str, dtype, device, *, tensor_parallel_size: in
     with tensor parallelism its shards of it.
 
     Raises:
-        ConfigError: if the weights alone need more than 95% of the device's free memory.
+        ConfigError: if the weights alone need more than 95% of the device's free memory, or the
+            device has no memory left to start on (other processes hold it all).
     """
     import torch
 
@@ -191,7 +192,16 @@ def check_fits_device(model_ref: str, dtype, device, *, tensor_parallel_size: in
         return
     from ..engine.memory import cuda_free_bytes
 
-    free, total = cuda_free_bytes(device)
+    try:
+        free, total = cuda_free_bytes(device)
+    except RuntimeError as exc:  # torch.AcceleratorError: the CUDA context itself could not be created
+        if "out of memory" not in str(exc):
+            raise
+        raise ConfigError(
+            f"{device} has no memory left for this process to start on: other processes hold it (each tempering "
+            "engine keeps gpu_memory_fraction, default 0.5, of the memory free after its weights for its KV cache). "
+            "Give the others less, e.g. LocalBackend(engine_config={'gpu_memory_fraction': 0.2}) or tempering serve "
+            "--engine-config '{\"gpu_memory_fraction\": 0.2}', or use another GPU (CUDA_VISIBLE_DEVICES)") from exc
     check_fits(model_ref, dtype, free_bytes=free, total_bytes=total, device_name=str(device),
                tensor_parallel_size=tensor_parallel_size)
 
