@@ -44,8 +44,12 @@ def test_triton_paged_decode_matches_sdpa(heads, kv_heads, dim, window):
     assert (out.float() - ref.float()).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (9, 3, 64), (8, 8, 64), (32, 8, 128), (32, 2, 128)])
-def test_invariant_attention_prefills_each_query_bit_for_bit_as_it_decodes_it(heads, kv_heads, dim):
+@pytest.mark.parametrize("window", [None, 24, 100], ids=["all-keys", "window-24", "window-100"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (9, 3, 64), (8, 8, 64), (32, 8, 128), (32, 2, 128),
+                                                (4, 1, 256)])
+def test_invariant_attention_prefills_each_query_bit_for_bit_as_it_decodes_it(heads, kv_heads, dim, window):
+    """With a sliding window (Gemma 3's local layers) a prefill block's queries start at different
+    tiles: the tiles before a query's window must leave it exactly as it would start decoded."""
     from tempering.engine.layers.triton_attention import invariant_attention, queries_per_block
 
     torch.manual_seed(0)
@@ -65,16 +69,17 @@ def test_invariant_attention_prefills_each_query_bit_for_bit_as_it_decodes_it(he
     blocks = torch.tensor(blocks, device=device, dtype=torch.int32)
     q = torch.randn(len(lens), heads, dim, device=device, dtype=torch.bfloat16)
     scale = dim ** -0.5
-    prefilled = invariant_attention(q, k_cache, v_cache, per_token_tables, lens, scale, blocks)
-    decoded = invariant_attention(q, k_cache, v_cache, per_token_tables, lens, scale)  # one query per program
+    prefilled = invariant_attention(q, k_cache, v_cache, per_token_tables, lens, scale, blocks, window=window)
+    decoded = invariant_attention(q, k_cache, v_cache, per_token_tables, lens, scale,  # one query per program
+                                  window=window)
     assert torch.equal(prefilled, decoded)
     # the same queries decoded among other rows (a padding row of 0 keys included)
     padded = torch.cat([q[:5], torch.zeros_like(q[:1]), q[5:]])
     padded_lens = torch.cat([lens[:5], lens.new_zeros(1), lens[5:]])
     padded_tables = torch.cat([per_token_tables[:5], per_token_tables[:1], per_token_tables[5:]])
-    crowd = invariant_attention(padded, k_cache, v_cache, padded_tables, padded_lens, scale)
+    crowd = invariant_attention(padded, k_cache, v_cache, padded_tables, padded_lens, scale, window=window)
     assert torch.equal(torch.cat([crowd[:5], crowd[6:]]), decoded) and not crowd[5].any()
-    ref = reference_decode(q, k_cache, v_cache, per_token_tables, lens, scale)
+    ref = reference_decode(q, k_cache, v_cache, per_token_tables, lens, scale, window)
     assert (decoded.float() - ref.float()).abs().max() < 2e-2
 
 

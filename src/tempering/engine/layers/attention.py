@@ -71,9 +71,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     gpu = q.is_cuda and paged_decode_attention is not None
     if gpu and batch_invariant:
-        if window is not None:
-            raise ValueError("batch-invariant attention has no sliding window (the Llama family has none)")
-        return _invariant(q, k_cache, v_cache, ctx, scale)
+        return _invariant(q, k_cache, v_cache, ctx, scale, window)
     B = ctx.num_decode
     splits = num_splits(B, split_kv_heads) if gpu and split_kv_heads is not None else None
     if gpu and not ctx.prefill:  # the CUDA-graph path: no host work, no extra copy
@@ -98,13 +96,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None) -> torch.Tensor:
     B = ctx.num_decode
     if not ctx.prefill:  # the CUDA-graph path
-        return invariant_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale)
+        return invariant_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale,
+                                   window=window)
     out = torch.empty_like(q)
     if B:
-        out[:B] = invariant_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale)
+        out[:B] = invariant_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale,
+                                      window=window)
     if ctx.prefill_query_blocks is None:  # once per step, for every layer
         per_block = queries_per_block(q.shape[1], k_cache.shape[2])
         firsts, counts = [], []
@@ -115,7 +115,7 @@ def _invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ct
         blocks = np.stack([np.concatenate(firsts), np.concatenate(counts)], axis=1).astype(np.int32)
         ctx.prefill_query_blocks = torch.from_numpy(blocks).to(q.device)
     out[B:] = invariant_attention(q[B:], k_cache, v_cache, ctx.prefill_block_tables, ctx.prefill_context_lens, scale,
-                                  ctx.prefill_query_blocks)
+                                  ctx.prefill_query_blocks, window=window)
     return out
 
 

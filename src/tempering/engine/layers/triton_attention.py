@@ -220,7 +220,7 @@ def queries_per_block(num_heads: int, num_kv_heads: int) -> int:
 @triton.jit
 def _invariant_kernel(
     Q, K, V, Out, BlockTables, ContextLens, QueryBlocks,
-    scale,
+    scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kp, stride_kh,
     stride_vb, stride_vp, stride_vh,
@@ -247,6 +247,10 @@ def _invariant_kernel(
                 other=0.0)
     context = tl.load(ContextLens + token, mask=row_ok, other=0)  # [rows]: each query's keys
     num_keys = tl.max(context, 0)
+    first_key = tl.maximum(context - window, 0)  # [rows]: a sliding window's oldest key (0: every key)
+    # tiles stay aligned to the sequence's first key: the block starts at its earliest query's tile, and
+    # a tile wholly before a query's window leaves its state as it started (m = -inf, l = 0, acc = 0)
+    first_tile = tl.min(tl.where(row_ok, first_key, 1 << 30), 0) // BLOCK_N
     qk_scale = scale * 1.4426950408889634  # log2(e) folded in: exp2 below
 
     m_i = tl.full([QUERIES * GROUP_PAD], float("-inf"), tl.float32)
@@ -254,7 +258,7 @@ def _invariant_kernel(
     acc = tl.zeros([QUERIES * GROUP_PAD, D], tl.float32)
     offsets = tl.arange(0, BLOCK_N)
     table = BlockTables + first * stride_bt  # the queries' shared sequence
-    for tile in range(0, tl.cdiv(num_keys, BLOCK_N)):
+    for tile in range(first_tile, tl.cdiv(num_keys, BLOCK_N)):
         tokens = tile * BLOCK_N + offsets
         loaded = tokens < num_keys
         block = tl.load(table + tokens // PAGE, mask=loaded, other=0).to(tl.int64)
@@ -262,7 +266,8 @@ def _invariant_kernel(
         k = tl.load(K + block[:, None] * stride_kb + row[:, None] * stride_kp + kv_head * stride_kh + d[None, :],
                     mask=loaded[:, None], other=0.0)  # [BLOCK_N, D]
         scores = tl.dot(q, tl.trans(k)) * qk_scale  # [rows, BLOCK_N], in log2 units
-        scores = tl.where(tokens[None, :] < context[:, None], scores, float("-inf"))
+        seen = (tokens[None, :] < context[:, None]) & (tokens[None, :] >= first_key[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
         # a tile wholly past a query's keys: m_new = m_i, alpha = 1, p = 0: its state is unchanged, bit for bit
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row (no keys at all) stays 0
@@ -281,13 +286,16 @@ def _invariant_kernel(
 
 def invariant_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, query_blocks: torch.Tensor | None = None,
+    context_lens: torch.Tensor, scale: float, query_blocks: torch.Tensor | None = None, *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant attention: each query over its own keys, in one pass of 64-key tiles.
 
     A query's result depends only on its keys: decoded (`query_blocks=None`, one row per
     program) or prefilled in a block of `queries_per_block` queries of its sequence, it is the
-    same bit for bit.
+    same bit for bit. Tiles are counted from the sequence's first key; with a sliding window a
+    query starts at the tile holding its oldest key, and in a prefill block the tiles before
+    that (read for the block's earlier queries) leave its running sums exactly as they began.
 
     Args:
         q: [T, Hq, D] bf16/fp16 queries.
@@ -298,6 +306,7 @@ def invariant_attention(
         scale: softmax scale.
         query_blocks: [num_blocks, 2] int32 (first query, count) of the blocks of consecutive
             queries of one sequence, at most `queries_per_block(Hq, Hkv)` each (None: decode).
+        window: a sliding window: the query at position p sees keys p - window < j <= p (None: all).
 
     Returns:
         [T, Hq, D] in q's dtype.
@@ -312,7 +321,7 @@ def invariant_attention(
     grid = (T if decode else query_blocks.shape[0], num_kv_heads)
     _invariant_kernel[grid](
         q, k_cache, v_cache, out, block_tables, context_lens, q if decode else query_blocks,
-        scale,
+        scale, window if window is not None else 1 << 30,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -300,7 +300,7 @@ def _add_rms_norm_lora_kernel(Y, T, BT, R, W, Out, ROut, H, stride_y, stride_t, 
     x = (y.to(tl.float32) + delta).to(dt)  # the projection's output, rounded once, as lora_expand_ stores it
     x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(dt)  # rounded like HF's add
     tl.store(ROut + row * stride_ro + cols, x, mask=mask)
-    _store_rms_norm(x, W, Out + row * stride_o, cols, mask, H, eps)
+    _store_rms_norm(x, W, Out + row * stride_o, cols, mask, H, eps, False)
 
 
 def add_rms_norm_lora(y: torch.Tensor, t: torch.Tensor, BT: torch.Tensor, scale: float, residual: torch.Tensor,

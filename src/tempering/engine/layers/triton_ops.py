@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["add_rms_norm", "dot_precision", "rms_norm", "rotary_", "rotary_and_store_", "silu_and_mul"]
+__all__ = ["add_rms_norm", "dot_precision", "gemma_rms_norm", "rms_norm", "rotary_", "rotary_and_store_", "silu_and_mul"]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -33,7 +33,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, ROut, stride_x, stride_r, stride_y, stride_ro, H, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GAIN_F32: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -41,27 +41,43 @@ def _rms_norm_kernel(X, R, W, Y, ROut, stride_x, stride_r, stride_y, stride_ro, 
     if HAS_RESIDUAL:
         x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(x.dtype)  # rounded like HF's add
         tl.store(ROut + row * stride_ro + cols, x, mask=mask)
-    _store_rms_norm(x, W, Y + row * stride_y, cols, mask, H, eps)
+    _store_rms_norm(x, W, Y + row * stride_y, cols, mask, H, eps, GAIN_F32)
 
 
 @triton.jit
-def _store_rms_norm(x, W, Y, cols, mask, H, eps):
-    """Y[cols] = W * RMSNorm(x) for one row x [BLOCK] (float32 statistics, rounded as HF's module)."""
+def _store_rms_norm(x, W, Y, cols, mask, H, eps, GAIN_F32: tl.constexpr):
+    """Y[cols] = W * RMSNorm(x) for one row x [BLOCK] (float32 statistics, rounded as HF's module):
+    Llama's rounds the normed row before the weight; with GAIN_F32 (Gemma's, W the float32 gain 1 + w)
+    the product is rounded once."""
     x32 = x.to(tl.float32)
     var = tl.sum(x32 * x32, axis=0) / H
-    normed = (x32 * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Y + cols, (w * normed).to(x.dtype), mask=mask)
+    if GAIN_F32:
+        tl.store(Y + cols, (x32 * tl.rsqrt(var + eps) * w).to(x.dtype), mask=mask)
+    else:
+        normed = (x32 * tl.rsqrt(var + eps)).to(x.dtype)
+        tl.store(Y + cols, (w * normed).to(x.dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., H] (rows may be strided views, e.g. heads of a q/k slice)."""
+    return _rms_norm(x, weight, eps, gain_f32=False)
+
+
+def gemma_rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm of x [..., H] with `gain` [H] float32 (1 + w), rounded once after the gain
+    (modeling/gemma.gemma_rms_norm's math), one program per row: a row's sums never depend on the
+    batch (the batch-invariant engine's; PyTorch's fused kernel makes no such promise)."""
+    return _rms_norm(x, gain, eps, gain_f32=True)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gain_f32: bool) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     H = shape[-1]
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), 0, y.stride(0), 0, H, eps,
-                                     HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(H))
+                                     HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(H), GAIN_F32=gain_f32)
     return y.view(shape)
 
 
@@ -71,7 +87,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     y = torch.empty_like(x)
     new_residual = torch.empty_like(x)
     _rms_norm_kernel[(N,)](x, residual, weight, y, new_residual, x.stride(0), residual.stride(0), y.stride(0),
-                           new_residual.stride(0), H, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(H))
+                           new_residual.stride(0), H, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(H),
+                           GAIN_F32=False)
     return y, new_residual
 
 

@@ -13,7 +13,9 @@ Llama family (llama.py) a Gemma 3 layer has
 
 It reads the Hugging Face model's own tensors (q/k/v and gate/up fused as views, shared with the
 trainer) and applies the live LoRA through `linear_with_segments` (Triton shrink/expand kernels on CUDA, rounded once);
-decode steps are captured in CUDA graphs by the runner like the Llama family's.
+decode steps are captured in CUDA graphs by the runner like the Llama family's. In batch-invariant
+mode (exact on-policy) the products, the LoRA kernels and the attention, sliding windows included,
+are the Llama family's invariant kernels, and every RMSNorm one Triton program per row.
 
 References: Gemma 3 technical report (Gemma Team 2025, arXiv 2503.19786); transformers'
 `models/gemma3/modeling_gemma3.py`, which the tests compare against.
@@ -32,7 +34,6 @@ from ...modeling.gemma import GEMMA3_ARCHITECTURES, embed_scale, gelu_and_mul, g
 from ...modeling.weights import base_layer, fuse_linears
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention
-from ...modeling.precision import linear_f32
 from ..lora import LoRASegment, linear_with_segments
 
 __all__ = ["GEMMA3_ARCHITECTURES", "Gemma3Model"]
@@ -63,11 +64,13 @@ class Gemma3Model:
         max_positions: longest position the rotary tables cover.
         max_lora_rank: unused (the spare-rows LoRA path is the Llama family's); accepted for
             the registry's uniform call.
+        batch_invariant: every token computed the same whatever its batch (EngineConfig.batch_invariant).
     """
 
     spare_rows = None  # the live adapter goes through linear_with_segments (shrink/expand), never spare rows
 
-    def __init__(self, hf_model: Any, max_positions: int, *, max_lora_rank: int = 16) -> None:
+    def __init__(self, hf_model: Any, max_positions: int, *, max_lora_rank: int = 16,
+                 batch_invariant: bool = False) -> None:
         config = hf_model.config
         inner = hf_model.model
         self.hf_layers = list(inner.layers)
@@ -85,7 +88,13 @@ class Gemma3Model:
         self.lm_head = hf_model.lm_head.weight  # [V, H], the embedding itself (tied)
         self.rotary = {t: RotaryTable(functools.partial(inner.rotary_emb, layer_type=t), max_positions, self.dtype,
                                       self.device) for t in sorted(set(config.layer_types))}
-        self.ops = ops_for(self.device)
+        self.batch_invariant = batch_invariant
+        self.ops = ops_for(self.device, batch_invariant=batch_invariant)
+        self.norm_fn = gemma_rms_norm
+        if batch_invariant and self.device.type == "cuda" and self.ops.batch_invariant:  # Triton is there
+            from ..layers.triton_ops import gemma_rms_norm as invariant_rms_norm
+
+            self.norm_fn = invariant_rms_norm
         self.layers: list[_Layer] = []
         self.fused_slices: dict[str, dict[str, slice]] = {}
         for i, layer in enumerate(self.hf_layers):
@@ -142,30 +151,31 @@ class Gemma3Model:
             [N, H].
         """
         N = input_ids.shape[0]
-        ops, eps = self.ops, self.eps
+        ops, eps, norm = self.ops, self.eps, self.norm_fn
         x = F.embedding(input_ids, self.embed) * self.embed_scale  # [N, H]
         rotary = {t: table(positions) for t, table in self.rotary.items()}  # cos, sin [N, D] per layer type
         for i, layer in enumerate(self.layers):
-            h = gemma_rms_norm(x, layer.input_norm, eps)
+            h = norm(x, layer.input_norm, eps)
             qkv = linear_with_segments(h, layer.qkv, None, lora, i, "qkv", ops)  # [N, (Hq + 2Hkv) D]
             q = qkv[:, : self.q_size].view(N, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(N, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(N, self.num_kv_heads, self.head_dim)
-            q = gemma_rms_norm(q, layer.q_norm, eps)
-            k = gemma_rms_norm(k, layer.k_norm, eps)
+            q = norm(q, layer.q_norm, eps)
+            k = norm(k, layer.k_norm, eps)
             cos, sin = rotary[layer.layer_type]
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, ctx, self.scale, layer.window).reshape(N, self.q_size)
+            o = paged_attention(q, k_cache, v_cache, ctx, self.scale, layer.window,
+                                batch_invariant=self.batch_invariant).reshape(N, self.q_size)
             attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops)
-            x = x + gemma_rms_norm(attn_out, layer.post_attention_norm, eps)
-            h = gemma_rms_norm(x, layer.pre_feedforward_norm, eps)
+            x = x + norm(attn_out, layer.post_attention_norm, eps)
+            h = norm(x, layer.pre_feedforward_norm, eps)
             gate_up = linear_with_segments(h, layer.gate_up, None, lora, i, "gate_up", ops)  # [N, 2I]
             act = gelu_and_mul(gate_up)  # [N, I]
             down = linear_with_segments(act, layer.down, None, lora, i, "down", ops)
-            x = x + gemma_rms_norm(down, layer.post_feedforward_norm, eps)
-        return gemma_rms_norm(x, self.norm, eps)
+            x = x + norm(down, layer.post_feedforward_norm, eps)
+        return norm(x, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, H] → [S, V] float32 logits, unrounded (modeling/precision.py)."""
-        return linear_f32(hidden, self.lm_head)
+        """[S, H] → [S, V] float32 logits, unrounded (modeling/precision.py; batch-invariant in that mode)."""
+        return self.ops.linear_f32(hidden, self.lm_head)
