@@ -35,6 +35,7 @@ each expert its own A and B), A and B non-zero, the trainer's tensors, as every 
     python benchmarks/moe.py --device cuda                          # rollout + train (an H200: 139 GiB)
     python benchmarks/moe.py --device cuda --parts rollout --vllm   # rollouts against vLLM (vLLM installed)
     python benchmarks/moe.py --device cuda --parts rollout --profile  # where a decode step's time goes
+    python benchmarks/moe.py --device cuda --parts rollout --batch-invariant  # exact on-policy mode against the default
     python benchmarks/moe.py --device cuda --parts train --num-seqs 8
     python benchmarks/moe.py --device cpu --tiny
     python benchmarks/moe.py --device cpu --tiny --dtype bfloat16 --parts replay    # the CPU measurement
@@ -129,12 +130,13 @@ def rollout_part(args, model, trainer: Trainer, device: torch.device, record: di
 
     work = TINY_R if args.tiny else R
 
-    def make_engine(grouped_delta: bool = False) -> Engine:
-        decoder = engine_model_for(model, 4096)
+    def make_engine(grouped_delta: bool = False, batch_invariant: bool = False) -> Engine:
+        decoder = engine_model_for(model, 4096, batch_invariant=batch_invariant)
         if grouped_delta:  # the expert LoRA as two grouped GEMMs (the trainer's path), not the engine's kernels
             decoder.add_expert_delta = None
         return Engine(decoder, _Tok(), stop_token_ids=[151645], lock=threading.RLock(),
-                      config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, cpu_kv_cache_bytes=1 << 28),
+                      config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, cpu_kv_cache_bytes=1 << 28,
+                                          batch_invariant=batch_invariant),
                       max_seq_len=4096, peft_model=lambda: trainer.peft_model)
 
     engine = make_engine()
@@ -166,6 +168,19 @@ def rollout_part(args, model, trainer: Trainer, device: torch.device, record: di
         gc.collect()  # (the engine's reference cycles)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if device.type == "cuda" and args.batch_invariant:  # the same R in exact on-policy mode
+        engine = make_engine(batch_invariant=True)
+        try:
+            exact = [time_rollouts(engine, prompts, work, policy, routed=True) for _ in range(args.rounds)]
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        record["rollout"]["batch_invariant_routed_tok_per_s"] = round(float(np.mean(exact)), 1)
+        record["rollout"]["batch_invariant_runs"] = [round(x, 1) for x in exact]
+        record["rollout"]["batch_invariant_vs_default"] = round(
+            float(np.mean(exact)) / record["rollout"]["lora_routed_experts_tok_per_s"], 3)
     if device.type == "cuda" and args.baseline_grouped_delta:  # the same R, the expert LoRA as grouped GEMMs
         engine = make_engine(grouped_delta=True)
         try:
@@ -328,6 +343,9 @@ def main() -> None:
     parser.add_argument("--baseline-grouped-delta", action="store_true",
                         help="CUDA: also time R (without routed experts) with the expert LoRA as two grouped GEMMs "
                              "per projection (the trainer's path) instead of the engine's kernels, in the same run")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="CUDA: also time R in exact on-policy mode (EngineConfig.batch_invariant), after the "
+                             "default engine's runs, on the same weights")
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: profile a window of R's steady decoding after the timed runs: the GPU's busy "
                              "fraction, kernel time and count per step, and the longest kernels")

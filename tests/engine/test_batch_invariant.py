@@ -1,7 +1,8 @@
 """Batch-invariant mode: a token's logprob does not depend on its batch, and scoring a sampled
 sequence afterwards (Engine.score, one prefill) returns the sampled logprobs bit for bit (CUDA);
-the CPU twin agrees to float32 rounding. The Llama family (Qwen2 here) and Gemma 3, whose local
-layers' 16-token window the sequences outgrow."""
+the CPU twin agrees to float32 rounding. The Llama family (Qwen2 here), Gemma 3, whose local
+layers' 16-token window the sequences outgrow, and Qwen3-MoE with LoRA on every expert (a
+token's experts, and each expert's rows, change with its batch)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tempering.errors import ConfigError
 
 
 def _engine(device, dtype, *, batch_invariant=True, arch="qwen2"):
-    model = tiny(arch, device, dtype)
+    model = tiny_moe(device, dtype) if arch == "qwen3_moe" else tiny(arch, device, dtype)
     holder = {}
     engine = Engine(engine_model_for(model, 512, batch_invariant=batch_invariant), NullTokenizer(), stop_token_ids=[0],
                     lock=threading.RLock(), max_seq_len=512, peft_model=lambda: holder.get("peft"),
@@ -27,7 +28,7 @@ def _engine(device, dtype, *, batch_invariant=True, arch="qwen2"):
     return engine
 
 
-ARCHS = ["qwen2", "gemma3"]
+ARCHS = ["qwen2", "gemma3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -77,5 +78,8 @@ def test_a_sequences_tokens_and_logprobs_do_not_depend_on_its_batch(arch):
 
 
 def test_batch_invariant_mode_is_refused_for_a_model_it_does_not_cover():
-    with pytest.raises(ConfigError, match="Llama family and Gemma 3"):
-        engine_model_for(tiny_moe(), 512, batch_invariant=True)
+    import transformers
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128))
+    with pytest.raises(ConfigError, match="batch_invariant .* covers .*GPT2LMHeadModel is not"):
+        engine_model_for(gpt2, 512, batch_invariant=True)

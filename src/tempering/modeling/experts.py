@@ -254,7 +254,8 @@ def _add_delta_(y: torch.Tensor, x: torch.Tensor, lora: tuple[torch.Tensor, torc
 
 def sparse_moe(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, top_k: int,
                normalize: bool, silu_and_mul, deltas: list[MoEDelta] = (), replay: torch.Tensor | None = None,
-               impl: str = "auto", add_delta=None) -> tuple[torch.Tensor, torch.Tensor]:
+               impl: str = "auto", add_delta=None, linear=F.linear, grouped=None,
+               fixed_order_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A sparse MoE block: route, grouped SwiGLU experts (with LoRA), the weighted sum over the k.
 
     Args:
@@ -267,24 +268,36 @@ def sparse_moe(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, dow
         impl: `grouped_linear`'s, for every projection.
         add_delta: adds an adapter's expert LoRA delta, `_add_delta_`'s signature (None: it, two
             grouped GEMMs; the engine passes its decode kernels, engine/layers/triton_moe_lora.py).
+        linear: the router's product, `F.linear`'s signature.
+        grouped: the experts' products, (x, weight, batch) → y as `grouped_linear` (None: it).
+        fixed_order_sum: sum the k weighted expert outputs one by one in float32, elementwise (a
+            row's result then never depends on the batch), instead of one batched product.
+            linear, grouped and this are the batch-invariant engine's (engine/models/qwen3_moe.py).
 
     Returns:
         (out [N, H] in h's dtype, ids [N, k] int64 the experts used).
     """
     N, H = h.shape
-    weights, ids = route(F.linear(h, router), top_k, normalize, replay)  # [N, k] each
+    weights, ids = route(linear(h, router), top_k, normalize, replay)  # [N, k] each
     batch = sort_by_expert(ids, router.shape[0], host_counts=not h.is_cuda)  # a sync only where it costs nothing
     add_delta = add_delta or _add_delta_
+    grouped = grouped or functools.partial(grouped_linear, impl=impl)
     xs = h[batch.token]  # [M, H], M = N·k rows sorted by expert
-    y = grouped_linear(xs, gate_up, batch, impl=impl)  # [M, 2I]
+    y = grouped(xs, gate_up, batch)  # [M, 2I]
     for d in deltas:
         if d.gate_up is not None:
             y = add_delta(y, xs, d.gate_up, batch, d.rows, impl)
     act = silu_and_mul(y)  # [M, I]
-    y = grouped_linear(act, down, batch, impl=impl)  # [M, H]
+    y = grouped(act, down, batch)  # [M, H]
     for d in deltas:
         if d.down is not None:
             y = add_delta(y, act, d.down, batch, d.rows, impl)
     y = y[batch.inverse].view(N, top_k, H)  # back to token order
-    out = torch.bmm(weights.to(h.dtype)[:, None, :], y)[:, 0]  # [N, H]: Σ_j w_j y_j, no [N, k, H] product
+    w = weights.to(h.dtype)
+    if fixed_order_sum:  # Σ_j w_j y_j for j = 0, 1, ...: w rounded as bmm's input, products and sums in float32
+        out = w[:, 0, None].float() * y[:, 0].float()
+        for j in range(1, top_k):
+            out = out + w[:, j, None].float() * y[:, j].float()
+        return out.to(h.dtype), ids
+    out = torch.bmm(w[:, None, :], y)[:, 0]  # [N, H]: Σ_j w_j y_j, no [N, k, H] product
     return out, ids

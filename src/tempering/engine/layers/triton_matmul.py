@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["matmul"]
+__all__ = ["grouped_matmul", "matmul"]
 
 BLOCK_K = 64
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates. They differ only in which outputs a
@@ -105,5 +105,74 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=BLOCK_K, num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+GROUPED_BM, GROUPED_BN = 64, 64  # one config for every size: an element's sum is the dense kernel's walk over K
+
+
+@triton.jit
+def _grouped_kernel(X, W, Y, Offsets, TileEnds, TileExpert, N, K, stride_x, stride_we, stride_w, stride_y,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    tile = tl.program_id(0)
+    e = tl.load(TileExpert + tile)
+    if e < 0:  # past the batch's row tiles
+        return
+    end = tl.load(Offsets + e)
+    start = tl.where(e > 0, tl.load(Offsets + tl.maximum(e - 1, 0)), 0)
+    first_tile = tl.where(e > 0, tl.load(TileEnds + tl.maximum(e - 1, 0)), 0)
+    rows = start + (tile - first_tile) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    row_mask = rows < end
+    col_mask = cols < N
+    w_base = W + e.to(tl.int64) * stride_we
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + ks
+        k_mask = k < K
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        w = tl.load(w_base + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(Y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows of x times its own weight, batch-invariant: y[rows of e] = x[rows of e] @ weight[e]^T.
+
+    `modeling.experts.grouped_linear`'s contract (rows sorted by expert) with `matmul`'s promise: a
+    row's result does not depend on how many rows its expert or the batch has, since every output
+    tile walks K from 0 in BLOCK_K steps with one fixed config. The grid is fixed by M and the
+    expert count (cdiv(M, 64) + E row tiles, the unused ones return at once), so CUDA graphs
+    capture it; no host sync.
+
+    Args:
+        x: [M, K] bfloat16/float16, rows sorted by expert (the last dim contiguous).
+        weight: [E, N, K] (each expert's nn.Linear layout; the last dim contiguous).
+        offsets: [E] int32 cumulative row counts (`ExpertBatch.offsets`).
+
+    Returns:
+        [M, N] in x's dtype.
+    """
+    M, K = x.shape
+    E, N, _ = weight.shape
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("grouped_matmul needs the last dim of x and weight contiguous")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    counts = offsets.diff(prepend=offsets.new_zeros(1))
+    tile_ends = ((counts + GROUPED_BM - 1) // GROUPED_BM).cumsum(0, dtype=torch.int32)  # [E]
+    num_tiles = triton.cdiv(M, GROUPED_BM) + E  # at most one partial tile per expert beyond cdiv(M, BM)
+    tile_expert = torch.searchsorted(tile_ends, torch.arange(num_tiles, device=x.device, dtype=torch.int32),
+                                     right=True).to(torch.int32)
+    tile_expert = torch.where(tile_expert < E, tile_expert, -1)
+    _grouped_kernel[(num_tiles, triton.cdiv(N, GROUPED_BN))](
+        x, weight, y, offsets, tile_ends, tile_expert, N, K, x.stride(0), weight.stride(0), weight.stride(1),
+        y.stride(0), BM=GROUPED_BM, BN=GROUPED_BN, BK=BLOCK_K, num_warps=4, num_stages=4,
     )
     return y

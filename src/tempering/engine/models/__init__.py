@@ -57,14 +57,15 @@ def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 
     `batch_invariant`: see EngineConfig.batch_invariant.
 
     Raises:
-        ConfigError: `batch_invariant` for a model outside the Llama family and Gemma 3.
+        ConfigError: `batch_invariant` for a model outside the Llama family, Gemma 3 and Qwen3-MoE.
     """
     reason = fallback_reason(hf_model, max_positions)
     arch = _architecture(hf_model)[0]
-    exact = SUPPORTED_ARCHITECTURES + GEMMA3_ARCHITECTURES
+    exact = SUPPORTED_ARCHITECTURES + GEMMA3_ARCHITECTURES + MOE_ARCHITECTURES
     if batch_invariant and (reason is not None or arch not in exact):
-        raise ConfigError(f"batch_invariant (exact on-policy) covers the Llama family and Gemma 3 {exact}; "
-                          f"{arch or type(hf_model).__name__} is not: leave EngineConfig.batch_invariant off for it")
+        raise ConfigError(f"batch_invariant (exact on-policy) covers {exact}; {arch or type(hf_model).__name__} "
+                          f"is not ({reason or 'no invariant kernels for it'}): leave EngineConfig.batch_invariant "
+                          "off for it")
     if tp is not None and (reason is not None or arch not in SUPPORTED_ARCHITECTURES):
         raise ConfigError(f"tensor parallelism covers the Llama family {SUPPORTED_ARCHITECTURES}; "
                           f"{arch or type(hf_model).__name__} is not: use tensor_parallel_size 1")
@@ -74,6 +75,6 @@ def engine_model_for(hf_model: Any, max_positions: int, *, max_lora_rank: int = 
     if arch in GEMMA3_ARCHITECTURES:
         return Gemma3Model(hf_model, max_positions, max_lora_rank=max_lora_rank, batch_invariant=batch_invariant)
     if arch in MOE_ARCHITECTURES:
-        return Qwen3MoeModel(hf_model, max_positions, max_lora_rank=max_lora_rank)
+        return Qwen3MoeModel(hf_model, max_positions, max_lora_rank=max_lora_rank, batch_invariant=batch_invariant)
     return LlamaFamilyModel(hf_model, max_positions, max_lora_rank=max_lora_rank, batch_invariant=batch_invariant,
                             tp=tp)

@@ -12,6 +12,11 @@ the CPU two more grouped GEMMs, as the trainer computes it). Layers named in
 Each forward records every token's experts per MoE layer at its KV slot (engine/routing.py),
 so a finished sample can return the routing it was sampled with (routing replay).
 
+In batch-invariant mode (exact on-policy) the attention and dense layers take the Llama family's
+invariant kernels, the router and the experts' products the invariant matmul and grouped matmul
+(layers/triton_matmul.py), and the k expert outputs are summed one by one in float32: a token's
+experts and output never depend on its batch, so rescoring a sample gives its sampled values.
+
 The live adapter's expert LoRA is read from PEFT's tensors: a copy of A and B stacked per expert
 in the model dtype is refreshed whenever the trainer changed them (PyTorch's version counters
 tell), in `bind_lora`, which the runner calls before every forward or graph replay with an
@@ -34,7 +39,6 @@ from ...modeling.experts import MoEDelta, collect_expert_lora, experts_of, is_mo
 from ...modeling.weights import base_layer, fuse_linears
 from ..context import StepContext
 from ..layers import RotaryTable, ops_for, paged_attention
-from ...modeling.precision import linear_f32
 from ..lora import EngineAdapter, LoRASegment, linear_with_segments, lora_silu_and_mul
 from ..routing import RoutingTable
 
@@ -101,9 +105,11 @@ class Qwen3MoeModel:
         hf_model: a loaded `Qwen3MoeForCausalLM`.
         max_positions: longest position the rotary table covers.
         max_lora_rank: unused (no spare-rows LoRA path for this model yet); kept for the same signature.
+        batch_invariant: every token computed the same whatever its batch (EngineConfig.batch_invariant).
     """
 
-    def __init__(self, hf_model: Any, max_positions: int, *, max_lora_rank: int = 16) -> None:
+    def __init__(self, hf_model: Any, max_positions: int, *, max_lora_rank: int = 16,
+                 batch_invariant: bool = False) -> None:
         config = hf_model.config
         inner = hf_model.model
         self.config = config
@@ -124,7 +130,14 @@ class Qwen3MoeModel:
         self.norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight
         self.rotary = RotaryTable(inner.rotary_emb, max_positions, self.dtype, self.device)
-        self.ops = ops_for(self.device)
+        self.batch_invariant = batch_invariant
+        self.ops = ops_for(self.device, batch_invariant=batch_invariant)
+        self.moe_kernels: dict[str, Any] = {}  # sparse_moe's products in batch-invariant mode (CUDA)
+        if self.ops.batch_invariant:
+            from ..layers.triton_matmul import grouped_matmul
+
+            self.moe_kernels = {"linear": self.ops.linear, "fixed_order_sum": True,
+                                "grouped": lambda x, weight, batch: grouped_matmul(x, weight, batch.offsets)}
         self.add_expert_delta = None  # the expert LoRA's delta: two grouped GEMMs (modeling/experts.py)
         if self.device.type == "cuda":  # or per-expert Triton kernels, ~20x faster at decode sizes
             from ..layers.triton_moe_lora import moe_lora_add_
@@ -250,13 +263,15 @@ class Qwen3MoeModel:
             k = ops.rms_norm(k, layer.k_norm, self.eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.rotary_and_store_(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, ctx, self.scale).reshape(N, self.q_size)  # [N, Hq D]
+            o = paged_attention(q, k_cache, v_cache, ctx, self.scale,
+                                batch_invariant=self.batch_invariant).reshape(N, self.q_size)  # [N, Hq D]
             attn_out = linear_with_segments(o, layer.o, None, lora, i, "o", ops)
             h, residual = ops.add_rms_norm(attn_out, residual, layer.post_norm, self.eps)
             if layer.moe is not None:
                 x, ids = sparse_moe(h, layer.router, layer.gate_up, layer.down, top_k=self.top_k,
                                     normalize=self.normalize, silu_and_mul=ops.silu_and_mul,
-                                    deltas=deltas[i] if deltas else (), add_delta=self.add_expert_delta)
+                                    deltas=deltas[i] if deltas else (), add_delta=self.add_expert_delta,
+                                    **self.moe_kernels)
                 if self.routing is not None:
                     self.routing.write(layer.moe_index, ctx.slot_mapping, ids)
                 continue
@@ -265,5 +280,5 @@ class Qwen3MoeModel:
         return ops.add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, H] → [S, V] float32 logits, unrounded (modeling/precision.py)."""
-        return linear_f32(hidden, self.lm_head)
+        """[S, H] → [S, V] float32 logits, unrounded (modeling/precision.py; batch-invariant in that mode)."""
+        return self.ops.linear_f32(hidden, self.lm_head)
