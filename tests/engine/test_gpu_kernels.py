@@ -338,9 +338,9 @@ def test_fused_sampler_with_grammar_bitmasks_draws_only_allowed_tokens():
 
 def test_grouped_matmul_gives_each_row_the_same_bits_whatever_its_experts_batch():
     """The batch-invariant experts' product (Qwen3-MoE in exact mode): a row alone with its expert,
-    or among 300 rows over 16 experts (some with none), comes out bitwise the same, and close to
-    each expert's F.linear."""
-    from tempering.engine.layers.triton_matmul import grouped_matmul
+    or among 300 rows over 16 experts (some with none), comes out bitwise the same, as the dense
+    invariant product gives it, and close to each expert's F.linear."""
+    from tempering.engine.layers.triton_matmul import grouped_matmul, matmul
 
     torch.manual_seed(0)
     E, N, K = 16, 96, 200
@@ -352,6 +352,8 @@ def test_grouped_matmul_gives_each_row_the_same_bits_whatever_its_experts_batch(
     expert = torch.repeat_interleave(torch.arange(E, device="cuda"), counts)
     ref = torch.stack([F.linear(x[i].float(), weight[expert[i]].float()) for i in range(x.shape[0])])
     assert (y.float() - ref).abs().max() < 0.5  # bf16 outputs of sums of 200 products
+    rows = slice(38, 108)  # expert 4's: the dense kernel with the same tiles sums them the same way
+    assert torch.equal(matmul(x[rows], weight[4], config="64x64"), y[rows])
     for i in (0, 37, 38, 150, x.shape[0] - 1):
         alone = torch.zeros(E, dtype=torch.int32, device="cuda")
         alone[expert[i]:] = 1

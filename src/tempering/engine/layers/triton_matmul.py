@@ -55,6 +55,23 @@ def config_for(M: int, N: int) -> str:
     return SELECT["large" if M >= LARGE_M else "small", "large" if N >= LARGE_N else "small"]
 
 
+@triton.jit
+def _tile_product(X, W, rows, cols, ks, row_mask, col_mask, K, stride_x, stride_w,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """x[rows] @ w[cols]^T as a float32 [BM, BN] tile, K walked from 0 in BK steps: the one sum every
+    output element of both kernels here takes."""
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + ks
+        k_mask = k < K
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        w = tl.load(W + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(X, W, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -65,15 +82,7 @@ def _matmul_kernel(X, W, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
     ks = tl.arange(0, BK)
     row_mask = rows < M
     col_mask = cols < N
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + ks
-        k_mask = k < K
-        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        w = tl.load(W + cols[:, None].to(tl.int64) * stride_w + k[None, :],
-                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-        acc = tl.dot(x, tl.trans(w), acc)
+    acc = _tile_product(X, W, rows, cols, ks, row_mask, col_mask, K, stride_x, stride_w, BM, BN, BK)
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
@@ -127,16 +136,8 @@ def _grouped_kernel(X, W, Y, Offsets, TileEnds, TileExpert, N, K, stride_x, stri
     ks = tl.arange(0, BK)
     row_mask = rows < end
     col_mask = cols < N
-    w_base = W + e.to(tl.int64) * stride_we
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + ks
-        k_mask = k < K
-        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        w = tl.load(w_base + cols[:, None].to(tl.int64) * stride_w + k[None, :],
-                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-        acc = tl.dot(x, tl.trans(w), acc)
+    acc = _tile_product(X, W + e.to(tl.int64) * stride_we, rows, cols, ks, row_mask, col_mask, K, stride_x, stride_w,
+                        BM, BN, BK)
     tl.store(Y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
