@@ -109,3 +109,37 @@ def test_the_whole_loop_runs_on_a_qwen3_moe_directory_with_routing_replay(tmp_pa
 
     keys = load_file(checkpoint / "adapter_model.safetensors").keys()
     assert any("mlp.experts.lora_A" in k for k in keys) and any("mlp.experts.base_layer.lora_B" in k for k in keys)
+
+
+def test_exact_on_policy_mode_trains_a_qwen3_moe_at_its_sampled_values(tmp_path, tiny_moe_dir):
+    """Exact on-policy mode with routing replay: on-policy rollouts keep their sampled logprobs (every
+    ratio exactly 1, nothing rescored); a second update in the same step rescores its tokens through the
+    engine's MoE forward (Engine.score), and the step trains."""
+    async def run():
+        backend = art.LocalBackend(path=tmp_path, device="cpu", engine_config=EngineConfig(
+            batch_invariant=True, cpu_kv_cache_bytes=16 << 20, max_num_seqs=32))
+        model = art.TrainableModel(name="moe-exact", project="tests", base_model=str(tiny_moe_dir))
+        try:
+            await model.register(backend)
+
+            async def groups():
+                out = []
+                for prompt in ("Say a number.", "Name a color."):
+                    completion = await model.openai_client().chat.completions.create(
+                        model=model.name, messages=[{"role": "user", "content": prompt}], max_tokens=6, n=4,
+                        temperature=1.0)
+                    out.append(art.TrajectoryGroup(
+                        art.Trajectory(messages_and_choices=[{"role": "user", "content": prompt}, c], reward=float(k))
+                        for k, c in enumerate(completion.choices)))
+                return out
+
+            one = (await model.train(await groups(), config=art.TrainConfig(learning_rate=1e-2))).metrics
+            two = (await model.train(await groups(), config=art.TrainConfig(learning_rate=1e-2, batch_size=4))).metrics
+        finally:
+            await backend.close()
+        return one, two
+
+    one, two = asyncio.run(run())
+    assert one["offpolicy/rescored_fraction"] == 0.0 and one["offpolicy/bitwise_equal_fraction"] == 1.0
+    assert one["offpolicy/ratio_max"] == 1.0 and one["loss/grad_norm"] > 0
+    assert two["data/step_num_optimizer_updates"] == 2 and 0.0 < two["offpolicy/rescored_fraction"] < 1.0
