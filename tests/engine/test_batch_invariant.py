@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from test_models import DEVICES, AdapterPolicy, NullTokenizer, tiny, with_lora
@@ -52,6 +53,32 @@ def test_scoring_sampled_sequences_returns_their_sampled_logprobs(device, dtype,
                 assert torch.equal(got, want), (got - want).abs().max()
             else:
                 assert (got - want).abs().max() < 1e-4
+    finally:
+        engine.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*_pattern keys did not match any targeted module")
+@pytest.mark.parametrize("device,dtype", DEVICES[:2], ids=[d for d, _ in DEVICES[:2]])
+def test_scoring_a_moe_sample_routes_it_as_given(device, dtype):
+    """A rescored Qwen3-MoE sample routes as the trainer replays it (`routed_experts`): with its sampled
+    routing the scores are its sampled logprobs, with other experts they are another function's."""
+    engine = _engine(device, dtype, arch="qwen3_moe")
+    try:
+        prompt = torch.randint(1, 128, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+        params = SamplingParams(max_tokens=20, temperature=1.0, seed=2, ignore_eos=True, return_routed_experts=True)
+        policy = AdapterPolicy("default")
+        c = engine.submit(prompt, params, policy=policy).result(timeout=300)[0]
+        ids = prompt + c.token_ids
+        sampled = np.concatenate([c.routed_experts.astype(np.int64), np.full((1, 2, 2), -1)])  # the last token: unfed
+        other = np.where(sampled >= 0, (sampled + 1) % 8, -1)
+        temps = [[1.0] * len(ids)]
+        same, shifted = (engine.score([ids], temps, policy, routed_experts=[r])[0][len(prompt) - 1:]
+                         for r in (sampled, other))
+        if device.startswith("cuda"):
+            assert same == c.logprobs
+        else:
+            assert max(abs(a - b) for a, b in zip(same, c.logprobs)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(shifted, c.logprobs)) > 1e-3  # 1e-2 on this tiny model
     finally:
         engine.close()
 

@@ -209,8 +209,9 @@ def test_with_a_scorer_the_objective_takes_its_values_and_the_trainers_gradient(
     sampled = {tuple(s.token_ids): s.sampled_logprobs[1:] for s in seqs}  # logprob of token t at index t - 1
     asked = []
 
-    def scorer(token_ids, temperatures):
+    def scorer(token_ids, temperatures, routed_experts):
         asked.append(token_ids)
+        assert routed_experts == [None] * len(token_ids)  # a dense model: no routing to replay
         return [sampled[tuple(ids)] for ids in token_ids]
 
     config = TrainConfig(learning_rate=1e-3)

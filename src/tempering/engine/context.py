@@ -48,6 +48,9 @@ class StepContext:
         prefill_query_blocks: [num_blocks, 2] int32, batch-invariant mode on GPU: (first prefill
             token, count) of each block of consecutive queries of one chunk that share an
             attention program; built by the first layer that needs it.
+        routing_replay: [N, L_moe, k] int64 expert ids a mixture of experts routes each token to
+            in each MoE layer instead of its router's top-k (rows of -1: its own), when scoring
+            sampled sequences as the trainer replays them (Engine.score); None elsewhere.
     """
 
     slot_mapping: torch.Tensor
@@ -63,3 +66,4 @@ class StepContext:
     prefill_block_tables: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
     prefill_query_blocks: torch.Tensor | None = None
+    routing_replay: torch.Tensor | None = None

@@ -333,7 +333,8 @@ class Engine:
             self._adapters[key] = weights
         return weights
 
-    def score(self, sequences: list[list[int]], temperatures: list[list[float]], policy: Policy) -> list[list[float]]:
+    def score(self, sequences: list[list[int]], temperatures: list[list[float]], policy: Policy,
+              routed_experts: list | None = None) -> list[list[float]]:
         """Teacher-forced logprobs of `sequences` under `policy`'s weights, by this engine's forward
         (scoring.py), between two engine steps.
 
@@ -344,6 +345,8 @@ class Engine:
             sequences: token ids, each at least 2 long.
             temperatures: per sequence and token, the temperature of its logprob (entry 0 unused).
             policy: whose adapter to apply (its `adapter_name`; None: the base model).
+            routed_experts: per sequence, [len, L_moe, k] expert ids (a mixture of experts: routing
+                replay, as the trainer routes them) or None.
 
         Returns:
             per sequence, the logprobs of its tokens 1..len-1, float32 values.
@@ -355,7 +358,8 @@ class Engine:
             name = policy.adapter_name
             adapter = self._adapter_weights(name) if name else None
             return score_sequences(self.model, sequences, temperatures, adapter, block_size=self.config.block_size,
-                                   max_tokens=max(self.config.max_num_batched_tokens, 8192), bind=self.model.bind_lora)
+                                   max_tokens=max(self.config.max_num_batched_tokens, 8192), bind=self.model.bind_lora,
+                                   routed_experts=routed_experts)
 
     def forget_adapter(self, name: str) -> None:
         """Drop every reference to an adapter that is being unloaded (call it under `lock`)."""

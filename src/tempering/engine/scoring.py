@@ -29,7 +29,8 @@ __all__ = ["score_sequences"]
 @torch.inference_mode()
 def score_sequences(model, sequences: list[list[int]], temperatures: list[list[float]],
                     adapter: EngineAdapter | None, *, block_size: int = 16, max_tokens: int = 8192,
-                    bind: Callable[[list[LoRASegment], int], object] | None = None) -> list[list[float]]:
+                    bind: Callable[[list[LoRASegment], int], object] | None = None,
+                    routed_experts: list[np.ndarray | None] | None = None) -> list[list[float]]:
     """log softmax(logits_{t-1} / T_t)[token_t] for t = 1..len-1 of every sequence.
 
     Args:
@@ -40,27 +41,30 @@ def score_sequences(model, sequences: list[list[int]], temperatures: list[list[f
         block_size: KV-cache block size of the private cache.
         max_tokens: tokens per forward (whole sequences; a longer one runs alone).
         bind: the model's `bind_lora`, called before each forward with an adapter.
+        routed_experts: per sequence, [len, L_moe, k] expert ids to route its tokens to (a mixture
+            of experts; -1 rows: its router's own) or None, as the trainer replays them.
 
     Returns:
         per sequence, len - 1 float32 logprobs.
     """
     out: list[list[float]] = [[] for _ in sequences]
+    routing = routed_experts if routed_experts is not None else [None] * len(sequences)
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
     batch: list[int] = []
     for i in order:
         if batch and sum(len(sequences[j]) for j in batch) + len(sequences[i]) > max_tokens:
             _score_batch(model, [sequences[j] for j in batch], [temperatures[j] for j in batch], adapter, block_size,
-                         bind, [out[j] for j in batch])
+                         bind, [out[j] for j in batch], [routing[j] for j in batch])
             batch = []
         batch.append(i)
     if batch:
         _score_batch(model, [sequences[j] for j in batch], [temperatures[j] for j in batch], adapter, block_size, bind,
-                     [out[j] for j in batch])
+                     [out[j] for j in batch], [routing[j] for j in batch])
     return out
 
 
 def _score_batch(model, seqs: list[list[int]], temps: list[list[float]], adapter: EngineAdapter | None,
-                 block_size: int, bind, outs: list[list[float]]) -> None:
+                 block_size: int, bind, outs: list[list[float]], routing: list[np.ndarray | None]) -> None:
     device = model.device
     lengths = [len(s) for s in seqs]
     blocks = [-(-n // block_size) for n in lengths]
@@ -85,6 +89,11 @@ def _score_batch(model, seqs: list[list[int]], temps: list[list[float]], adapter
     ctx = StepContext(slot_mapping=torch.from_numpy(slots).to(device), num_decode=0, prefill=spans,
                       prefill_block_tables=torch.from_numpy(token_tables).to(device),
                       prefill_context_lens=torch.from_numpy(positions + 1).to(device))
+    known = [r for r in routing if r is not None]
+    if known:  # replayed routing, -1 (the router's own) for a sequence without it
+        rows = [np.asarray(r, dtype=np.int64) if r is not None else np.full((n, *known[0].shape[1:]), -1, np.int64)
+                for r, n in zip(routing, lengths)]
+        ctx.routing_replay = torch.from_numpy(np.concatenate(rows)).to(device)
     if not getattr(model, "batch_invariant", False) or device.type != "cuda":  # the packed varlen path's metadata
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
         ctx.prefill_key_slots, ctx.cu_q, ctx.cu_k = ctx.slot_mapping, cu, cu

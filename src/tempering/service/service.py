@@ -750,7 +750,8 @@ class ModelService:
         if not (isinstance(self.engine, Engine) and self.engine.config.batch_invariant):
             return None
         live = self.policy(None)
-        return lambda token_ids, temperatures: self.engine.score(token_ids, temperatures, live)
+        return lambda token_ids, temperatures, routed_experts=None: self.engine.score(token_ids, temperatures, live,
+                                                                                      routed_experts)
 
     def _publish(self, step: int) -> None:
         """Make `step` the latest: the trainer's last update already set the version; a step that

@@ -269,7 +269,7 @@ class Trainer:
         commit: Callable[[], None] | None = None,
         on_update: Callable[[dict[str, float]], None] | None = None,
         version: int | None = None,
-        scorer: Callable[[list[list[int]], list[list[float]]], list[list[float]]] | None = None,
+        scorer: Callable[[list[list[int]], list[list[float]], list], list[list[float]]] | None = None,
         sharing: SharedUpdate | None = None,
     ) -> StepMetrics:
         """One RL step on sequences whose `advantage` is set.
@@ -278,9 +278,10 @@ class Trainer:
         raises, the adapter, optimizer and RNG (and `gate.version`) are put back as they were and
         the error propagates. `on_update(info)` is called after each optimizer update with its
         index, count, loss and grad norm (progress reporting). `version`: set as `gate.version`
-        together with the step's last optimizer update. `scorer(token_ids, temperatures)`: before
-        each update, the engine's teacher-forced logprobs of each sequence's tokens 1..T-1 under
-        the current weights (Engine.score); the objective then takes its logprobs' values from it
+        together with the step's last optimizer update. `scorer(token_ids, temperatures,
+        routed_experts)`: before each update, the engine's teacher-forced logprobs of each sequence's
+        tokens 1..T-1 under the current weights (Engine.score; a mixture of experts routed as
+        sampled, None per sequence otherwise); the objective then takes its logprobs' values from it
         and their gradient from this trainer's forward (exact on-policy with a batch-invariant
         engine). `sharing`: the step's one update is shared with other ranks, which call
         `help_update` with the same sequences (work_sharing.py; the step must have one update).
@@ -708,7 +709,9 @@ def _attach_exact_logprobs(sequences: list[TokenizedSequence], scorer, *, weight
     A sequence sampled with these very weights (`on_policy`, while no update of this step has
     changed them) keeps its sampled logprobs: the engine would recompute the same bits (its batch
     invariance; tests/engine/test_batch_invariant.py and benchmarks/logprob_agreement.py check it).
-    The others are rescored by `scorer` (the engine's teacher-forced forward, Engine.score).
+    The others are rescored by `scorer` (the engine's teacher-forced forward, Engine.score), a
+    mixture of experts routed as each sequence was sampled (its `routed_experts`, which the trainer
+    replays): the value and the gradient are then of one function.
     """
     rescore = []
     for seq in sequences:
@@ -718,7 +721,8 @@ def _attach_exact_logprobs(sequences: list[TokenizedSequence], scorer, *, weight
             rescore.append(seq)
     if not rescore:
         return 0
-    scores = scorer([s.token_ids for s in rescore], [s.temperatures for s in rescore])
+    scores = scorer([s.token_ids for s in rescore], [s.temperatures for s in rescore],
+                    [s.routed_experts for s in rescore])  # a mixture of experts: the routing the trainer replays
     for seq, values in zip(rescore, scores):
         seq.exact_logprobs = [math.nan] + [v if trained else math.nan for v, trained in zip(values, seq.loss_mask[1:])]
     return sum(s.num_completion_tokens for s in rescore)

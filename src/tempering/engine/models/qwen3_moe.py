@@ -242,7 +242,8 @@ class Qwen3MoeModel:
             lora: adapter segments of the batch's rows (empty: base weights only).
 
         Returns:
-            [N, H]. Also writes each token's experts to the routing table at its slot.
+            [N, H]. Also writes each token's experts to the routing table at its slot. Tokens route to
+            `ctx.routing_replay`'s experts where it gives them.
         """
         N = input_ids.shape[0]
         ops = self.ops
@@ -250,6 +251,7 @@ class Qwen3MoeModel:
         residual = None
         cos, sin = self.rotary(positions)  # [N, D] each
         deltas = self._deltas(lora, N, x.device) if lora else None
+        replay = ctx.routing_replay  # scoring sampled sequences with their routing (Engine.score)
         for i, layer in enumerate(self.layers):
             if residual is None:
                 h, residual = ops.rms_norm(x, layer.input_norm, self.eps), x
@@ -271,6 +273,7 @@ class Qwen3MoeModel:
                 x, ids = sparse_moe(h, layer.router, layer.gate_up, layer.down, top_k=self.top_k,
                                     normalize=self.normalize, silu_and_mul=ops.silu_and_mul,
                                     deltas=deltas[i] if deltas else (), add_delta=self.add_expert_delta,
+                                    replay=replay[:, layer.moe_index] if replay is not None else None,
                                     **self.moe_kernels)
                 if self.routing is not None:
                     self.routing.write(layer.moe_index, ctx.slot_mapping, ids)
