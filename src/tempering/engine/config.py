@@ -30,7 +30,7 @@ class EngineConfig:
         use_cuda_graphs: capture decode steps in CUDA graphs (GPU only).
         max_graph_batch_size: largest decode batch captured in a graph.
         batch_invariant: compute every token the same way whatever shares its batch and whether it
-            is decoded, prefilled or scored afterwards (CUDA; the Llama family): one tiling for every
+            is decoded, prefilled or scored afterwards (CUDA; the Llama family, Gemma 3, Qwen3-MoE): one tiling for every
             matrix product (layers/triton_matmul.py), attention of every query in one pass over its
             keys in fixed tiles, the LoRA kernels' tiles fixed, no spare-rows path. The trainer then
             takes its logprobs' values from the engine (`Engine.score`), equal bit for bit to the
