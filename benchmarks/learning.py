@@ -52,7 +52,7 @@ def _value(text: str):
 
 async def one_seed(seed: int, root: Path, device: str | None, train_options: dict, batch_invariant: bool,
                    dtype: str | None = None, gpus: int = 1, dedicated: bool = False,
-                   base_model: str | None = None, task: str = "addition") -> dict:
+                   base_model: str | None = None, task: str | None = None) -> dict:
     from tempering.demo.run import run_demo_async
     from tempering.storage import read_history
 
@@ -101,10 +101,15 @@ def main() -> None:
                         help="with --gpus > 1: GPU 0 trains, the others serve and share each step's micro-batches")
     parser.add_argument("--base-model", default=None,
                         help="the model to train (default: the demo's, SmolLM2-135M-Instruct), e.g. gemma-3-270m")
-    parser.add_argument("--task", default="addition",
-                        help="the demo's task: addition, or repeat-word for a pretrained model such as gemma-3-270m")
+    parser.add_argument("--task", default=None,
+                        help="the demo's task: addition, or repeat-word for a pretrained model (default: the "
+                             "model's own, repeat-word for gemma-3-270m, else addition)")
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
+    from tempering.demo.run import default_task
+    from tempering.service.base_model import DEFAULT_BASE_MODEL
+
+    args.task = args.task or default_task(args.base_model or DEFAULT_BASE_MODEL)
     options = dict((k, _value(v)) for k, v in (o.split("=", 1) for o in args.train_option))
     runs = []
     for seed in args.seeds:

@@ -139,7 +139,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--base-model", default=None,
                         help="the model (default: the demo's, SmolLM2-135M-Instruct), e.g. gemma-3-270m")
-    parser.add_argument("--task", default="addition", help="whose prompts to sample: addition or repeat-word")
+    parser.add_argument("--task", default=None, help="whose prompts to sample: addition or repeat-word (default: "
+                                                        "the model's demo task)")
     parser.add_argument("--reference", action="store_true", help="also compare with float32 transformers")
     parser.add_argument("--grad", action="store_true", help="also one training step's gradient norm")
     parser.add_argument("--per-sequence", action="store_true", help="with --grad: each sample's gradient norm alone")
@@ -152,13 +153,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
 
-    from tempering.demo.run import TASKS
+    from tempering.demo.run import TASKS, default_task
     from tempering.service.base_model import DEFAULT_BASE_MODEL
     from tempering.service.service import ModelService
     from tempering.storage import ModelPaths
     from tempering.types import TrainConfig
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    args.task = args.task or default_task(args.base_model or DEFAULT_BASE_MODEL)
     task = TASKS[args.task]()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

