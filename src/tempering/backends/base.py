@@ -30,10 +30,10 @@ def report_nothing_learned(result: TrainResult) -> None:
     progress bar is closed, so the line stands on its own.
     """
     if result.is_adapter_unchanged:
-        log.warning("step %d: none of the %d groups has reward spread (every reward in a group is equal) and a "
-                    "token to train on (not every sampled token forced by a grammar, with exclude_forced_tokens), "
-                    "so there is nothing to learn from; the adapter is unchanged (TrainResult.is_adapter_unchanged)",
-                    result.step - 1, result.num_groups)
+        log.warning("training step %d (rollouts of step %d): none of the %d groups has reward spread (every reward "
+                    "in a group is equal) and a token to train on (not every sampled token forced by a grammar, with "
+                    "exclude_forced_tokens), so there is nothing to learn from; the adapter is unchanged "
+                    "(TrainResult.is_adapter_unchanged)", result.step, result.step - 1, result.num_groups)
 
 
 class ModelRef(Protocol):

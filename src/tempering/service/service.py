@@ -508,8 +508,8 @@ class ModelService:
                     else:
                         # the client reports it to the user (backends.base.report_nothing_learned); the
                         # server's own log keeps a line at INFO
-                        log.info("step %d: none of the %d groups has reward spread; the adapter is unchanged",
-                                 data_step, num_groups)
+                        log.info("training step %d (rollouts of step %d): none of the %d groups has reward spread; "
+                                 "the adapter is unchanged", new_step, data_step, num_groups)
                         metrics = {}
                         commit()
                     sending = time.perf_counter()
