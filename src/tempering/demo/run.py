@@ -20,9 +20,12 @@ from ..gather import gather_trajectory_groups
 from ..model import TrainableModel
 from ..pipeline_trainer import PipelineTrainer
 from ..service.base_model import DEFAULT_BASE_MODEL
+from ..service.builtin_models import builtin_model
 from ..storage import ModelPaths, plot_history, read_history
 from ..types import TrainConfig, TrajectoryGroup
 from .task import AdditionTask, RepeatWordTask, Scenario
+
+__all__ = ["TASKS", "DemoResult", "default_task", "run_demo"]
 
 TASKS = {"addition": AdditionTask, "repeat-word": RepeatWordTask}
 
@@ -30,12 +33,8 @@ TASKS = {"addition": AdditionTask, "repeat-word": RepeatWordTask}
 def default_task(base_model: str) -> str:
     """The demo task `base_model` learns: a built-in model's own (`BuiltinModel.demo_task`: repeat-word for
     the pretrained gemma-3-270m), else addition."""
-    from ..service.builtin_models import builtin_model
-
     builtin = builtin_model(base_model)
     return builtin.demo_task if builtin is not None else "addition"
-
-__all__ = ["TASKS", "DemoResult", "default_task", "run_demo"]
 
 
 @dataclass(slots=True)

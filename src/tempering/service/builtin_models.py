@@ -203,8 +203,13 @@ def check_converted_tokenizer(model: BuiltinModel, tokenizer: Any) -> None:
         raise MissingDependencyError(
             f"transformers {_version('transformers')} converted {model.name}'s tokenizer wrongly: {text!r} "
             f"became {len(got)} tokens {list(got)[:12]}..., where the model's tokenizer gives {len(expected)} "
-            f"{list(expected)[:12]}...; nothing was cached. Upgrade it: pip install -U "
-            + (f"\"transformers>={model.min_transformers},<6\"" if model.min_transformers else "\"transformers<6\""))
+            f"{list(expected)[:12]}...; nothing was cached. Upgrade it: {_upgrade_command(model)}")
+
+
+def _upgrade_command(model: BuiltinModel) -> str:
+    """The pip command that installs a transformers able to convert `model`."""
+    spec = f"transformers>={model.min_transformers},<6" if model.min_transformers else "transformers<6"
+    return f'pip install -U "{spec}"'
 
 
 def _version(package: str) -> str:
@@ -224,8 +229,7 @@ def _check_transformers_version(model: BuiltinModel) -> None:
     if Version(installed) < Version(model.min_transformers):
         raise MissingDependencyError(
             f"{model.name} needs transformers >= {model.min_transformers} to convert its GGUF (transformers "
-            f"{installed} converts its tokenizer wrongly); upgrade it: pip install -U "
-            f"\"transformers>={model.min_transformers},<6\"")
+            f"{installed} converts its tokenizer wrongly); upgrade it: {_upgrade_command(model)}")
 
 
 def builtin_model(spec: str) -> BuiltinModel | None:

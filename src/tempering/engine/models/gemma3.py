@@ -91,7 +91,7 @@ class Gemma3Model:
         self.batch_invariant = batch_invariant
         self.ops = ops_for(self.device, batch_invariant=batch_invariant)
         self.norm_fn = gemma_rms_norm
-        if batch_invariant and self.device.type == "cuda" and self.ops.batch_invariant:  # Triton is there
+        if self.ops.batch_invariant:  # CUDA with Triton (ops_for)
             from ..layers.triton_ops import gemma_rms_norm as invariant_rms_norm
 
             self.norm_fn = invariant_rms_norm
