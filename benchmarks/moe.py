@@ -282,16 +282,14 @@ def replay_part(args, model, trainer: Trainer, device: torch.device, record: dic
                             float((errors[False] > errors[True].max()).float().mean()), 4)}
 
 
-def run_vllm(shape: dict, path: str | None, launches: int = 1, rounds: int = 2) -> dict:
-    """Workload R through vLLM + a rank-8 LoRA on q/k/v/o and each expert's gate/up/down: `launches`
-    subprocesses one after the other, each timing R `rounds` times. Returns the first launch's JSON
-    with R's figure the best of all runs and `lora_tok_per_s_runs` every run, in order."""
+def write_expert_lora(config, lora_dir: Path, r: int = 8) -> Path:
+    """A rank-`r` PEFT adapter (random non-zero A and B) on q/k/v/o and each expert's gate/up/down of a
+    Qwen3-MoE `config`, in the per-expert layout ART exports for vLLM."""
     from safetensors.torch import save_file
-    from transformers import Qwen3MoeConfig
 
-    c = Qwen3MoeConfig(**shape)
+    c = config
     g = torch.Generator().manual_seed(1)
-    tensors, r = {}, 8
+    tensors = {}
 
     def lora(prefix: str, out: int, inp: int) -> None:
         tensors[f"{prefix}.lora_A.weight"] = (torch.randn(r, inp, generator=g) * 0.01).to(torch.bfloat16)
@@ -308,14 +306,24 @@ def run_vllm(shape: dict, path: str | None, launches: int = 1, rounds: int = 2) 
                                    ("up_proj", c.moe_intermediate_size, c.hidden_size),
                                    ("down_proj", c.hidden_size, c.moe_intermediate_size)):
                 lora(f"{base}.mlp.experts.{e}.{name}", out, inp)
+    lora_dir.mkdir(parents=True, exist_ok=True)
+    (lora_dir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": [*TARGETS, "experts"], "base_model_name_or_path": None}))
+    save_file(tensors, lora_dir / "adapter_model.safetensors")
+    return lora_dir
+
+
+def run_vllm(shape: dict, path: str | None, launches: int = 1, rounds: int = 2) -> dict:
+    """Workload R through vLLM + a rank-8 LoRA on q/k/v/o and each expert's gate/up/down: `launches`
+    subprocesses one after the other, each timing R `rounds` times. Returns the first launch's JSON
+    with R's figure the best of all runs and `lora_tok_per_s_runs` every run, in order."""
+    from transformers import Qwen3MoeConfig
+
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, lora_dir = Path(tmp) / "model", Path(tmp) / "lora"
         Qwen3MoeConfig(**shape, torch_dtype="bfloat16").save_pretrained(model_dir)
-        lora_dir.mkdir()
-        (lora_dir / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 16, "lora_dropout": 0.0, "bias": "none",
-            "target_modules": [*TARGETS, "experts"], "base_model_name_or_path": None}))
-        save_file(tensors, lora_dir / "adapter_model.safetensors")
+        write_expert_lora(Qwen3MoeConfig(**shape), lora_dir)
         results = [vllm_rollout.launch(model_dir, lora_dir, {"R": R}, path, rounds=rounds) for _ in range(launches)]
     if any("error" in r for r in results):
         return next(r for r in results if "error" in r)

@@ -57,7 +57,7 @@ from ..engine import Completion, SamplingParams
 from ..engine.grammar import CompiledGrammar, GrammarSpec, llguidance_installed
 from ..errors import ConfigError, UnknownModelError
 from ..modeling.routing_format import encode_routed_experts
-from .chat_stream import StreamState, num_content_tokens, sse_chat_stream, start_stream
+from .chat_stream import StreamState, num_content_tokens, sse_chat_stream, start_stream, usage
 from .logprob_fields import chat_logprob, completion_logprobs, logprob_entry, token_decoder
 from .registry import ServiceRegistry
 from .request_checks import check_tokens, checked_tools, reject_unsupported, valid_unicode
@@ -311,7 +311,6 @@ def _response(kind: str, model: str, choices: list[dict], num_prompt: int, resul
     """The response, serialized here (`json_body`): handing FastAPI the dict would walk it through
     `jsonable_encoder` first, ~25 ms of the GIL for one 1024-token choice with logprobs (the engine's
     thread waits for the GIL meanwhile)."""
-    num_completion = sum(len(c.token_ids) for c in results)
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
     return Response(json_body({
         "id": f"{prefix}-{uuid.uuid4().hex}",
@@ -319,7 +318,7 @@ def _response(kind: str, model: str, choices: list[dict], num_prompt: int, resul
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion},
+        "usage": usage(num_prompt, results),
     }), media_type="application/json")
 
 
