@@ -71,10 +71,10 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                 architectures=["Qwen3ForCausalLM"])
-GPU_WORKLOAD = dict(groups=16, group_size=8, turns=6, system_tokens=1500, turn_tokens="64,192,384",
-                    tool_tokens="200,800", context_cap=16384, iterations=3)
-CPU_WORKLOAD = dict(groups=2, group_size=4, turns=3, system_tokens=120, turn_tokens="12,16,24",
-                    tool_tokens="20,60", context_cap=2048, iterations=2)
+GPU_WORKLOAD = dict(groups=16, group_size=8, turns=6, system_tokens=1500, description_tokens=40,
+                    turn_tokens="64,192,384", tool_tokens="200,800", context_cap=16384, iterations=3)
+CPU_WORKLOAD = dict(groups=2, group_size=4, turns=3, system_tokens=100, description_tokens=8,
+                    turn_tokens="12,16,24", tool_tokens="20,60", context_cap=2048, iterations=2)
 TOOL_NAMES = ("search", "read", "compute")
 TOOL_ARGS = ("query", "doc_id", "expression")
 
@@ -131,7 +131,7 @@ class Workload:
     """The seeded texts and tools of the agent workload, measured in the tokenizer's tokens."""
 
     def __init__(self, tokenizer, *, system_tokens: int, turn_tokens: list[int], tool_tokens: tuple[int, int],
-                 turns: int, group_size: int, seed: int = 0) -> None:
+                 turns: int, group_size: int, description_tokens: int = 40, seed: int = 0) -> None:
         self.tokenizer, self.turns, self.group_size = tokenizer, turns, group_size
         self.tool_tokens = tool_tokens
         words = [tokenizer.decode([i]).strip() for i in range(1000, 8000)]
@@ -145,9 +145,10 @@ class Workload:
             overhead = len(tokenizer(f'{{"{arg}": ""}}}}\n</tool_call>', add_special_tokens=False)["input_ids"]) + 1
             digits = max(1, turn_tokens[k] - overhead)
             self.tools.append({"type": "function", "function": {
-                "name": name, "description": self.text(40, rng),
+                "name": name, "description": self.text(description_tokens, rng),
                 "parameters": {"type": "object", "properties": {arg: {
-                    "type": "string", "description": self.text(12, rng), "pattern": f"^[0-9]{{{digits}}}$"}},
+                    "type": "string", "description": self.text(description_tokens // 4, rng),
+                    "pattern": f"^[0-9]{{{digits}}}$"}},
                     "required": [arg], "additionalProperties": False}}})
         self._seed = seed
 
@@ -461,11 +462,22 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
     log = GatherLog()
     rollout = make_rollout(workload, args.context_cap, log, client_of=lambda m: client, model_name_of=lambda m: m.name)
     config = art.TrainConfig(learning_rate=1e-5)
+    if args.host_only:  # the host's work alone, at any workload size: the engine answers at once
+        service.engine.submit = instant_engine(service)
+        runs = []
+        for run in range(1 + args.gathers):  # the first warms up connections and caches
+            log.turns.clear()
+            start = time.perf_counter()
+            await gather(rollout, model, workload.scenarios(args.groups, offset=run * args.groups), args.group_size)
+            runs.append(summarize(log, time.perf_counter() - start))
+        out["host_only_gathers"] = runs[1:]
+        await backend.close()
+        return out
 
-    # warm-up: the first requests, a training step (the trainer's CUDA graphs; the adapter is non-zero after it)
-    warm = await gather(rollout, model, workload.scenarios(min(4, args.groups), offset=10_000), args.group_size)
-    if not args.skip_train:
-        await model.train(warm, config=config)
+    if device == "cuda":  # warm-up: the first requests, a step (its CUDA graphs; the adapter is non-zero after it)
+        warm = await gather(rollout, model, workload.scenarios(min(4, args.groups), offset=10_000), args.group_size)
+        if not args.skip_train:
+            await model.train(warm, config=config)
 
     gathers, batches = [], []
     for run in range(args.gathers):
@@ -483,12 +495,14 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
         gathers.append(record)
         batches.append((groups, list(log.turns)))
     out["gathers"] = gathers
+    progress("tempering gathers", gathers)
 
     if device == "cuda":
         hw = measure_device(torch.device("cuda"))
         bound = agent_gather_bound(service.model.config, batches[-1][1], workload_shared_tokens(workload, service), hw)
         out["hardware"] = hw
         out["bound"] = {**bound, "fraction": round(bound["bound_s"] / gathers[-1]["gather_s"], 3)}
+        progress("bound", out["bound"])
 
     if not args.skip_train:
         groups, _ = batches[-1]
@@ -505,6 +519,7 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
                         "turns_merged_into_one_sequence": through == merged,
                         "trainer_tok_per_s": round(through / train_s, 1)}
         out["sequential_iteration_s"] = round(gathers[-1]["gather_s"] + train_s, 3)
+        progress("train", out["train"])
 
         if not args.skip_pipelined:
             offset = 1000
@@ -535,6 +550,11 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
     return out
 
 
+def progress(phase: str, data) -> None:
+    """A phase's figures on stderr as soon as they are known (a run cut short still reports them)."""
+    print(f"[agent_rl] {phase}: {json.dumps(data)}", file=sys.stderr, flush=True)
+
+
 def workload_shared_tokens(workload: Workload, service) -> int:
     """Tokens of the prompt every rollout shares (system prompt and tools), as the server renders it."""
     ids = service.renderer.render_prompt([{"role": "system", "content": workload.system}], workload.tools)
@@ -559,6 +579,8 @@ def main() -> None:
     parser.add_argument("--skip-pipelined", action="store_true")
     parser.add_argument("--skip-host-share", action="store_true")
     parser.add_argument("--skip-tempering", action="store_true", help="only vLLM (with --vllm)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the host's work: tempering's engine answers every call at once (any device)")
     parser.add_argument("--vllm", action="store_true", help="first the same gather through vLLM's OpenAI server")
     parser.add_argument("--vllm-path", default=None, help="directories first on vLLM's PYTHONPATH")
     parser.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vLLM's server")
@@ -594,7 +616,8 @@ def main() -> None:
             record["model"] = "SmolLM2-135M-Instruct (real weights), live LoRA r8"
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         workload = Workload(tokenizer, system_tokens=args.system_tokens, turn_tokens=turn_tokens,
-                            tool_tokens=tool_tokens, turns=args.turns, group_size=args.group_size, seed=args.seed)
+                            tool_tokens=tool_tokens, turns=args.turns, group_size=args.group_size,
+                            description_tokens=args.description_tokens, seed=args.seed)
         record["workload"] = {k: getattr(args, k) for k in shapes} | {"rollouts": args.groups * args.group_size}
         if args.vllm:
             lora_dir = write_lora(args.model, model_dir, Path(tmp) / "lora") if args.device == "cuda" else None
@@ -606,6 +629,7 @@ def main() -> None:
             elif args.device == "cuda":
                 kv_bytes = tempering_kv_tokens(model_dir) * kv_bytes_per_token(model_dir)
             record["vllm"] = asyncio.run(run_vllm(args, workload, model_dir, lora_dir, kv_bytes))
+            progress("vllm", record["vllm"])
         if not args.skip_tempering:
             record["tempering"] = asyncio.run(run_tempering(args, workload, base_model, Path(tmp) / "runs", args.device))
         ours, theirs = record.get("tempering", {}).get("gathers"), record.get("vllm", {}).get("gathers")

@@ -56,6 +56,7 @@ import torch
 
 import vllm_rollout
 from rollout import capture_all_graphs, machine, make_prompts, sync
+from roofline import ModelShape, decode_bound, measure_device, train_bound
 from tempering.engine import Engine, EngineConfig, SamplingParams, engine_model_for
 from tempering.training import TokenizedSequence, Trainer
 from tempering.types import LoRAConfig, TrainConfig
@@ -367,6 +368,7 @@ def main() -> None:
         print(json.dumps({"benchmark": "moe", "machine": machine(device), "vllm": vllm}))
         return
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    hw = measure_device(device) if device.type == "cuda" else None  # before the model takes the memory
     model = build_model(shape, device, dtype, near_tied=args.tiny and "replay" in parts)
     trainer = live_adapter(model)
     record: dict = {"benchmark": "moe", "device": args.device, "machine": machine(device), "torch": torch.__version__,
@@ -387,6 +389,18 @@ def main() -> None:
         replay_part(args, model, trainer, device, record)
     if "train" in parts:
         train_part(args, model, trainer, device, record)
+    if hw is not None:  # what the GPU allows (roofline.py), at its rates measured at the start
+        record["hardware"] = hw
+        moe = ModelShape.from_config(model.config)
+        if "rollout" in record:
+            work = TINY_R if args.tiny else R
+            b = decode_bound(moe, hw, rows=work["num_prompts"] * work["n"], prompt=128, new=work["max_new"],
+                             prompts=work["num_prompts"])
+            record["rollout"]["bound"] = {**b, "fraction": round(record["rollout"]["lora_tok_per_s"] / b["tok_per_s"], 3)}
+        if "train" in record:
+            num_seqs, seq_len = (4, 64) if args.tiny else (args.num_seqs, args.seq_len)
+            b = train_bound(moe, hw, tokens=num_seqs * seq_len, mean_context=seq_len / 2)
+            record["train"]["bound"] = {**b, "fraction": round(b["bound_s"] / record["train"]["replay"]["s"], 3)}
     print(json.dumps(record))
 
 

@@ -129,9 +129,9 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             raise ConfigError("tool_choice forces a tool call, whose arguments follow the tool's schema; "
                               "drop response_format/guided_*/structured_outputs, or use tool_choice 'auto'")
         grammar = await _compiled(service, spec or call_spec)
-        prompt_ids = service.renderer.render_prompt([m.template_dict() for m in body.messages], prompt_tools,
-                                                    tool_choice=body.tool_choice, turns=service.turns,
-                                                    template_kwargs=body.chat_template_kwargs)
+        prompt_ids, prompt_text = service.renderer.render_prompt_and_text(
+            [m.template_dict() for m in body.messages], prompt_tools, tool_choice=body.tool_choice,
+            turns=service.turns, template_kwargs=body.chat_template_kwargs)
         check_tokens(service, body, prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
@@ -150,7 +150,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             # the model's own text of the turn (stop string included): how a later request renders it back
             raw = (prefix or "") + (c.text if c.raw_text is None else c.raw_text)
             service.turns.remember(prompt_ids, c.token_ids, raw, message["content"],
-                                   [call["id"] for call in message.get("tool_calls", ())])
+                                   [call["id"] for call in message.get("tool_calls", ())], prompt_text=prompt_text)
             return {**final, **_forced(c), **_routed(c)}
 
         if body.stream:
