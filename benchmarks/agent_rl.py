@@ -190,6 +190,10 @@ class GatherLog:
     failed_calls: int = 0
     capped: int = 0  # conversations stopped by the context cap
 
+    def clear(self) -> None:
+        self.turns.clear()
+        self.failed_calls = self.capped = 0
+
 
 def make_rollout(workload: Workload, context_cap: int, log: GatherLog, *, client_of, model_name_of):
     """The user's rollout: `async rollout(model, scenario)` -> Trajectory (ART's signature)."""
@@ -213,7 +217,7 @@ def make_rollout(workload: Workload, context_cap: int, log: GatherLog, *, client
             completion = await client.chat.completions.create(
                 model=name, messages=traj.messages(), tools=workload.tools, temperature=1.0, logprobs=True,
                 tool_choice={"type": "function", "function": {"name": tool["name"]}},
-                max_tokens=workload.turn_tokens[k] + 16)
+                max_tokens=workload.turn_tokens[k] + 64)  # room: the grammar ends the call at its length
             latency = time.perf_counter() - sent
             usage = completion.usage
             details = getattr(usage, "prompt_tokens_details", None)
@@ -336,14 +340,16 @@ def vllm_metrics(url: str) -> dict[str, float]:
 class VLLMServer:
     """`python -m vllm.entrypoints.openai.api_server` in a process session of its own."""
 
-    def __init__(self, model_dir: Path, lora_dir: Path, *, path: str | None, max_model_len: int,
+    def __init__(self, model_dir: Path, lora_dir: Path, *, path: str | None, python: str, max_model_len: int,
                  kv_cache_bytes: int | None, dtype: str, extra: list[str], timeout_s: float) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", "base", "--load-format", "dummy", "--dtype", dtype,
                "--enable-prefix-caching", "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"bench={lora_dir}",
                "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prompt-tokens-details",
+               # the forced calls' arguments as tempering generates them: compact JSON, no free whitespace
+               "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
                "--max-model-len", str(max_model_len), "--max-num-seqs", "256", "--host", "127.0.0.1",
                "--port", str(self.port), "--uvicorn-log-level", "warning", *extra]
         if kv_cache_bytes:
@@ -385,7 +391,7 @@ async def run_vllm(args, workload: Workload, model_dir: Path, lora_dir: Path, kv
     """The gather through vLLM's server: a warm-up gather, then the timed one (the same scenarios as tempering's)."""
     from openai import AsyncOpenAI
 
-    server = VLLMServer(model_dir, lora_dir, path=args.vllm_path, max_model_len=args.context_cap,
+    server = VLLMServer(model_dir, lora_dir, path=args.vllm_path, python=args.vllm_python, max_model_len=args.context_cap,
                         kv_cache_bytes=kv_cache_bytes, dtype="bfloat16" if args.device == "cuda" else "float32",
                         extra=args.vllm_arg, timeout_s=args.vllm_timeout_s)
     try:
@@ -395,7 +401,7 @@ async def run_vllm(args, workload: Workload, model_dir: Path, lora_dir: Path, kv
         await gather(rollout, None, workload.scenarios(min(4, args.groups), offset=10_000), args.group_size)  # warm-up
         out = {"startup_s": round(server.startup_s, 1), "command": server.command}
         for run in range(args.gathers):
-            log.turns.clear()
+            log.clear()
             before = vllm_metrics(server.url)
             start = time.perf_counter()
             await gather(rollout, None, workload.scenarios(args.groups, offset=run * args.groups), args.group_size)
@@ -466,7 +472,7 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
         service.engine.submit = instant_engine(service)
         runs = []
         for run in range(1 + args.gathers):  # the first warms up connections and caches
-            log.turns.clear()
+            log.clear()
             start = time.perf_counter()
             await gather(rollout, model, workload.scenarios(args.groups, offset=run * args.groups), args.group_size)
             runs.append(summarize(log, time.perf_counter() - start))
@@ -481,7 +487,7 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
 
     gathers, batches = [], []
     for run in range(args.gathers):
-        log.turns.clear()
+        log.clear()
         stats = engine.stats
         before = (stats.num_prefill_tokens, stats.num_cached_tokens, stats.num_decode_tokens, stats.num_preemptions)
         start = time.perf_counter()
@@ -537,7 +543,7 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
         real_submit = service.engine.submit
         service.engine.submit = instant_engine(service)
         try:
-            log.turns.clear()
+            log.clear()
             start = time.perf_counter()
             await gather(rollout, model, workload.scenarios(args.groups, offset=(args.gathers - 1) * args.groups),
                          args.group_size)
@@ -584,6 +590,8 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="first the same gather through vLLM's OpenAI server")
     parser.add_argument("--vllm-path", default=None, help="directories first on vLLM's PYTHONPATH")
     parser.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vLLM's server")
+    parser.add_argument("--vllm-python", default=sys.executable,
+                        help="the interpreter that runs vLLM's server (default: this one)")
     parser.add_argument("--vllm-kv-tokens", type=int, default=None,
                         help="vLLM's KV cache in tokens (default: what tempering's cache holds on this GPU)")
     parser.add_argument("--vllm-timeout-s", type=float, default=900)
