@@ -182,7 +182,6 @@ def train_bound(shape: ModelShape, hw: dict, *, tokens: int, mean_context: float
     """A LoRA step over `tokens` tokens: compute-bound (the weights are read a few times per micro-batch)."""
     out = bound(0.0, shape.train_flops(tokens, mean_context), hw)
     out["tok_per_s"] = round(tokens / out["bound_s"], 1)
-    out["mfu_at_bound"] = 1.0
     return out
 
 
