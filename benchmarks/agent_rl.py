@@ -71,6 +71,8 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                 architectures=["Qwen3ForCausalLM"])
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, vocab_size=49152)  # head dim 64: the smallest vLLM's CPU attention takes
 GPU_WORKLOAD = dict(groups=16, group_size=8, turns=6, system_tokens=1500, description_tokens=40,
                     turn_tokens="64,192,384", tool_tokens="200,800", context_cap=16384, iterations=3)
 CPU_WORKLOAD = dict(groups=2, group_size=4, turns=3, system_tokens=100, description_tokens=8,
@@ -81,33 +83,33 @@ TOOL_ARGS = ("query", "doc_id", "expression")
 # ChatML with tools rendered as Qwen2.5/Qwen3 render them (the tool schemas in the system turn, calls in
 # <tool_call> tags, results in <tool_response> tags inside a user turn), for the random-weight models,
 # whose tokenizer (the default model's) has a template that ignores tools.
-CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n"
-    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+CHAT_TEMPLATE = (  # transformers renders with trim_blocks: a newline right after a block tag is written {{ '\n' }}
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\n' }}</tools>\n\nFor each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
     "</tool_call><|im_end|>\n"
-    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role in ('user', 'system') %}\n<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>"
-    "{%- elif message.role == 'assistant' %}\n<|im_start|>assistant\n{{ message.content or '' }}"
-    "{%- for call in message.tool_calls or [] %}"
-    "{%- if message.content or not loop.first %}\n{% endif %}"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role in ('user', 'system') %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% if message.content or not loop.first %}{{ '\n' }}{% endif %}"
     "<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
     "{{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson }}}"
     "\n</tool_call>"
-    "{%- endfor %}<|im_end|>"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}\n<|im_start|>user{%- endif %}"
-    "\n<tool_response>\n{{ message.content }}\n</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{%- endif %}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}\n<|im_start|>assistant\n{%- endif %}"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -290,8 +292,11 @@ def build_model_dir(kind: str, tokenizer_dir: Path, out: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.chat_template = CHAT_TEMPLATE
     ids = dict(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-               pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")
-    config = Qwen3Config(**QWEN3_8B, **ids) if kind == "8b" else Qwen3MoeConfig(**QWEN3_30B_A3B, **ids)
+               pad_token_id=tokenizer.pad_token_id, dtype="bfloat16")
+    if kind == "tiny":  # the GPU path's model directory at a size a CPU runs: a check of the script
+        config = Qwen3Config(**{**QWEN3_8B, **TINY}, **ids)
+    else:
+        config = Qwen3Config(**QWEN3_8B, **ids) if kind == "8b" else Qwen3MoeConfig(**QWEN3_30B_A3B, **ids)
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -303,7 +308,7 @@ def write_lora(kind: str, model_dir: Path, lora_dir: Path) -> Path:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    if kind == "8b":
+    if kind != "30b-a3b":
         from vllm_rollout import write_model_and_lora
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -454,7 +459,7 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
     import tempering as art
     from roofline import agent_gather_bound, measure_device
 
-    engine_config = {"load_format": "dummy"} if device == "cuda" else {}
+    engine_config = {"load_format": "dummy"} if args.model is not None else {}  # random weights drawn in place
     engine_config.update(json.loads(args.engine_config or "{}"))
     model = art.TrainableModel(name="agent", project="bench", base_model=base_model)
     backend = art.LocalBackend(path=root, device=device, engine_config=engine_config)
@@ -572,7 +577,9 @@ def workload_shared_tokens(workload: Workload, service) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--model", choices=["8b", "30b-a3b"], default="8b", help="CUDA: the random-weight shape")
+    parser.add_argument("--model", choices=["8b", "30b-a3b", "tiny"], default=None,
+                        help="the random-weight shape (CUDA default 8b; tiny: a 2-layer Qwen3 that checks the "
+                             "script's GPU path on a CPU); on a CPU without it, the default model")
     parser.add_argument("--tokenizer-dir", type=Path, default=None,
                         help="CUDA: tokenizer of the random model (default: the converted default model)")
     for name, value in GPU_WORKLOAD.items():
@@ -613,7 +620,9 @@ def main() -> None:
                     "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                     "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
-        if args.device == "cuda":
+        if args.device == "cuda" and args.model is None:
+            args.model = "8b"
+        if args.model is not None:
             model_dir = build_model_dir(args.model, args.tokenizer_dir or default_model_dir(), Path(tmp) / "model")
             base_model = str(model_dir)
             record["model"] = (f"Qwen3-{args.model.upper()}-shaped, random bf16 weights, live LoRA r8 "
@@ -628,7 +637,7 @@ def main() -> None:
                             description_tokens=args.description_tokens, seed=args.seed)
         record["workload"] = {k: getattr(args, k) for k in shapes} | {"rollouts": args.groups * args.group_size}
         if args.vllm:
-            lora_dir = write_lora(args.model, model_dir, Path(tmp) / "lora") if args.device == "cuda" else None
+            lora_dir = write_lora(args.model, model_dir, Path(tmp) / "lora") if args.model is not None else None
             if lora_dir is None:  # CPU: a rank-8 adapter on the default model
                 lora_dir = write_cpu_lora(model_dir, Path(tmp) / "lora")
             kv_bytes = None
