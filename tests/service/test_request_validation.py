@@ -291,7 +291,7 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection_open(served, mon
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(renderer, "render_prompt", broken)
+    monkeypatch.setattr(renderer, "render_prompt_and_text", broken)
     body = {"model": model.name, "max_tokens": 2, "messages": HI}
     ports = []
     with httpx.Client(headers={"Authorization": f"Bearer {model.inference_api_key}"}, timeout=60) as client:
