@@ -80,6 +80,46 @@ def plot(
 
 
 @app.command()
+def export(
+    path: Annotated[Path, typer.Argument(help="a model's run directory (.tempering/<project>/models/<name>) or a "
+                                              "checkpoint directory")],
+    out: Annotated[Path, typer.Option(help="directory to write (new, or empty)")],
+    step: Annotated[int | None, typer.Option(min=0, help="the checkpoint to export (default: the latest)")] = None,
+    best: Annotated[bool, typer.Option(help="export the saved step with the highest --metric")] = False,
+    metric: Annotated[str, typer.Option(help="what --best ranks by")] = "val/reward",
+    merged: Annotated[bool, typer.Option(help="merge the adapter into the base: a transformers model directory")] = False,
+    dtype: Annotated[str | None, typer.Option(help="bfloat16, float16 or float32 (default: the base's own for "
+                                                   "--merged, the adapter's float32 otherwise)")] = None,
+    base_model: Annotated[str | None, typer.Option(help="the base to name and merge into (default: the run's)")] = None,
+) -> None:
+    """Export a trained checkpoint: a standalone PEFT adapter (for PEFT, vLLM's --lora-modules,
+    `tempering serve --adapter`), or with --merged the base with the adapter merged in (for
+    transformers, vLLM, TGI, llama.cpp conversion). A README.md model card records the base, the
+    step, the run's reward at that step and this command."""
+    import shlex
+    import sys
+
+    from transformers.utils import logging as hf_logging
+
+    from .errors import ConfigError
+    from .service.export import export_model
+
+    hf_logging.disable_progress_bar()
+    command = shlex.join(["tempering", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else None
+    try:
+        result = export_model(path, out=out, step=step, best=best, merged=merged, dtype=dtype, base_model=base_model,
+                              metric=metric, command=command)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    what = "a merged model" if result.merged else "an adapter"
+    typer.echo(f"exported step {result.step} of {path} as {what} on {result.base_model} to {result.out}")
+    for key, value in sorted(result.rewards.items()):
+        typer.echo(f"  {key} at step {result.step}: {value:.4f}")
+    for note in result.notes:
+        typer.echo(f"note: {note}", err=True)
+
+
+@app.command()
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 8000,
