@@ -139,8 +139,18 @@ def serve(
     dtype: Annotated[str | None, typer.Option(help="the models' dtype: bfloat16, float16 or float32 (default: "
                                               "float32 on a CPU; on a GPU float32 up to 0.5B parameters, "
                                               "bfloat16 above)")] = None,
+    adapter: Annotated[list[str] | None, typer.Option(
+        help="inference only: serve the LoRA adapter in DIR (an export, a checkpoint, or a run directory's latest) "
+             "as model NAME (repeatable); no training routes, no trainer memory", metavar="NAME=DIR")] = None,
+    base_model: Annotated[str | None, typer.Option(
+        help="inference only: the base model to serve (default: the one the adapters were trained on)")] = None,
 ) -> None:
     """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port.
+
+    With --adapter NAME=DIR (or --base-model) it serves inference only: the base model and each
+    adapter by name on the OpenAI routes, from one engine that batches them together, with no
+    trainer; `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's routes) add and
+    remove adapters while it serves.
 
     With --gpus N (or under `torchrun --nproc-per-node N -m tempering.cli serve ...`, also over
     several machines with `--nnodes`) every GPU holds the model, an engine replica and a
@@ -176,6 +186,13 @@ def serve(
                 "no API key: pass --api-key or set TEMPERING_API_KEY (--insecure allows none, on a loopback host only)"
             )
     _log_to_stderr()
+    if adapter or base_model is not None:
+        if gpus > 1 or dedicated or tensor_parallel_size > 1:
+            raise typer.BadParameter("inference-only serving (--adapter, --base-model) runs on one device: drop "
+                                     "--gpus, --dedicated and --tensor-parallel-size", param_hint="--adapter")
+        _serve_adapters(adapter or [], base_model=base_model, host=host, port=port, api_key=api_key, device=device,
+                        dtype=dtype, engine_config=engine_config, max_body_mb=max_body_mb)
+        return
     engine = _engine_config(engine_config)
     if tensor_parallel_size > 1:
         import dataclasses
@@ -226,6 +243,56 @@ def serve(
     if failures:
         typer.echo(f"tempering serve stopped: {failures[0]}", err=True)
         raise typer.Exit(1)
+
+
+def _serve_adapters(specs: list[str], *, base_model: str | None, host: str, port: int, api_key: str | None,
+                    device: str | None, dtype: str | None, engine_config: str | None, max_body_mb: int) -> None:
+    """`tempering serve --adapter NAME=DIR ...`: an AdapterServer on the OpenAI routes and the adapter routes."""
+    import dataclasses
+    import json
+
+    import uvicorn
+
+    from .engine import EngineConfig
+    from .errors import CheckpointError, ConfigError
+    from .service import create_app
+    from .service.adapter_server import INFERENCE_GPU_MEMORY_FRACTION, AdapterServer, base_of_adapters
+    from .service.hub import _check_device
+    from .service.service import dtype_named
+
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise typer.BadParameter(f"{spec!r}: write NAME=DIR, e.g. --adapter demo=.tempering/demo/models/run",
+                                     param_hint="--adapter")
+        if name in adapters:
+            raise typer.BadParameter(f"two adapters are named {name!r}", param_hint="--adapter")
+        adapters[name] = path
+    engine = _engine_config(engine_config) or EngineConfig()
+    if "gpu_memory_fraction" not in (json.loads(engine_config) if engine_config else {}):  # nothing trains here
+        engine = dataclasses.replace(engine, gpu_memory_fraction=INFERENCE_GPU_MEMORY_FRACTION)
+    try:
+        if device is not None:
+            _check_device(device)
+        base = base_model or base_of_adapters(adapters)
+        server = AdapterServer(base, device=device, dtype=dtype_named(dtype), engine_config=engine)
+        try:
+            for name, path in adapters.items():
+                server.add_adapter(name, path)
+        except BaseException:
+            server.close()
+            raise
+    except (ConfigError, CheckpointError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--base-model" if "base" in str(exc) else "--adapter") from None
+    application = create_app(server, api_key=api_key, adapters=server, max_body_bytes=max_body_mb << 20)
+    names = ", ".join(server.served_names())
+    typer.echo(f"tempering serving {names} (inference only) on http://{host}:{port} "
+               f"(OpenAI base URL http://{host}:{port}/v1)")
+    try:
+        uvicorn.Server(uvicorn.Config(application, host=host, port=port, log_level="warning")).run()
+    finally:
+        server.close()
 
 
 def _log_to_stderr() -> None:
