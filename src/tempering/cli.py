@@ -97,7 +97,6 @@ def export(
     transformers, vLLM, TGI, llama.cpp conversion). A README.md model card records the base, the
     step, the run's reward at that step and this command."""
     import shlex
-    import sys
 
     from transformers.utils import logging as hf_logging
 
@@ -105,7 +104,11 @@ def export(
     from .service.export import export_model
 
     hf_logging.disable_progress_bar()
-    command = shlex.join(["tempering", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else None
+    options = [("--step", step), ("--best", best), ("--metric", metric if best else None), ("--merged", merged),
+               ("--dtype", dtype), ("--base-model", base_model)]
+    command = shlex.join(["tempering", "export", str(path), "--out", str(out),
+                          *[part for flag, value in options if value not in (None, False)
+                            for part in ([flag] if value is True else [flag, str(value)])]])
     try:
         result = export_model(path, out=out, step=step, best=best, merged=merged, dtype=dtype, base_model=base_model,
                               metric=metric, command=command)
