@@ -108,7 +108,7 @@ def test_export_refuses_what_it_cannot_do_and_names_the_fix(trained_run, tmp_pat
     ]
     for args, message in cases:
         result = CliRunner().invoke(app, args)
-        assert result.exit_code == 2 and message in " ".join(result.output.split()), (args, result.output)
+        assert result.exit_code == 2 and message in " ".join(result.output.replace("│", " ").split()), (args, result.output)
     assert (taken / "keep.txt").read_text() == "mine" and not (tmp_path / "a").exists()
 
 
