@@ -508,7 +508,10 @@ def summarize_groups(groups: Iterable[TrajectoryGroup], *, split: str) -> dict[s
 
     `reward` is the mean over trajectories, `reward_std_dev` the mean within-group std,
     `exception_rate` the failed fraction of rollouts, and every numeric `trajectory.metrics`
-    key is averaged over the trajectories that have it.
+    key is averaged over the trajectories that have it. A group's own `metrics` are averaged over
+    the groups that have them as `<split>/group_<name>` (ART's keys), except costs: a
+    `costs/<path>` (USD, e.g. RULER's `costs/judge/ruler`) is summed over the groups into ART's
+    `costs/<split>/<path>`, with its totals `costs/<split>/<parent>` ..., `costs/<split>` and `costs/all`.
     """
     groups = list(groups)
     trajectories = [t for g in groups for t in g.trajectories]
@@ -533,6 +536,20 @@ def summarize_groups(groups: Iterable[TrajectoryGroup], *, split: str) -> dict[s
                 sums.setdefault(key, []).append(float(value))
     for key, values in sums.items():
         out[f"{split}/{key}"] = sum(values) / len(values)
+    per_group: dict[str, list[float]] = {}
+    for g in groups:
+        for key, value in g.metrics.items():
+            if isinstance(value, int | float) and math.isfinite(value):
+                per_group.setdefault(key, []).append(float(value))
+    for key, values in per_group.items():
+        if not key.startswith("costs/"):
+            out[f"{split}/group_{key}"] = sum(values) / len(values)
+            continue
+        parts = key.removeprefix("costs/").split("/")
+        for depth in range(len(parts), -1, -1):  # costs/<split>/judge/ruler, costs/<split>/judge, costs/<split>
+            total = "/".join(["costs", split, *parts[:depth]])
+            out[total] = out.get(total, 0.0) + sum(values)
+        out["costs/all"] = out.get("costs/all", 0.0) + sum(values)
     return out
 
 
