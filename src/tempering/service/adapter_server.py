@@ -49,7 +49,7 @@ INFERENCE_GPU_MEMORY_FRACTION = 0.85
 """The KV cache's share of the GPU memory free after loading the weights when nothing trains
 (a trainable model's engine takes 0.5, leaving the rest to the trainer)."""
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/\-]{0,127}$")
+_NAME = re.compile(r"^[^\s@\-][^\s@]{0,1023}$")  # what a request's "model" can name (no "@": name@step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +83,8 @@ class AdapterServer(ModelService):
 
     Args:
         base_model: what to serve (resolve_base_model's forms, an adapter directory excepted).
-        base_name: the base's name in requests and /v1/models (default: `base_model`).
+        base_name: the base's name in requests and /v1/models (default: `base_model` as an export
+            names it: a built-in model by its hub id, a directory by its absolute path).
         device, dtype, max_seq_len: as a ModelService's.
         engine_config: the engine's settings (default: EngineConfig with
             `gpu_memory_fraction=INFERENCE_GPU_MEMORY_FRACTION`).
@@ -104,7 +105,7 @@ class AdapterServer(ModelService):
         self._adapters: dict[str, LoadedAdapter] = {}
         self._num_loads = 0
         self._changes = threading.Lock()  # one add or remove at a time (reads take no lock)
-        self.base_name = check_served_name(base_name or base_model)
+        self.base_name = check_served_name(base_name or export_base_name(base_model))
         # a ModelService with no checkpoints: it never makes a trainer (nothing here trains) nor writes a file
         nowhere = ModelPaths(Path(tempfile.gettempdir()) / f"tempering-inference-{uuid.uuid4().hex}", "serve", "base")
         super().__init__(nowhere, base_model, device=device, dtype=dtype, max_seq_len=max_seq_len,
@@ -207,8 +208,8 @@ class AdapterServer(ModelService):
 def check_served_name(name: str) -> str:
     """Return `name` if requests can use it as a model name; raise ConfigError otherwise."""
     if not isinstance(name, str) or not _NAME.match(name) or "@" in name:
-        raise ConfigError(f"{name!r} cannot be a served model name: use 1-128 letters, digits, '.', '_', '-', ':' "
-                          "or '/', starting with a letter or digit")
+        raise ConfigError(f"{name!r} cannot be a served model name: use 1-1024 characters, no spaces or '@', "
+                          "not starting with '-'")
     return name
 
 
