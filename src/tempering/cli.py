@@ -92,10 +92,13 @@ def export(
                                                    "--merged, the adapter's float32 otherwise)")] = None,
     base_model: Annotated[str | None, typer.Option(help="the base to name and merge into (default: the run's)")] = None,
 ) -> None:
-    """Export a trained checkpoint: a standalone PEFT adapter (for PEFT, vLLM's --lora-modules,
-    `tempering serve --adapter`), or with --merged the base with the adapter merged in (for
-    transformers, vLLM, TGI, llama.cpp conversion). A README.md model card records the base, the
-    step, the run's reward at that step and this command."""
+    """Export a trained checkpoint as a standalone adapter, or merged into its base.
+
+    The adapter (default) is a PEFT directory naming its base as you gave it, with the tokenizer
+    and chat template: for PEFT, vLLM's --lora-modules, `tempering serve --adapter`. With
+    --merged, the base with the adapter merged in by PEFT: a transformers model directory for
+    transformers, vLLM, TGI or llama.cpp's converter. A README.md model card records the base,
+    the step, the run's reward at that step and this command."""
     import shlex
 
     from transformers.utils import logging as hf_logging
