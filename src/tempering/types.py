@@ -529,19 +529,9 @@ def summarize_groups(groups: Iterable[TrajectoryGroup], *, split: str) -> dict[s
                 mean = sum(rewards) / len(rewards)
                 stds.append(math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)))
         out[f"{split}/reward_std_dev"] = sum(stds) / len(stds)
-    sums: dict[str, list[float]] = {}
-    for t in trajectories:
-        for key, value in t.metrics.items():
-            if isinstance(value, int | float) and math.isfinite(value):
-                sums.setdefault(key, []).append(float(value))
-    for key, values in sums.items():
+    for key, values in _finite_values(t.metrics for t in trajectories).items():
         out[f"{split}/{key}"] = sum(values) / len(values)
-    per_group: dict[str, list[float]] = {}
-    for g in groups:
-        for key, value in g.metrics.items():
-            if isinstance(value, int | float) and math.isfinite(value):
-                per_group.setdefault(key, []).append(float(value))
-    for key, values in per_group.items():
+    for key, values in _finite_values(g.metrics for g in groups).items():
         if not key.startswith("costs/"):
             out[f"{split}/group_{key}"] = sum(values) / len(values)
             continue
@@ -551,6 +541,16 @@ def summarize_groups(groups: Iterable[TrajectoryGroup], *, split: str) -> dict[s
             out[total] = out.get(total, 0.0) + sum(values)
         out["costs/all"] = out.get("costs/all", 0.0) + sum(values)
     return out
+
+
+def _finite_values(metrics: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each key's finite numeric values over the `metrics` dicts (a bool counts as 0 or 1)."""
+    values: dict[str, list[float]] = {}
+    for row in metrics:
+        for key, value in row.items():
+            if isinstance(value, int | float) and math.isfinite(value):
+                values.setdefault(key, []).append(float(value))
+    return values
 
 
 def check_reward(reward: Any, *, where: str) -> float:
