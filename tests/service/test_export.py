@@ -137,12 +137,15 @@ def gemma3_dir(directory, tokenizer_dir):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
-def test_every_family_exports_an_adapter_peft_loads_and_a_merged_model_that_computes_the_same(
+def test_every_family_exports_an_adapter_peft_and_tempering_serve_and_a_merged_model_alike(
         family, tmp_path, default_model_dir, tiny_moe_dir):
-    """Checkpoints as tempering's trainer writes them: Gemma 3, and Qwen3-MoE with LoRA on the stacked experts."""
+    """Checkpoints as tempering's trainer writes them: Gemma 3, and Qwen3-MoE with LoRA on the stacked experts;
+    the adapter export loaded by PEFT and served by `tempering serve --adapter`, the merged one by transformers."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from tempering.engine import EngineConfig
+    from tempering.service.adapter_server import AdapterServer
     from tempering.training import Trainer
     from tempering.types import LoRAConfig
 
@@ -173,3 +176,15 @@ def test_every_family_exports_an_adapter_peft_loads_and_a_merged_model_that_comp
     assert (trained - plain).abs().max() > 1e-3  # the adapter changes the model
     torch.testing.assert_close(loaded, trained, atol=1e-5, rtol=0)
     torch.testing.assert_close(merged, trained, atol=1e-4, rtol=0)
+
+    server = AdapterServer(str(base_dir), device="cpu", engine_config=EngineConfig(cpu_kv_cache_bytes=16 << 20))
+    try:  # tempering's engine serves the export as the trainer computed it
+        server.add_adapter("run", tmp_path / "adapter")
+        [sample] = server.resolve("run")[0].submit(ids[0].tolist(), SamplingParams(max_tokens=4, temperature=0)).result()
+    finally:
+        server.close()
+    with torch.inference_mode():
+        logits = trainer.peft_model(torch.tensor([ids[0].tolist() + sample.token_ids])).logits[0, ids.shape[1] - 1:-1]
+    assert logits.argmax(-1).tolist() == sample.token_ids
+    logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+    assert (logprobs - torch.tensor(sample.logprobs)).abs().max() <= 1e-4
