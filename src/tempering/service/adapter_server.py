@@ -19,7 +19,6 @@ it was. Removing an adapter fails its requests still queued or running, with the
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import tempfile
@@ -37,7 +36,7 @@ from ..engine.request import Policy
 from ..errors import CheckpointError, ConfigError, UnknownModelError
 from ..storage import ModelPaths
 from .base_model import resolve_base_model
-from .export import SavedAdapter, export_base_name, find_adapter
+from .export import SavedAdapter, adapter_base, export_base_name, find_adapter
 from .policies import AdapterPolicy, NoAdapterPolicy
 from .service import ModelService
 
@@ -211,16 +210,6 @@ def check_served_name(name: str) -> str:
         raise ConfigError(f"{name!r} cannot be a served model name: use 1-1024 characters, no spaces or '@', "
                           "not starting with '-'")
     return name
-
-
-def adapter_base(saved: SavedAdapter) -> str | None:
-    """The base an adapter was trained on: its run's registered base_model, else its config's."""
-    if saved.run_dir is not None:
-        registered = json.loads((saved.run_dir / "model.json").read_text()).get("base_model")
-        if registered:
-            return registered
-    config = json.loads((saved.adapter_dir / "adapter_config.json").read_text())
-    return config.get("base_model_name_or_path")
 
 
 def base_of_adapters(paths: dict[str, str | Path]) -> str:

@@ -35,7 +35,7 @@ from ..storage.checkpoints import WEIGHTS_FILES, is_complete
 from .base_model import resolve_base_model
 from .builtin_models import builtin_model
 
-__all__ = ["ExportResult", "SavedAdapter", "export_model", "find_adapter"]
+__all__ = ["ExportResult", "SavedAdapter", "adapter_base", "export_base_name", "export_model", "find_adapter"]
 
 DTYPES = ("bfloat16", "float16", "float32")
 CONVERSION_RECORD = "conversion.json"  # what builtin_models.py writes into a converted built-in model
@@ -157,7 +157,7 @@ def export_model(path: str | Path, *, out: str | Path, step: int | None = None, 
                           "(nothing is overwritten)")
     saved = find_adapter(path, step=step, best=best, metric=metric)
     config = json.loads((saved.adapter_dir / "adapter_config.json").read_text())
-    spec = base_model or _registered_base(saved) or config.get("base_model_name_or_path")
+    spec = base_model or adapter_base(saved)
     if not spec:
         raise ConfigError(f"{saved.adapter_dir} does not name its base model; pass the base (--base-model)")
     resolved = resolve_base_model(spec)
@@ -300,11 +300,12 @@ def _converted_builtin(base: str | None):
     return builtin_model(json.loads(record.read_text()).get("model", "")) if record.is_file() else None
 
 
-def _registered_base(saved: SavedAdapter) -> str | None:
-    """The base_model the run was registered with (its model.json), or None."""
-    if saved.run_dir is None:
-        return None
-    return json.loads((saved.run_dir / "model.json").read_text()).get("base_model")
+def adapter_base(saved: SavedAdapter) -> str | None:
+    """The base an adapter was trained on: its run's registered base_model (model.json), else the
+    one its adapter_config.json names; None when neither does."""
+    record = saved.run_dir / "model.json" if saved.run_dir is not None else None
+    registered = json.loads(record.read_text()).get("base_model") if record is not None and record.is_file() else None
+    return registered or json.loads((saved.adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
 
 
 def _step_of(adapter_dir: Path) -> int | None:
