@@ -56,6 +56,7 @@ import torch
 
 import vllm_rollout
 from rollout import capture_all_graphs, machine, make_prompts, sync
+from roofline import ModelShape, decode_bound, measure_device, train_bound
 from tempering.engine import Engine, EngineConfig, SamplingParams, engine_model_for
 from tempering.training import TokenizedSequence, Trainer
 from tempering.types import LoRAConfig, TrainConfig
@@ -282,16 +283,14 @@ def replay_part(args, model, trainer: Trainer, device: torch.device, record: dic
                             float((errors[False] > errors[True].max()).float().mean()), 4)}
 
 
-def run_vllm(shape: dict, path: str | None, launches: int = 1, rounds: int = 2) -> dict:
-    """Workload R through vLLM + a rank-8 LoRA on q/k/v/o and each expert's gate/up/down: `launches`
-    subprocesses one after the other, each timing R `rounds` times. Returns the first launch's JSON
-    with R's figure the best of all runs and `lora_tok_per_s_runs` every run, in order."""
+def write_expert_lora(config, lora_dir: Path, r: int = 8) -> Path:
+    """A rank-`r` PEFT adapter (random non-zero A and B) on q/k/v/o and each expert's gate/up/down of a
+    Qwen3-MoE `config`, in the per-expert layout ART exports for vLLM."""
     from safetensors.torch import save_file
-    from transformers import Qwen3MoeConfig
 
-    c = Qwen3MoeConfig(**shape)
+    c = config
     g = torch.Generator().manual_seed(1)
-    tensors, r = {}, 8
+    tensors = {}
 
     def lora(prefix: str, out: int, inp: int) -> None:
         tensors[f"{prefix}.lora_A.weight"] = (torch.randn(r, inp, generator=g) * 0.01).to(torch.bfloat16)
@@ -308,14 +307,24 @@ def run_vllm(shape: dict, path: str | None, launches: int = 1, rounds: int = 2) 
                                    ("up_proj", c.moe_intermediate_size, c.hidden_size),
                                    ("down_proj", c.hidden_size, c.moe_intermediate_size)):
                 lora(f"{base}.mlp.experts.{e}.{name}", out, inp)
+    lora_dir.mkdir(parents=True, exist_ok=True)
+    (lora_dir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": [*TARGETS, "experts"], "base_model_name_or_path": None}))
+    save_file(tensors, lora_dir / "adapter_model.safetensors")
+    return lora_dir
+
+
+def run_vllm(shape: dict, path: str | None, launches: int = 1, rounds: int = 2) -> dict:
+    """Workload R through vLLM + a rank-8 LoRA on q/k/v/o and each expert's gate/up/down: `launches`
+    subprocesses one after the other, each timing R `rounds` times. Returns the first launch's JSON
+    with R's figure the best of all runs and `lora_tok_per_s_runs` every run, in order."""
+    from transformers import Qwen3MoeConfig
+
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, lora_dir = Path(tmp) / "model", Path(tmp) / "lora"
         Qwen3MoeConfig(**shape, torch_dtype="bfloat16").save_pretrained(model_dir)
-        lora_dir.mkdir()
-        (lora_dir / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 16, "lora_dropout": 0.0, "bias": "none",
-            "target_modules": [*TARGETS, "experts"], "base_model_name_or_path": None}))
-        save_file(tensors, lora_dir / "adapter_model.safetensors")
+        write_expert_lora(Qwen3MoeConfig(**shape), lora_dir)
         results = [vllm_rollout.launch(model_dir, lora_dir, {"R": R}, path, rounds=rounds) for _ in range(launches)]
     if any("error" in r for r in results):
         return next(r for r in results if "error" in r)
@@ -359,6 +368,7 @@ def main() -> None:
         print(json.dumps({"benchmark": "moe", "machine": machine(device), "vllm": vllm}))
         return
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    hw = measure_device(device) if device.type == "cuda" else None  # before the model takes the memory
     model = build_model(shape, device, dtype, near_tied=args.tiny and "replay" in parts)
     trainer = live_adapter(model)
     record: dict = {"benchmark": "moe", "device": args.device, "machine": machine(device), "torch": torch.__version__,
@@ -379,6 +389,18 @@ def main() -> None:
         replay_part(args, model, trainer, device, record)
     if "train" in parts:
         train_part(args, model, trainer, device, record)
+    if hw is not None:  # what the GPU allows (roofline.py), at its rates measured at the start
+        record["hardware"] = hw
+        moe = ModelShape.from_config(model.config)
+        if "rollout" in record:
+            work = TINY_R if args.tiny else R
+            b = decode_bound(moe, hw, rows=work["num_prompts"] * work["n"], prompt=128, new=work["max_new"],
+                             prompts=work["num_prompts"])
+            record["rollout"]["bound"] = {**b, "fraction": round(record["rollout"]["lora_tok_per_s"] / b["tok_per_s"], 3)}
+        if "train" in record:
+            num_seqs, seq_len = (4, 64) if args.tiny else (args.num_seqs, args.seq_len)
+            b = train_bound(moe, hw, tokens=num_seqs * seq_len, mean_context=seq_len / 2)
+            record["train"]["bound"] = {**b, "fraction": round(b["bound_s"] / record["train"]["replay"]["s"], 3)}
     print(json.dumps(record))
 
 

@@ -189,6 +189,11 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
 
     groups, group_size, iterations = shapes["groups"], shapes["group_size"], shapes["iterations"]
     new_tokens = shapes["new_tokens"]
+    hw = None
+    if device == "cuda":  # what the GPU allows (roofline.py): its rates, measured before the model takes the memory
+        from roofline import measure_device
+
+        hw = measure_device(torch.device("cuda", 0))
     model = art.TrainableModel(name="rl-loop", project="bench", base_model=base_model)
     backend = art.LocalBackend(path=root, device=device, in_process=in_process, gpus=gpus, dedicated=dedicated,
                                engine_config={"batch_invariant": True} if batch_invariant else None)
@@ -276,6 +281,18 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
     piped_shared = [shared(rows[first_step + i]) for i in range(iterations + 1)]
     await backend.close()
 
+    bound = None
+    if hw is not None:  # the iteration's gather at its decode bound, then its step at the GEMM rate
+        from transformers import AutoConfig
+
+        from roofline import ModelShape, decode_bound, train_bound
+
+        shape = ModelShape.from_config(AutoConfig.from_pretrained(base_model))
+        rows, context = groups * group_size, shapes["prompt_tokens"] + new_tokens
+        gather_b = decode_bound(shape, hw, rows=rows, prompt=shapes["prompt_tokens"], new=new_tokens, prompts=groups)
+        train_b = train_bound(shape, hw, tokens=rows * context, mean_context=context / 2)
+        bound = {"hardware": hw, "bound_s": round(gather_b["bound_s"] + train_b["bound_s"], 3),
+                 "gather_bound_s": gather_b["bound_s"], "train_bound_s": train_b["bound_s"]}
     seq_s = statistics.mean(it["s"] for it in sequential)
     seq_tps = sum(it["trained_tokens"] for it in sequential) / sum(it["s"] for it in sequential)
     steady = piped.step_wall_s[1:]
@@ -317,6 +334,8 @@ async def run(base_model: str, root: Path, device: str, shapes: dict, in_process
         "sequential_micro_batches_shared": sequential_shared if dedicated else None,
         "pipelined_micro_batches_shared": piped_shared if dedicated else None,
         "ratio_s_per_iteration": round(pipe_s / seq_s, 3),
+        "bound": bound and {**bound, "pipelined_fraction": round(bound["bound_s"] / pipe_s, 3),
+                            "sequential_fraction": round(bound["bound_s"] / seq_s, 3)},
         "ratio_trained_tokens_per_s": round(pipe_tps / seq_tps, 3),
         "torch": torch.__version__,
     }

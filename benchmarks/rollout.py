@@ -614,6 +614,17 @@ def main() -> None:
             for mode in ("base", "lora"):
                 if f"{mode}_tok_per_s" in entry and v.get(f"{mode}_tok_per_s"):
                     entry[f"{mode}_vs_vllm_{mode}"] = round(entry[f"{mode}_tok_per_s"] / v[f"{mode}_tok_per_s"], 2)
+    if gpu:  # what the GPU allows (roofline.py), at its rates measured now
+        from roofline import ModelShape, decode_bound, measure_device
+
+        record["hardware"] = measure_device(device)
+        shape = ModelShape.from_config(model.config)
+        for name, entry in record["workloads"].items():
+            work = workloads[name]
+            b = decode_bound(shape, record["hardware"], rows=work["num_prompts"] * work["n"], prompt=PROMPT_LEN,
+                             new=work["max_new"], prompts=work["num_prompts"])
+            entry["bound"] = {**b, **{f"{mode}_fraction": round(entry[f"{mode}_tok_per_s"] / b["tok_per_s"], 3)
+                                      for mode in modes}}
     if vllm is not None and "error" in vllm:
         record["vllm_error"] = vllm["error"]
     if generate_s is not None:

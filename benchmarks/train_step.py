@@ -340,6 +340,14 @@ def main() -> None:
 
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45), file=sys.stderr)
     peak_flops = 989e12 if gpu else None
+    bound = None
+    if gpu:  # what the GPU allows (roofline.py), at its rates measured now
+        from roofline import ModelShape, measure_device, train_bound
+
+        hw = measure_device(device)
+        bound = {**train_bound(ModelShape.from_config(model.config), hw, tokens=tokens, mean_context=args.seq_len / 2),
+                 "hardware": hw}
+        bound["fraction"] = round(bound["bound_s"] / ours_s, 3)
     record = {
         "benchmark": "train_step",
         "device": args.device,
@@ -353,6 +361,7 @@ def main() -> None:
         "ours_reserved_gib": round(ours_reserved, 2) if gpu else None,
         "ours_mfu": round(4 * matmul_params * tokens / ours_s / peak_flops, 4) if gpu else None,
         "ours_graph_captures": trainer.rows.num_captures,
+        "bound": bound,
         "forward": "transformers" if trainer.decoder is None else "tempering",
         "baseline_num_seqs": base_seqs if base_s else None,
         "baseline_s": round(base_s, 4) if base_s else None,

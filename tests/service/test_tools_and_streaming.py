@@ -54,6 +54,9 @@ def test_a_three_turn_tool_conversation_trains_on_exactly_the_sampled_tokens(ser
         third = await client.chat.completions.create(model=model.name, messages=traj.messages(), tools=TOOLS,
                                                      tool_choice="none", max_tokens=16, temperature=0.7, seed=2)
         traj.messages_and_choices.append(third.choices[0])
+        # the re-sent conversation came from the prefix cache: all of it but the last, partial KV block (16 tokens)
+        previous = first.usage.prompt_tokens + len(call_choice.token_ids)
+        assert previous - 16 <= second.usage.prompt_tokens_details.cached_tokens <= second.usage.prompt_tokens
         return traj
 
     traj = run(served, conversation())

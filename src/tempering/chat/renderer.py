@@ -94,8 +94,14 @@ class ChatRenderer:
         Returns:
             list[int] of length T (the prompt), with any BOS the template adds.
         """
+        return self.render_prompt_and_text(messages, tools, tool_choice=tool_choice, turns=turns,
+                                           template_kwargs=template_kwargs)[0]
+
+    def render_prompt_and_text(self, messages, tools=None, *, tool_choice: Any = None, turns: TurnCache | None = None,
+                               template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+        """(`render_prompt`'s ids, the rendered text they encode), for `TurnCache.remember`."""
         text = self.render_text(messages, tools, tool_choice=tool_choice, turns=turns, template_kwargs=template_kwargs)
-        return self._encode(text, messages, turns)
+        return self._encode(text, messages, turns), text
 
     def render_text(self, messages, tools=None, *, tool_choice: Any = None, turns: TurnCache | None = None,
                     template_kwargs: dict[str, Any] | None = None) -> str:

@@ -602,6 +602,8 @@ class Engine:
                 stats.num_prefill_tokens += n
                 if seq.num_computed_tokens == seq.num_cached_tokens:  # its first chunk
                     stats.num_cached_tokens += seq.num_cached_tokens
+                    if not seq.num_preemptions:
+                        seq.num_first_cached_tokens = seq.num_cached_tokens
             for seq, n in batch.items():
                 seq.num_computed_tokens += n
             if launched is not None:
@@ -689,6 +691,7 @@ class Engine:
             c = completion_of(s.completion_ids, s.logprobs, s.top_logprobs, s.finish_reason, s.request.params,
                               self.tokenizer, forced=s.forced if s.grammar is not None else None,
                               policy_versions=s.policy_versions)
+            c.num_cached_tokens = s.num_first_cached_tokens
             if s.routing is not None:  # (kept at a preemption it may hold a token launched after the last)
                 c.routed_experts = s.routing[0].array(s.routing[1])[:len(s.token_ids) - 1]
             completions.append(c)

@@ -69,6 +69,9 @@ class Completion:
         routed_experts: for a mixture of experts, when asked for (`SamplingParams.return_routed_experts`):
             [P + C - 1, moe_layers, k] uint8 (int16 past 256 experts) numpy array, the experts each
             token of prompt + completion but the last was routed to; None otherwise.
+        num_cached_tokens: prompt tokens taken from the prefix cache when the sample was first
+            scheduled (OpenAI's `usage.prompt_tokens_details.cached_tokens`; a recomputation after
+            a preemption does not change it).
     """
 
     token_ids: list[int]
@@ -81,6 +84,7 @@ class Completion:
     policy_versions: list[int] = field(default_factory=list)
     routed_experts: Any = None
     raw_text: str | None = None
+    num_cached_tokens: int = 0
 
 
 TokenCallback = Callable[[int, int, float, list[tuple[int, float]]], None]

@@ -46,6 +46,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_first_cached_tokens: int = 0  # num_cached_tokens when first scheduled (before any preemption)
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks whose chained hash is known (prefix cache)
     last_block_hash: int | None = None

@@ -28,7 +28,7 @@ from typing import Any
 from ..chat.tools import TOOL_CALL_START
 from ..engine import Completion
 
-__all__ = ["StreamState", "num_content_tokens", "sse_chat_stream", "start_stream"]
+__all__ = ["StreamState", "num_content_tokens", "sse_chat_stream", "start_stream", "usage"]
 
 
 def num_content_tokens(decode: Callable[[list[int]], str], ids: list[int], prefix: str | None, content: str | None) -> int:
@@ -137,6 +137,14 @@ def start_stream(submit: Callable[..., Any]) -> tuple[Any, asyncio.Queue]:
     return future, queue
 
 
+def usage(num_prompt: int, results: list[Completion]) -> dict[str, Any]:
+    """OpenAI's `usage` of a request: token counts, and `prompt_tokens_details.cached_tokens`, the prompt
+    tokens served from the prefix cache (its first sample's, as vLLM reports them)."""
+    num_completion = sum(len(c.token_ids) for c in results)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": results[0].num_cached_tokens if results else 0}}
+
+
 async def sse_chat_stream(
     *,
     started: tuple[Any, asyncio.Queue],
@@ -224,9 +232,7 @@ async def sse_chat_stream(
                           "logprob_temperature": completion.logprob_temperature,
                           "policy_versions": completion.policy_versions, **extra}])
         if include_usage:
-            num_completion = sum(len(c.token_ids) for c in completions)
-            yield event([], usage={"prompt_tokens": len(prompt_ids), "completion_tokens": num_completion,
-                                   "total_tokens": len(prompt_ids) + num_completion})
+            yield event([], usage=usage(len(prompt_ids), completions))
         yield "data: [DONE]\n\n"
     finally:  # the client left (Starlette cancelled this stream) or the stream is done
         if not future.done():

@@ -57,7 +57,7 @@ from ..engine import Completion, SamplingParams
 from ..engine.grammar import CompiledGrammar, GrammarSpec, llguidance_installed
 from ..errors import ConfigError, UnknownModelError
 from ..modeling.routing_format import encode_routed_experts
-from .chat_stream import StreamState, num_content_tokens, sse_chat_stream, start_stream
+from .chat_stream import StreamState, num_content_tokens, sse_chat_stream, start_stream, usage
 from .logprob_fields import chat_logprob, completion_logprobs, logprob_entry, token_decoder
 from .registry import ServiceRegistry
 from .request_checks import check_tokens, checked_tools, reject_unsupported, valid_unicode
@@ -129,9 +129,9 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             raise ConfigError("tool_choice forces a tool call, whose arguments follow the tool's schema; "
                               "drop response_format/guided_*/structured_outputs, or use tool_choice 'auto'")
         grammar = await _compiled(service, spec or call_spec)
-        prompt_ids = service.renderer.render_prompt([m.template_dict() for m in body.messages], prompt_tools,
-                                                    tool_choice=body.tool_choice, turns=service.turns,
-                                                    template_kwargs=body.chat_template_kwargs)
+        prompt_ids, prompt_text = service.renderer.render_prompt_and_text(
+            [m.template_dict() for m in body.messages], prompt_tools, tool_choice=body.tool_choice,
+            turns=service.turns, template_kwargs=body.chat_template_kwargs)
         check_tokens(service, body, prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
@@ -150,7 +150,7 @@ def build_openai_router(registry: ServiceRegistry) -> APIRouter:
             # the model's own text of the turn (stop string included): how a later request renders it back
             raw = (prefix or "") + (c.text if c.raw_text is None else c.raw_text)
             service.turns.remember(prompt_ids, c.token_ids, raw, message["content"],
-                                   [call["id"] for call in message.get("tool_calls", ())])
+                                   [call["id"] for call in message.get("tool_calls", ())], prompt_text=prompt_text)
             return {**final, **_forced(c), **_routed(c)}
 
         if body.stream:
@@ -311,7 +311,6 @@ def _response(kind: str, model: str, choices: list[dict], num_prompt: int, resul
     """The response, serialized here (`json_body`): handing FastAPI the dict would walk it through
     `jsonable_encoder` first, ~25 ms of the GIL for one 1024-token choice with logprobs (the engine's
     thread waits for the GIL meanwhile)."""
-    num_completion = sum(len(c.token_ids) for c in results)
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
     return Response(json_body({
         "id": f"{prefix}-{uuid.uuid4().hex}",
@@ -319,7 +318,7 @@ def _response(kind: str, model: str, choices: list[dict], num_prompt: int, resul
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion},
+        "usage": usage(num_prompt, results),
     }), media_type="application/json")
 
 
