@@ -62,8 +62,7 @@ def base_dir(device: torch.device, tmp: Path) -> tuple[str, torch.dtype, str]:
     if device.type != "cuda":
         return str(default_model_dir()), torch.float32, "auto"
     path = tmp / "qwen2.5-1.5b-shape"
-    config = Qwen2Config(**QWEN_1_5B)
-    config.torch_dtype = "bfloat16"
+    config = Qwen2Config(**QWEN_1_5B, dtype="bfloat16")
     config.save_pretrained(path)
     AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(path)
     return str(path), torch.bfloat16, "dummy"
