@@ -16,8 +16,8 @@ the optimizer and RNG state. An export is what another stack loads:
 Every family tempering trains exports the same way, and so does an adapter saved by a
 tensor-parallel run (its checkpoint is the full adapter, as one GPU writes it). A mixture of
 experts' LoRA on the stacked expert weights (PEFT's `target_parameters`) is loaded by PEFT (with
-transformers 5) and merged; vLLM's `--lora-modules` does not read that form, so the model card
-says to give vLLM the merged export. The export is written to a temporary sibling of `out` and
+transformers 5) and merged; vLLM's `--lora-modules` refuses that form unless told it is one
+(`--enable-mixed-moe-lora-format`), so the model card says so and points to the merged export. The export is written to a temporary sibling of `out` and
 renamed into place; an `out` that exists and is not empty is refused, never overwritten.
 """
 
@@ -288,8 +288,9 @@ def _notes(config: dict[str, Any], spec: str, *, merged: bool) -> list[str]:
                                               "`tempering serve --adapter` serves it on the weights it was trained on."))
     if config.get("target_parameters") and not merged:
         notes.append("the adapter holds LoRA on the stacked weights of the mixture-of-experts layers (PEFT's "
-                     "`target_parameters`): PEFT loads it (transformers >= 5), vLLM's `--lora-modules` does not "
-                     "read that form; give vLLM the merged export (`tempering export ... --merged`).")
+                     "`target_parameters`): PEFT loads it (transformers >= 5); vLLM's `--lora-modules` refuses that "
+                     "form (\"fused 3D MoE weights\") unless started with `--enable-mixed-moe-lora-format` and asked "
+                     "with `is_3d_lora_weight`; the merged export (`tempering export ... --merged`) loads in vLLM as is.")
     return notes
 
 
