@@ -174,6 +174,8 @@ class AdapterServer(ModelService):
                         run_in_own_thread(self._peft.load_adapter, str(saved.adapter_dir), adapter_name=peft_name,
                                           is_trainable=False)
                 except Exception as exc:
+                    if self._peft is not None and peft_name in self._peft.peft_config:  # half-loaded: take it out
+                        self._peft.delete_adapter(peft_name)
                     raise CheckpointError(f"could not load the adapter in {saved.adapter_dir}: {exc}") from exc
             loaded = LoadedAdapter(name, peft_name, saved,
                                    AdapterPolicy(self._peft, peft_name, saved.step or 0, restore=None))
