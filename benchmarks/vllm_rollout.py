@@ -68,24 +68,31 @@ def main() -> None:
 def write_model_and_lora(config, directory: Path, rank: int = 8) -> tuple[Path, Path]:
     """`directory`/model (config.json of `config`, a Llama-family transformers config, bfloat16) and
     `directory`/lora (a PEFT adapter of rank `rank` on every projection, A and B random, non-zero)."""
+    model_dir, lora_dir = directory / "model", directory / "lora"
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(model_dir)
+    write_lora(config, lora_dir, rank=rank)
+    return model_dir, lora_dir
+
+
+def write_lora(config, lora_dir: Path, *, rank: int = 8, seed: int = 1, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A PEFT adapter of rank `rank` on every projection of a model of `config`, A and B random
+    (drawn from `seed`) and non-zero, in `dtype`, written to `lora_dir`."""
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    model_dir, lora_dir = directory / "model", directory / "lora"
-    config.torch_dtype = "bfloat16"
-    config.save_pretrained(model_dir)
     with torch.device("meta"):  # only the adapter's tensors are needed, from a meta-device model
         shell = AutoModelForCausalLM.from_config(config)
     peft = get_peft_model(shell, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    g = torch.Generator().manual_seed(1)
-    state = {k: torch.randn(v.shape, generator=g).to(torch.bfloat16) * (0.01 if "lora_A" in k else 0.02)
+    g = torch.Generator().manual_seed(seed)
+    state = {k: torch.randn(v.shape, generator=g).to(dtype) * (0.01 if "lora_A" in k else 0.02)
              for k, v in peft.state_dict().items() if "lora_" in k}
     lora_dir.mkdir(parents=True)
     peft.peft_config["default"].save_pretrained(lora_dir)
     save_file({k.replace(".default", ""): v.contiguous() for k, v in state.items()}, lora_dir / "adapter_model.safetensors")
-    return model_dir, lora_dir
+    return lora_dir
 
 
 def launch(model_dir: str | Path, lora_dir: str | Path | None, spec: dict, path: str | None = None,

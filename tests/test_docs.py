@@ -68,3 +68,15 @@ def test_results_open_with_the_current_figures_table():
     text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     start = text.index("<!-- --8<-- [start:current] -->")
     assert start < text.index("\n## ", text.index("## Current figures") + 1)
+
+
+def test_the_cli_reference_names_every_command_and_option():
+    import typer.main
+
+    from tempering.cli import app
+
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    missing = [f"tempering {name} {opt}" for name, command in typer.main.get_command(app).commands.items()
+               for opt in [f"## `tempering {name}"] + [p.opts[0] for p in command.params if p.opts[0].startswith("--")]
+               if f"`{opt}" not in page and opt not in page]
+    assert not missing, f"docs/reference/cli.md lacks: {missing}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 import tempering as art
 from tempering.engine import EngineConfig
@@ -16,25 +15,6 @@ from tempering.modeling.routing_format import decode_routed_experts
 from tempering.training.moe import MoEPackedDecoder
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*_pattern keys did not match any targeted module")
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory, default_model_dir):
-    """A 2-layer, 64-wide random Qwen3-MoE (8 experts, 2 per token) with SmolLM2's tokenizer and chat template."""
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    base = LlamaConfig.from_pretrained(default_model_dir)
-    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                            num_experts_per_tok=2, vocab_size=base.vocab_size, max_position_embeddings=1024,
-                            tie_word_embeddings=True, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    model.generation_config = GenerationConfig.from_pretrained(default_model_dir)
-    out = tmp_path_factory.mktemp("tiny-qwen3-moe")
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
-    return out
 
 
 def shift_routing(trajectory: art.Trajectory) -> art.Trajectory:

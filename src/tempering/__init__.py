@@ -29,6 +29,7 @@ from .errors import (
 from .gather import gather_trajectories, gather_trajectory_groups
 from .model import Model, TrainableModel
 from .pipeline_trainer import PipelineResult, PipelineTrainer, make_group_rollout_fn
+from .service.export import export_model
 from .sft import read_sft_jsonl, train_sft_from_file
 from .types import (
     History,
@@ -84,6 +85,7 @@ __all__ = [
     "capture_client",
     "capturing_http_client",
     "dev",
+    "export_model",
     "gather_trajectories",
     "gather_trajectory_groups",
     "local",

@@ -80,6 +80,52 @@ def plot(
 
 
 @app.command()
+def export(
+    path: Annotated[Path, typer.Argument(help="a model's run directory (.tempering/<project>/models/<name>) or a "
+                                              "checkpoint directory")],
+    out: Annotated[Path, typer.Option(help="directory to write (new, or empty)")],
+    step: Annotated[int | None, typer.Option(min=0, help="the checkpoint to export (default: the latest)")] = None,
+    best: Annotated[bool, typer.Option(help="export the saved step with the highest --metric")] = False,
+    metric: Annotated[str, typer.Option(help="what --best ranks by")] = "val/reward",
+    merged: Annotated[bool, typer.Option(help="merge the adapter into the base: a transformers model directory")] = False,
+    dtype: Annotated[str | None, typer.Option(help="bfloat16, float16 or float32 (default: the base's own for "
+                                                   "--merged, the adapter's float32 otherwise)")] = None,
+    base_model: Annotated[str | None, typer.Option(help="the base to name and merge into (default: the run's)")] = None,
+) -> None:
+    """Export a trained checkpoint as a standalone adapter, or merged into its base.
+
+    The adapter (default) is a PEFT directory naming its base as you gave it, with the tokenizer
+    and chat template: for PEFT, vLLM's --lora-modules, `tempering serve --adapter`. With
+    --merged, the base with the adapter merged in by PEFT: a transformers model directory for
+    transformers, vLLM, TGI or llama.cpp's converter. A README.md model card records the base,
+    the step, the run's reward at that step and this command."""
+    import shlex
+
+    from transformers.utils import logging as hf_logging
+
+    from .errors import ConfigError
+    from .service.export import export_model
+
+    hf_logging.disable_progress_bar()
+    options = [("--step", step), ("--best", best), ("--metric", metric if best else None), ("--merged", merged),
+               ("--dtype", dtype), ("--base-model", base_model)]
+    command = shlex.join(["tempering", "export", str(path), "--out", str(out),
+                          *[part for flag, value in options if value not in (None, False)
+                            for part in ([flag] if value is True else [flag, str(value)])]])
+    try:
+        result = export_model(path, out=out, step=step, best=best, merged=merged, dtype=dtype, base_model=base_model,
+                              metric=metric, command=command)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    what = "a merged model" if result.merged else "an adapter"
+    typer.echo(f"exported step {result.step} of {path} as {what} on {result.base_model} to {result.out}")
+    for key, value in sorted(result.rewards.items()):
+        typer.echo(f"  {key} at step {result.step}: {value:.4f}")
+    for note in result.notes:
+        typer.echo(f"note: {note}", err=True)
+
+
+@app.command()
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 8000,
@@ -99,8 +145,18 @@ def serve(
     dtype: Annotated[str | None, typer.Option(help="the models' dtype: bfloat16, float16 or float32 (default: "
                                               "float32 on a CPU; on a GPU float32 up to 0.5B parameters, "
                                               "bfloat16 above)")] = None,
+    adapter: Annotated[list[str] | None, typer.Option(
+        help="inference only: serve the LoRA adapter in DIR (an export, a checkpoint, or a run directory's latest) "
+             "as model NAME (repeatable); no training routes, no trainer memory", metavar="NAME=DIR")] = None,
+    base_model: Annotated[str | None, typer.Option(
+        help="inference only: the base model to serve (default: the one the adapters were trained on)")] = None,
 ) -> None:
     """Serve inference (OpenAI routes) and training (for RemoteBackend clients) on one port.
+
+    With --adapter NAME=DIR (or --base-model) it serves inference only: the base model and each
+    adapter by name on the OpenAI routes, from one engine that batches them together, with no
+    trainer; `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's routes) add and
+    remove adapters while it serves.
 
     With --gpus N (or under `torchrun --nproc-per-node N -m tempering.cli serve ...`, also over
     several machines with `--nnodes`) every GPU holds the model, an engine replica and a
@@ -136,6 +192,13 @@ def serve(
                 "no API key: pass --api-key or set TEMPERING_API_KEY (--insecure allows none, on a loopback host only)"
             )
     _log_to_stderr()
+    if adapter or base_model is not None:
+        if gpus > 1 or dedicated or tensor_parallel_size > 1:
+            raise typer.BadParameter("inference-only serving (--adapter, --base-model) runs on one device: drop "
+                                     "--gpus, --dedicated and --tensor-parallel-size", param_hint="--adapter")
+        _serve_adapters(adapter or [], base_model=base_model, host=host, port=port, api_key=api_key, device=device,
+                        dtype=dtype, engine_config=engine_config, max_body_mb=max_body_mb)
+        return
     engine = _engine_config(engine_config)
     if tensor_parallel_size > 1:
         import dataclasses
@@ -186,6 +249,56 @@ def serve(
     if failures:
         typer.echo(f"tempering serve stopped: {failures[0]}", err=True)
         raise typer.Exit(1)
+
+
+def _serve_adapters(specs: list[str], *, base_model: str | None, host: str, port: int, api_key: str | None,
+                    device: str | None, dtype: str | None, engine_config: str | None, max_body_mb: int) -> None:
+    """`tempering serve --adapter NAME=DIR ...`: an AdapterServer on the OpenAI routes and the adapter routes."""
+    import dataclasses
+    import json
+
+    import uvicorn
+
+    from .engine import EngineConfig
+    from .errors import CheckpointError, ConfigError
+    from .service import create_app
+    from .service.adapter_server import INFERENCE_GPU_MEMORY_FRACTION, AdapterServer, base_of_adapters
+    from .service.hub import _check_device
+    from .service.service import dtype_named
+
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise typer.BadParameter(f"{spec!r}: write NAME=DIR, e.g. --adapter demo=.tempering/demo/models/run",
+                                     param_hint="--adapter")
+        if name in adapters:
+            raise typer.BadParameter(f"two adapters are named {name!r}", param_hint="--adapter")
+        adapters[name] = path
+    engine = _engine_config(engine_config) or EngineConfig()
+    if "gpu_memory_fraction" not in (json.loads(engine_config) if engine_config else {}):  # nothing trains here
+        engine = dataclasses.replace(engine, gpu_memory_fraction=INFERENCE_GPU_MEMORY_FRACTION)
+    try:
+        if device is not None:
+            _check_device(device)
+        base = base_model or base_of_adapters(adapters)
+        server = AdapterServer(base, device=device, dtype=dtype_named(dtype), engine_config=engine)
+        try:
+            for name, path in adapters.items():
+                server.add_adapter(name, path)
+        except BaseException:
+            server.close()
+            raise
+    except (ConfigError, CheckpointError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--base-model" if "base" in str(exc) else "--adapter") from None
+    application = create_app(server, api_key=api_key, adapters=server, max_body_bytes=max_body_mb << 20)
+    names = ", ".join(server.served_names())
+    typer.echo(f"tempering serving {names} (inference only) on http://{host}:{port} "
+               f"(OpenAI base URL http://{host}:{port}/v1)")
+    try:
+        uvicorn.Server(uvicorn.Config(application, host=host, port=port, log_level="warning")).run()
+    finally:
+        server.close()
 
 
 def _log_to_stderr() -> None:

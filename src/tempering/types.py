@@ -508,7 +508,10 @@ def summarize_groups(groups: Iterable[TrajectoryGroup], *, split: str) -> dict[s
 
     `reward` is the mean over trajectories, `reward_std_dev` the mean within-group std,
     `exception_rate` the failed fraction of rollouts, and every numeric `trajectory.metrics`
-    key is averaged over the trajectories that have it.
+    key is averaged over the trajectories that have it. A group's own `metrics` are averaged over
+    the groups that have them as `<split>/group_<name>` (ART's keys), except costs: a
+    `costs/<path>` (USD, e.g. RULER's `costs/judge/ruler`) is summed over the groups into ART's
+    `costs/<split>/<path>`, with its totals `costs/<split>/<parent>` ..., `costs/<split>` and `costs/all`.
     """
     groups = list(groups)
     trajectories = [t for g in groups for t in g.trajectories]
@@ -526,14 +529,28 @@ def summarize_groups(groups: Iterable[TrajectoryGroup], *, split: str) -> dict[s
                 mean = sum(rewards) / len(rewards)
                 stds.append(math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)))
         out[f"{split}/reward_std_dev"] = sum(stds) / len(stds)
-    sums: dict[str, list[float]] = {}
-    for t in trajectories:
-        for key, value in t.metrics.items():
-            if isinstance(value, int | float) and math.isfinite(value):
-                sums.setdefault(key, []).append(float(value))
-    for key, values in sums.items():
+    for key, values in _finite_values(t.metrics for t in trajectories).items():
         out[f"{split}/{key}"] = sum(values) / len(values)
+    for key, values in _finite_values(g.metrics for g in groups).items():
+        if not key.startswith("costs/"):
+            out[f"{split}/group_{key}"] = sum(values) / len(values)
+            continue
+        parts = key.removeprefix("costs/").split("/")
+        for depth in range(len(parts), -1, -1):  # costs/<split>/judge/ruler, costs/<split>/judge, costs/<split>
+            total = "/".join(["costs", split, *parts[:depth]])
+            out[total] = out.get(total, 0.0) + sum(values)
+        out["costs/all"] = out.get("costs/all", 0.0) + sum(values)
     return out
+
+
+def _finite_values(metrics: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each key's finite numeric values over the `metrics` dicts (a bool counts as 0 or 1)."""
+    values: dict[str, list[float]] = {}
+    for row in metrics:
+        for key, value in row.items():
+            if isinstance(value, int | float) and math.isfinite(value):
+                values.setdefault(key, []).append(float(value))
+    return values
 
 
 def check_reward(reward: Any, *, where: str) -> float:

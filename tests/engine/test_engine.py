@@ -260,3 +260,21 @@ def test_a_kv_cache_sized_from_memory_stops_at_max_kv_blocks(setup, monkeypatch)
         assert len(out[0].token_ids) == 4
     finally:
         capped.close()
+
+
+def test_a_batch_that_mixes_adapters_is_grouped_by_adapter_one_segment_each():
+    from types import SimpleNamespace
+
+    from tempering.engine.engine import _grouped_by_adapter
+    from tempering.engine.scheduler import ScheduledBatch
+
+    def seq(i, name):
+        return SimpleNamespace(i=i, request=SimpleNamespace(policy=SimpleNamespace(adapter_name=name)))
+
+    names = ["a", None, "b", "a", None, "b", "a"]
+    decode = [seq(i, n) for i, n in enumerate(names)]
+    batch = _grouped_by_adapter(ScheduledBatch(decode=list(decode), prefill=[(seq(7, "b"), 5), (seq(8, "a"), 3)]))
+    assert [s.i for s in batch.decode] == [1, 4, 0, 3, 6, 2, 5]  # base rows, then each adapter's, in arrival order
+    assert [s.i for s, _ in batch.prefill] == [8, 7]
+    alone = ScheduledBatch(decode=[seq(0, "a"), seq(1, "a")])
+    assert _grouped_by_adapter(alone).decode == alone.decode  # one adapter: untouched

@@ -251,6 +251,30 @@ def test_a_tp2_checkpoint_resumes_at_tp2_and_at_tp1(trained):
     assert_adapters_close(adapter_of(single), saved_adapter(out / "ckpt2"), device, ckpt1)
 
 
+def test_a_tp2_checkpoint_exports_as_an_adapter_and_a_merged_model_of_the_whole_model(trained, tmp_path,
+                                                                                      default_model_dir):
+    """`tempering export` of a checkpoint that two tensor-parallel ranks wrote (their gathered shards)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tempering.service.export import export_model
+
+    _, _, out, _ = trained
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(base)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(base)  # any tokenizer: the export carries it
+    adapter = export_model(out / "ckpt1", out=tmp_path / "adapter", base_model=str(base))
+    export_model(out / "ckpt1", out=tmp_path / "merged", merged=True, base_model=str(base))
+    assert adapter.step == 1 and adapter.base_model == str(base.resolve())
+    ids = torch.tensor([[5, 17, 42, 9, 100, 3]])
+    with torch.inference_mode():
+        trained_logits = PeftModel.from_pretrained(tiny_llama(), str(out / "ckpt1")).eval()(ids).logits
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "adapter"))
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(loaded.eval()(ids).logits, trained_logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(merged(ids).logits, trained_logits, atol=1e-4, rtol=0)
+
+
 # ---- sizes ------------------------------------------------------------------------------------
 
 

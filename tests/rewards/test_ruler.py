@@ -183,3 +183,98 @@ def test_a_judge_served_by_tempering_gets_the_prompt_its_answer_is_checked_and_t
     if len(completions) == 2:
         retry = tokenizer.decode(completions[1].choices[0].prompt_token_ids)
         assert "could not be used" in retry
+
+
+# ---- ART's call forms: a judge named by provider, reached through LiteLLM ------------------------------
+
+
+def group_of_three():
+    return art.TrajectoryGroup([traj("4", 1.0), traj("22", 0.0), traj("four", 1.0)])
+
+
+@pytest.fixture(scope="module")
+def local_judge():
+    """The default model served by tempering (inference only) as "judge", behind a key: (base URL, key)."""
+    from tempering.service import create_app
+    from tempering.service.adapter_server import AdapterServer
+    from tempering.service.server import ServerThread
+
+    server = AdapterServer("SmolLM2-135M-Instruct", base_name="judge", device="cpu")
+    thread = ServerThread(create_app(server, api_key="judge-key"))
+    thread.start()
+    try:
+        yield f"{thread.base_url}/v1", "judge-key"
+    finally:
+        thread.stop()
+        server.close()
+
+
+def test_arts_call_forms_reach_a_local_judge_served_by_tempering_through_litellm(local_judge):
+    """ART's docs for a local judge: judge_model="openai/<name>", extra_litellm_params={"api_base", "api_key"}."""
+    api_base, key = local_judge
+    params = {"api_base": api_base, "api_key": key}
+
+    async def main():
+        scored = await ruler_score_group(group_of_three(), "openai/judge", extra_litellm_params=params)
+        positional = await ruler_score_group(group_of_three(), "hosted_vllm/judge", params, swallow_exceptions=True)
+        scores = await ruler([t.messages() for t in group_of_three()], "openai/judge", params)
+        return scored, positional, scores
+
+    scored, positional, scores = asyncio.run(main())
+    for group in (scored, positional):  # held to the answer's schema (a tempering server, detected), even 135M scores
+        assert len(group) == 3 and all(0.0 <= t.reward <= 1.0 and t.metrics["ruler_score"] == t.reward for t in group)
+        assert [t.metrics["independent_reward"] for t in group] == [1.0, 0.0, 1.0]
+        assert group.metrics["ruler_prompt_tokens"] > 100 and group.metrics["ruler_completion_tokens"] > 10
+        assert "costs/judge/ruler" not in group.metrics  # a local model has no price
+    assert len(scores) == 3
+
+
+def test_other_providers_go_through_litellm_their_usage_and_known_cost_reach_the_steps_metrics():
+    """LiteLLM's own offline hook (`mock_response`) stands in for the providers' APIs."""
+    from tempering.types import summarize_groups
+
+    answer = scores(0.9, 0.1, 0.5)
+
+    async def main():
+        priced = await ruler_score_group(group_of_three(), "openai/gpt-4o-mini", {"mock_response": answer})
+        others = [await ruler_score_group(group_of_three(), name, {"mock_response": answer})
+                  for name in ("anthropic/claude-sonnet-4-20250514", "openrouter/openai/o4-mini")]
+        with pytest.raises(RulerError, match="could not be used twice") as bad:
+            await ruler_score_group(group_of_three(), "openai/o4-mini", {"mock_response": "no json"})
+        return priced, others, bad.value
+
+    priced, others, bad = asyncio.run(main())
+    for group in (priced, *others):
+        assert [t.reward for t in group] == [0.9, 0.1, 0.5]
+        assert group.metrics["ruler_prompt_tokens"] > 0 and group.metrics["ruler_completion_tokens"] > 0
+    cost = priced.metrics["costs/judge/ruler"]  # LiteLLM knows gpt-4o-mini's price
+    assert cost > 0 and len(bad.completions) == 2
+    row = summarize_groups([priced, priced], split="train")  # a step of two such groups
+    assert row["costs/train/judge/ruler"] == row["costs/train/judge"] == row["costs/train"] == row["costs/all"] \
+        == pytest.approx(2 * cost)
+    assert row["train/group_ruler_prompt_tokens"] == priced.metrics["ruler_prompt_tokens"]  # ART's mean per group
+
+
+def test_extra_litellm_params_with_a_client_are_refused_and_without_litellm_the_error_names_the_extra():
+    import subprocess
+    import sys
+
+    with pytest.raises(art.ConfigError, match="pass one or the other"):
+        asyncio.run(ruler([traj("4", 0).messages()], "judge", {"api_base": "x"}, client=ScriptedJudge(scores(1.0))))
+    script = (
+        "import sys; sys.modules['litellm'] = None\n"  # as if LiteLLM were not installed
+        "import asyncio, json, types\n"
+        "from tempering.errors import MissingDependencyError\n"
+        "from tempering.rewards import ruler\n"
+        "messages = [[{'role': 'user', 'content': 'hi'}]]\n"
+        "try:\n"
+        "    asyncio.run(ruler(messages, 'openai/o4-mini'))\n"
+        "except MissingDependencyError as error:\n"
+        "    print(error)\n"
+        "answer = json.dumps({'scores': [{'trajectory_id': '1', 'explanation': '', 'score': 0.5}]})\n"
+        "async def create(**request):\n"
+        "    return types.SimpleNamespace(choices=[types.SimpleNamespace(message=types.SimpleNamespace(content=answer))])\n"
+        "client = types.SimpleNamespace(chat=types.SimpleNamespace(completions=types.SimpleNamespace(create=create)))\n"
+        "print('client:', asyncio.run(ruler(messages, 'judge', client=client))[0].score)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "pip install 'tempering[ruler]'" in out.stdout and "client: 0.5" in out.stdout, out.stdout + out.stderr

@@ -54,7 +54,7 @@ from .models import LlamaFamilyModel
 from .request import Completion, GenerationRequest, Policy, TokenCallback, new_request
 from .routing import token_slots
 from .sampling_params import SamplingParams, row_seed
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .scoring import score_sequences
 from .sequence import PENDING, Sequence
 from .stopping import completion_of, finish_reason_at
@@ -578,7 +578,7 @@ class Engine:
             advance_grammars(consume)
         if sampled is not None:
             self._process(sampled)
-        batch = self._without_unloaded_adapters(self.scheduler.schedule())
+        batch = _grouped_by_adapter(self._without_unloaded_adapters(self.scheduler.schedule()))
         if masks is not None:  # let the helper into its fill call (the GIL: see MaskWorker)
             masks.wait_filling()
         prepared = self.runner.prepare(batch, newest) if batch else None
@@ -722,3 +722,14 @@ class Engine:
                 seqs[0].request.future.set_exception(error)
         self._awaiting = []
         self.blocks.forget_cached()  # blocks of the failed step may hold garbage
+
+
+def _grouped_by_adapter(batch: ScheduledBatch) -> ScheduledBatch:
+    """`batch` with its decode rows, and its prefill chunks, each in adapter order (stable), when it
+    mixes adapters: each adapter's rows are then one LoRA segment (one shrink and one expand per
+    projection), not one per request. Rows are matched to sequences by id, not position."""
+    names = {seq.request.policy.adapter_name for seq, _ in batch.items()}
+    if len(names) > 1:
+        batch.decode = sorted(batch.decode, key=lambda seq: seq.request.policy.adapter_name or "")
+        batch.prefill = sorted(batch.prefill, key=lambda item: item[0].request.policy.adapter_name or "")
+    return batch

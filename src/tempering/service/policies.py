@@ -76,14 +76,18 @@ class LivePolicy:
 
 
 class AdapterPolicy:
-    """A named adapter of the PEFT model: a step's checkpoint loaded beside the live adapter (frozen)."""
+    """A named adapter of the PEFT model: a step's checkpoint loaded beside the live adapter (frozen),
+    or an adapter that an inference-only server serves by name (`restore=None`: there is no trainer's
+    adapter to switch back to)."""
 
-    def __init__(self, peft_model: Any, adapter_name: str, version: int) -> None:
+    def __init__(self, peft_model: Any, adapter_name: str, version: int, *,
+                 restore: str | None = ADAPTER_NAME) -> None:
         self.peft_model = peft_model
         self.adapter_name = adapter_name
         self.version = version
         self.cache_version = version
         self.key = ("adapter", adapter_name)
+        self._restore = restore
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[None]:
@@ -94,4 +98,5 @@ class AdapterPolicy:
         try:
             yield
         finally:
-            self.peft_model.set_adapter(ADAPTER_NAME)  # the trainer's adapter, trainable again
+            if self._restore is not None:
+                self.peft_model.set_adapter(self._restore)  # the trainer's adapter, trainable again
