@@ -149,3 +149,11 @@ def test_a_damaged_checkpoint_is_set_aside_under_a_name_that_is_never_listed(tmp
         set_aside(ckpts / "0001")
     assert sorted(p.name for p in ckpts.iterdir()) == ["0001.damaged", "0001.damaged-2"]
     assert list_checkpoints(ckpts) == []
+
+
+def test_a_write_error_for_want_of_space_says_so_and_names_the_fix(tmp_path):
+    def full(tmp):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(CheckpointError, match="is full: free space, or keep fewer checkpoints"):
+        write_atomically(tmp_path / "0001", full)

@@ -14,6 +14,7 @@ half done.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -111,19 +112,32 @@ def write_atomically(final_dir: Path, write: Callable[[Path], None]) -> Path:
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
-            raise CheckpointError(f"could not write {final_dir}: {exc}{_fix_of(exc)}") from exc
+            fix = _SPACE_FIX if _out_of_space(exc, final_dir.parent) else ""
+            raise CheckpointError(f"could not write {final_dir}: {exc}{fix}") from exc
         raise
     return final_dir
 
 
-def _fix_of(exc: BaseException) -> str:
-    """What to do about a write error, when the OS says what it was."""
-    import errno
+_SPACE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_SPACE_FIX = (". The disk (or a quota, or the file size limit) is full: free space, or keep fewer checkpoints "
+              "(TrainConfig(keep_last_checkpoints=...)), then train again; the previous checkpoint is intact")
 
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return (". The disk (or a quota, or the file size limit) is full: free space, or keep fewer checkpoints "
-                "(TrainConfig(keep_last_checkpoints=...)), then train again; the previous checkpoint is intact")
-    return ""
+
+def _out_of_space(exc: BaseException, directory: Path) -> bool:
+    """Whether a write failed for want of space: the OS's error number, its text in a library's message
+    (safetensors writes from Rust: "File too large (os error 27)"), or, when the message gives no
+    reason (torch.save: "file write failed"), a file system with under 64 MiB left."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _SPACE_ERRORS:
+            return True
+        if any(os.strerror(code) in str(seen) for code in _SPACE_ERRORS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(directory).free < 64 << 20
+    except OSError:
+        return False
 
 
 def verify_checkpoint(checkpoint_dir: Path, *, training_state: bool = True) -> None:
