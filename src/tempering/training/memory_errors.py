@@ -9,6 +9,8 @@ layer's intermediates. The trainer undoes the step before the error arrives here
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -20,10 +22,21 @@ from ..errors import OutOfMemoryError
 __all__ = ["is_out_of_memory", "memory_knob_named"]
 
 
+# what torch's CPU allocator says when the OS refuses memory: "[enforce fail at alloc_cpu.cpp:127] err == 0.
+# DefaultCPUAllocator: can't allocate memory: you tried to allocate 37281792 bytes. Error code 12 (Cannot allocate
+# memory)", a plain RuntimeError (torch 2.13); newer versions say "not enough memory"
+_CPU_ALLOCATOR = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory",
+                  os.strerror(errno.ENOMEM))
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` says an allocation failed: torch's OutOfMemoryError (CUDA's caching allocator, and
-    the CPU allocator when the OS refuses memory), or Python's MemoryError."""
-    return isinstance(exc, torch.OutOfMemoryError | MemoryError) and not isinstance(exc, OutOfMemoryError)
+    """Whether `exc` says an allocation failed: torch's OutOfMemoryError (CUDA's caching allocator),
+    the CPU allocator's RuntimeError when the OS refuses memory, or Python's MemoryError."""
+    if isinstance(exc, OutOfMemoryError):
+        return False
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _CPU_ALLOCATOR)
 
 
 @contextlib.contextmanager
