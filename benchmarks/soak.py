@@ -30,6 +30,7 @@ targets; a shorter run scales the windows to the same fractions of the run):
     python benchmarks/soak.py --device cuda --minutes 4        # GPU, bounded in time
 
 On a CPU the step time is only as steady as the machine: other processes' load shows in it.
+SIGTERM or Ctrl-C ends the run after the running step and prints the figures so far.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -209,6 +211,9 @@ async def soak(args: argparse.Namespace, root: Path) -> dict:
     step_ends: list[float] = []
     first_checkpoint: dict[str, int] = {}
     deadline = time.perf_counter() + 60 * args.minutes if args.minutes else math.inf
+    stop = asyncio.Event()  # SIGTERM / SIGINT: end after the running step, and print the figures so far
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
     async with art.LocalBackend(path=root, device=args.device) as backend:
         await model.register(backend)
         # one warm-up step: the first one injects the adapter and compiles what it compiles
@@ -218,7 +223,7 @@ async def soak(args: argparse.Namespace, root: Path) -> dict:
             last_sample, done = time.perf_counter(), 0
             sample_start = 0
             for step in range(1, args.steps + 1):
-                if time.perf_counter() > deadline:
+                if time.perf_counter() > deadline or stop.is_set():
                     break
                 start = time.perf_counter()
                 await _step(model, task, step, args, config, held_out)
@@ -238,7 +243,8 @@ async def soak(args: argparse.Namespace, root: Path) -> dict:
                               "checkpoints_bytes": dir_bytes(paths.checkpoints_dir),
                               "step_s": statistics.fmean(step_times[sample_start:]),
                               "bg_p50_s": percentile(window, 0.5), "bg_p99_s": percentile(window, 0.99),
-                              "bg_requests": len(window), "elapsed_s": round(end - last_sample, 2)}
+                              "bg_requests": len(window), "elapsed_s": round(end - last_sample, 2),
+                              "step_times_s": [round(t, 3) for t in step_times[sample_start:]]}
                     sample["logs_bytes"] = sample["run_dir_bytes"] - sample["checkpoints_bytes"]
                     samples.append(sample)
                     sample_start, last_sample = len(step_times), end
