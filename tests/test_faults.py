@@ -34,16 +34,19 @@ CHILD = Path(__file__).with_name("fault_child.py")
 BASE = "SmolLM2-135M-Instruct"
 
 
-def child(root: Path, scenario: str, options: dict | None = None, *, timeout_s: float = 600) -> tuple[list[dict], int, str]:
+def child(root: Path, scenario: str, options: dict | None = None, *, base_model: str = BASE,
+          timeout_s: float = 600) -> tuple[list[dict], int, str]:
     """Run tests/fault_child.py to its end (or its death); its JSON records, return code and stderr's tail."""
-    proc = subprocess.run([sys.executable, str(CHILD), str(root), BASE, scenario, json.dumps(options or {})],
+    proc = subprocess.run([sys.executable, str(CHILD), str(root), str(base_model), scenario, json.dumps(options or {})],
                           capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], proc.returncode, proc.stderr[-3000:]
 
 
-def killed_at_random(root: Path, until: int, rng: random.Random, step_s: float) -> tuple[list[dict], int]:
+def killed_at_random(root: Path, base_model: Path, until: int, rng: random.Random,
+                     step_s: float) -> tuple[list[dict], int]:
     """A `train` child, SIGKILLed at a random moment of its first training call or the one after."""
-    proc = subprocess.Popen([sys.executable, str(CHILD), str(root), BASE, "train", json.dumps({"until": until})],
+    proc = subprocess.Popen([sys.executable, str(CHILD), str(root), str(base_model), "train",
+                             json.dumps({"until": until})],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     records = []
@@ -75,43 +78,45 @@ KILLS = [
 ]
 
 
-def test_kill_9_at_any_moment_resumes_at_the_last_complete_step_and_trains_on(tmp_path):
+def test_kill_9_at_any_moment_resumes_at_the_last_complete_step_and_trains_on(tmp_path, tiny_model_dir):
+    """Ten processes in a row: each checks on its start what the one before it left, then trains
+    until it is killed (at a named moment, then at random ones), the last to a clean end. They run
+    the 2-layer random Llama of conftest: what is tested is what reaches the disk, and each process
+    starts in seconds."""
     paths = ModelPaths(tmp_path, "faults", "m")
 
-    def restarted(records: list[dict], expected: int | set[int], why: str) -> None:
-        registered = records[0]
-        assert registered["registered"] in (expected if isinstance(expected, set) else {expected}), (why, registered)
+    def check_restart(registered: dict, expected: set[int], why: str) -> None:
+        assert registered["registered"] in expected, (why, registered)
         assert registered["registered"] == registered["latest_on_disk"], (why, registered)
         assert registered["strays"] == [] and registered["damaged"] == [], (why, registered)
         assert registered["optimizer_state"], (why, registered)  # the newest checkpoint's, restored
 
-    records, code, err = child(tmp_path, "train", {"until": KILLS[0][1], "kill_at": KILLS[0][0],
-                                                   "kill_step": KILLS[0][1]})
-    assert code == -9 and {"trained": 2} in records, err
-    for (moment, _, expected), (next_moment, next_step, _) in zip(KILLS, [*KILLS[1:], (None, 7, None)]):
-        options = {"until": next_step, "kill_at": next_moment, "kill_step": next_step} if next_moment else {"until": 7}
-        records, code, err = child(tmp_path, "train", options)
-        restarted(records, expected, f"after a kill at {moment}")
-        assert code == (-9 if next_moment else 0), err
-    # kill -9 at random moments of the next steps
+    expected, why = {0}, "a fresh start"
+    for moment, step, resumes_at in KILLS:
+        records, code, err = child(tmp_path, "train", {"until": step, "kill_at": moment, "kill_step": step},
+                                   base_model=tiny_model_dir)
+        if expected != {0}:
+            check_restart(records[0], expected, why)
+        assert code == -9 and records[-1] == {"training": step}, (moment, records, err)
+        expected, why = {resumes_at}, f"a kill at {moment} in step {step}"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    step = records[-1]["done"]
-    for _ in range(2):
-        records, code = killed_at_random(tmp_path, step + 3, rng, step_s=2.0)
+    for _ in range(2):  # kill -9 at a random moment of the next step or the one after
+        records, code = killed_at_random(tmp_path, tiny_model_dir, max(expected) + 3, rng, step_s=1.0)
+        check_restart(records[0], expected, why)
         assert code == -9, (seed, records)
         trained = max([r["trained"] for r in records if "trained" in r], default=records[0]["registered"])
-        records, code, err = child(tmp_path, "train", {"until": trained + 2})
-        restarted(records, {trained, trained + 1}, f"after a random kill (seed {seed})")
-        assert code == 0, err
-        step = records[-1]["done"]
+        expected, why = {trained, trained + 1}, f"a random kill (seed {seed}) after step {trained}"
+    records, code, err = child(tmp_path, "train", {"until": max(expected) + 1}, base_model=tiny_model_dir)
+    check_restart(records[0], expected, why)
+    assert code == 0 and records[-1] == {"done": max(expected) + 1}, err
     # what the run left is whole and readable
     saved = [c.step for c in list_checkpoints(paths.checkpoints_dir)]
-    assert len(saved) == 3 and saved[-1] == step  # keep_last_checkpoints=3
+    assert len(saved) == 3 and saved[-1] == max(expected) + 1  # keep_last_checkpoints=3
     assert all(not (paths.checkpoint(s) / "optimizer.pt").exists() for s in saved[:-1])
     rows = read_history(paths.history)
     assert rows and all(r["step"] < saved[-1] for r in rows)
-    assert read_trajectories(paths.trajectories("train", 1))  # compacted, and the kill inside its compaction
+    assert read_trajectories(paths.trajectories("train", 1))  # gzipped; the kill came inside its compaction
 
 
 def test_a_disk_full_during_a_checkpoint_write_is_reported_and_the_run_goes_on(tmp_path):
