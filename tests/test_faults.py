@@ -290,7 +290,7 @@ def test_a_thousand_mid_stream_disconnects_and_oversized_requests_leave_memory_a
         loop.run_until_complete(wave(1000))
         assert engine.blocks.num_free_blocks == free_blocks
         grown = settled_rss() - rss
-        assert grown < 40 << 20, f"the process grew by {grown >> 20} MiB over 1,000 disconnects"
+        assert grown < 32 << 20, f"the process grew by {grown >> 20} MiB over 1,000 disconnects"
 
         async def oversized() -> list[int]:
             async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120,
@@ -306,4 +306,4 @@ def test_a_thousand_mid_stream_disconnects_and_oversized_requests_leave_memory_a
         loop.run_until_complete(idle())
         assert engine.blocks.num_free_blocks == free_blocks
         grown = settled_rss() - rss
-        assert grown < 40 << 20, f"the process grew by {grown >> 20} MiB after the oversized requests"
+        assert grown < 32 << 20, f"the process grew by {grown >> 20} MiB after the oversized requests"
