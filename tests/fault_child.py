@@ -103,6 +103,10 @@ async def train_scenario(backend: art.LocalBackend, model: art.TrainableModel, p
     say(registered=step, latest_on_disk=newest[-1].step if newest else 0, strays=strays(paths), damaged=damaged,
         optimizer_state=bool(service.trainer and service.trainer.optimizer.state))
     await rollouts(model)  # the server answers
+    if len(newest) > 1:  # an older kept step (its adapter alone: no optimizer state) is served from its files
+        await model.openai_client().chat.completions.create(
+            model=model.get_inference_name(newest[0].step), messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        say(served_kept_step=newest[0].step)
     if options.get("kill_at"):
         arm(options["kill_at"], options["kill_step"])
     hooked = False
