@@ -26,3 +26,13 @@ def test_the_error_names_the_micro_batch_knob_and_the_others_that_apply():
     with pytest.raises(ValueError):  # anything else passes through
         with memory_knob_named(config, longest_tokens=1, device=torch.device("cpu")):
             raise ValueError("no")
+
+
+def test_at_the_smallest_micro_batch_the_error_does_not_ask_for_a_smaller_one():
+    config = TrainConfig(micro_batch_tokens=64)
+    with pytest.raises(OutOfMemoryError) as raised:
+        with memory_knob_named(config, longest_tokens=32, device=torch.device("cuda", 0)):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    message = str(raised.value)
+    assert "out of cuda:0 memory (OutOfMemoryError: CUDA out of memory." in message
+    assert "lower TrainConfig" not in message and "free memory on the device" in message

@@ -21,6 +21,8 @@ from ..errors import OutOfMemoryError
 
 __all__ = ["is_out_of_memory", "memory_knob_named"]
 
+MIN_MICRO_BATCH_TOKENS = 64  # TrainConfig.micro_batch_tokens' least value
+
 
 # what torch's CPU allocator says when the OS refuses memory: "[enforce fail at alloc_cpu.cpp:127] err == 0.
 # DefaultCPUAllocator: can't allocate memory: you tried to allocate 37281792 bytes. Error code 12 (Cannot allocate
@@ -65,14 +67,19 @@ def memory_knob_named(config: Any, *, longest_tokens: int, device: torch.device)
 
 def _message(config: Any, longest_tokens: int, device: torch.device, cause: str) -> str:
     tokens = config.micro_batch_tokens
-    smaller = max(64, tokens // 2)
-    fixes = [f"lower TrainConfig(micro_batch_tokens={tokens}) (the tokens of one forward/backward pass; "
-             f"micro_batch_tokens={smaller} about halves the activations' memory)"]
+    smaller = max(MIN_MICRO_BATCH_TOKENS, tokens // 2)
+    fixes = []
+    if smaller < tokens:
+        fixes.append(f"lower TrainConfig(micro_batch_tokens={tokens}) (the tokens of one forward/backward pass; "
+                     f"micro_batch_tokens={smaller} about halves the activations' memory)")
     if not config.gradient_checkpointing:
         fixes.append("turn gradient_checkpointing back on (True keeps one tensor per layer, not all of them)")
     if longest_tokens > smaller:
         fixes.append(f"shorten the trajectories (the longest has {longest_tokens} tokens, and a micro-batch holds "
                      "at least one whole sequence)")
+    if not fixes:  # the smallest micro-batch, with checkpointing, of short sequences: the weights themselves
+        fixes.append(f"free memory on the {'host' if device.type == 'cpu' else 'device'} (other processes), or train "
+                     "a smaller model")
     where = "host" if device.type == "cpu" else str(device)
     return (f"a training step ran out of {where} memory ({cause}). The step was undone: nothing was saved and the "
             f"previous step is still the one served. To fit, " + "; or ".join(fixes))
