@@ -455,9 +455,12 @@ class Trainer:
 
         Raises:
             DistributedError: when another rank's part failed (this rank's own error propagates).
+            OutOfMemoryError: this rank ran out of memory computing its micro-batches; names the knob.
         """
         device = self.params[0].device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        longest = max((len(s.token_ids) for s in sequences), default=0)
+        with (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
+              memory_knob_named(config, longest_tokens=longest, device=device)):
             objective = lambda row: rl_objective(self._row_logprobs, row, config)
             self._shared_rows = None
             try:
