@@ -217,8 +217,11 @@ async def soak(args: argparse.Namespace, root: Path) -> dict:
         asyncio.get_running_loop().add_signal_handler(signum, stop.set)
     async with art.LocalBackend(path=root, device=args.device) as backend:
         await model.register(backend)
-        # one warm-up step: the first one injects the adapter and compiles what it compiles
+        # warm-up: the first step injects the adapter and compiles what it compiles, and a validation
+        # opens as many pooled connections as the run's busiest moment will hold
         await _step(model, task, 0, args, config, held_out)
+        if args.val_every:
+            await _validate(model, task, val_scenarios)
         client = BackgroundClient(backend.base_url, backend._api_key, model.name, args.rate)
         with client:
             last_sample, done = time.perf_counter(), 0
@@ -229,9 +232,7 @@ async def soak(args: argparse.Namespace, root: Path) -> dict:
                 start = time.perf_counter()
                 await _step(model, task, step, args, config, held_out)
                 if args.val_every and step % args.val_every == 0:  # the best-by-metric retention has a metric
-                    groups = await art.gather_trajectory_groups(
-                        [art.TrajectoryGroup([task.rollout(model, s)]) for s in val_scenarios], pbar_desc=None)
-                    await model.log(groups, split="val")
+                    await _validate(model, task, val_scenarios)
                 end = time.perf_counter()
                 step_times.append(end - start)
                 step_ends.append(end)
@@ -274,6 +275,15 @@ async def soak(args: argparse.Namespace, root: Path) -> dict:
     if failed:
         record["ok"] = False
     return record
+
+
+async def _validate(model, task, scenarios: list) -> None:
+    """One sample of each validation problem, logged as val/reward at the current step."""
+    import tempering as art
+
+    groups = await art.gather_trajectory_groups([art.TrajectoryGroup([task.rollout(model, s)]) for s in scenarios],
+                                                pbar_desc=None)
+    await model.log(groups, split="val")
 
 
 async def _step(model, task, step: int, args: argparse.Namespace, config, held_out: set) -> None:
