@@ -391,6 +391,12 @@ class TrainConfig(_CheckpointRetention):
     the experts the sampler routed it to (`choice.routed_experts`, which `model.openai_client()`
     asks for), as ART's Megatron backend does; False lets the trainer route by itself (to compare).
 
+    Checkpoints: `save_checkpoint` writes step + 1 (the adapter, and the optimizer state that only the
+    newest checkpoint keeps); then `keep_last_checkpoints` and `best_checkpoint_metric` decide which
+    older checkpoints stay (the newest 10 and the best by "val/reward" by default; see
+    `_CheckpointRetention`). Out of memory inside the step: it is undone and an OutOfMemoryError names
+    `micro_batch_tokens`, the setting that bounds its activations.
+
     Dedicated mode (GPU 0 trains, the others serve): with `work_sharing` (default) a serving GPU
     whose engine has nothing to decode computes part of the step's gradient, micro-batch by
     micro-batch (training/work_sharing.py), for steps with one optimizer update (`batch_size`

@@ -66,7 +66,6 @@ from ..parallel.shard_load import dummy_model, load_llama_shards
 from ..modeling.tensor_parallel import TensorParallel
 from ..storage import ModelPaths, append_history, list_checkpoints, verify_checkpoint, write_atomically, write_trajectories
 from ..storage.checkpoints import is_complete
-from .checkpoint_care import resume_point, tidy_checkpoints
 from ..training import TokenizedSequence, Trainer
 from ..training.data_parallel import DataParallel
 from ..training.policy_age import policy_age_metrics
@@ -83,6 +82,7 @@ from ..types import (
     summarize_groups,
 )
 from .base_model import check_fits_device, default_dtype, resolve_base_model
+from .checkpoint_care import resume_point, tidy_checkpoints
 from .policies import AdapterPolicy, LivePolicy, NoAdapterPolicy
 from .weights_gate import WeightsGate
 
