@@ -101,7 +101,7 @@ def test_kill_9_at_any_moment_resumes_at_the_last_complete_step_and_trains_on(tm
         expected, why = {resumes_at}, f"a kill at {moment} in step {step}"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    for _ in range(2):  # kill -9 at a random moment of the next step or the one after
+    for _ in range(2):  # kill -9 at a random moment of the first 2 s of training
         # `until` far enough that the process is still training when the kill comes
         records, code = killed_at_random(tmp_path, tiny_model_dir, max(expected) + 50, rng, step_s=1.0)
         check_restart(records[0], expected, why)
