@@ -10,6 +10,7 @@ Every error subclasses `TemperingError` and the standard-library error it stands
     │   └── UnsupportedOptionError         an ART option whose value tempering cannot honour
     ├── TrajectoryError(ValueError)        trajectories that cannot be trained on
     ├── CheckpointError(OSError)           a checkpoint that cannot be written or read
+    ├── OutOfMemoryError(MemoryError)      a training step ran out of memory (undone; names the knob)
     ├── EngineError(RuntimeError)          the rollout engine failed or was closed
     ├── BackendError(RuntimeError)         a backend that is closed, unregistered or unreachable
     │   └── DistributedError               a worker process (another GPU's rank) died, timed out or failed
@@ -28,6 +29,7 @@ __all__ = [
     "DistributedError",
     "EngineError",
     "MissingDependencyError",
+    "OutOfMemoryError",
     "RequestAborted",
     "RequestTimeout",
     "TemperingError",
@@ -64,6 +66,11 @@ class TrajectoryError(TemperingError, ValueError):
 
 class CheckpointError(TemperingError, OSError):
     """A checkpoint that cannot be written or read."""
+
+
+class OutOfMemoryError(TemperingError, MemoryError):
+    """A training step ran out of device (or host) memory; it was undone, and the message names the
+    setting that bounds its memory (`TrainConfig.micro_batch_tokens`)."""
 
 
 class EngineError(TemperingError, RuntimeError):

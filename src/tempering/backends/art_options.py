@@ -310,6 +310,13 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
               "ART's default is 0.1, tempering's 0", to=_set("train", "weight_decay")),
     ArtOption("trainer_args", "gradient_checkpointing", "mapped", "TrainConfig.gradient_checkpointing",
               to=_set("train", "gradient_checkpointing", bool)),
+    ArtOption("trainer_args", "save_total_limit", "differs", "TrainConfig.keep_last_checkpoints (default of every step)",
+              "the newest N checkpoints are kept, and the best by metric_for_best_model besides them",
+              to=_set("train", "keep_last_checkpoints")),
+    ArtOption("trainer_args", "metric_for_best_model", "differs",
+              "TrainConfig.best_checkpoint_metric (default of every step)",
+              "a history metric such as \"val/reward\"; the highest value is the best",
+              to=_set("train", "best_checkpoint_metric")),
     ArtOption("trainer_args", "learning_rate", "ignored", note="each step's learning_rate wins, as in ART"),
     ArtOption("trainer_args", "optim", "ignored", note="tempering uses AdamW (betas 0.9/0.999, float32 states); "
               "ART's default is paged 8-bit AdamW"),

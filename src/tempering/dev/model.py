@@ -69,8 +69,9 @@ class LoRAConfig(TypedDict, total=False):
 
 
 class TrainerArgs(TypedDict, total=False):
-    """HF/TRL trainer options; `max_grad_norm`, `weight_decay` and `gradient_checkpointing`
-    become the defaults of every step's TrainConfig."""
+    """HF/TRL trainer options; `max_grad_norm`, `weight_decay`, `gradient_checkpointing`,
+    `save_total_limit` and `metric_for_best_model` become the defaults of every step's TrainConfig
+    (the last two as `keep_last_checkpoints` and `best_checkpoint_metric`)."""
 
     max_grad_norm: float
     weight_decay: float
@@ -84,6 +85,8 @@ class TrainerArgs(TypedDict, total=False):
     adam_beta2: float
     adam_epsilon: float
     logging_steps: float
+    save_total_limit: int | None
+    metric_for_best_model: str | None
     output_dir: str | None
     report_to: str | list[str] | None
 

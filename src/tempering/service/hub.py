@@ -38,6 +38,7 @@ from ..storage import (
     list_checkpoints,
     mark_resume,
     read_history,
+    verify_checkpoint,
     write_atomically,
     write_trajectories,
 )
@@ -365,6 +366,7 @@ class ModelHub:
 
         Raises:
             UnknownModelError: if the source has no such checkpoint.
+            CheckpointError: if a file of that checkpoint is damaged (named in the message).
             ConfigError: if the target is already registered, already has that step, or has later
                 checkpoints (registering it would resume at those).
         """
@@ -382,6 +384,7 @@ class ModelHub:
             step = max(candidates)
         if step not in saved:
             raise UnknownModelError(f"{from_project}/{from_name} has no checkpoint of step {step}; saved: {sorted(saved)}")
+        verify_checkpoint(saved[step])  # a damaged file is named, never copied under a new manifest
         target = self.paths(project, name)
         if (target.checkpoint(step) / "adapter_config.json").exists():
             raise ConfigError(f"{project}/{name} already has a checkpoint of step {step}")

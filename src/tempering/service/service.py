@@ -64,7 +64,7 @@ from ..errors import ConfigError, DistributedError, TrajectoryError, UnknownMode
 from ..parallel import Router, WorkerLink
 from ..parallel.shard_load import dummy_model, load_llama_shards
 from ..modeling.tensor_parallel import TensorParallel
-from ..storage import ModelPaths, append_history, latest_step, list_checkpoints, write_atomically, write_trajectories
+from ..storage import ModelPaths, append_history, list_checkpoints, verify_checkpoint, write_atomically, write_trajectories
 from ..storage.checkpoints import is_complete
 from ..training import TokenizedSequence, Trainer
 from ..training.data_parallel import DataParallel
@@ -82,6 +82,7 @@ from ..types import (
     summarize_groups,
 )
 from .base_model import check_fits_device, default_dtype, resolve_base_model
+from .checkpoint_care import resume_point, tidy_checkpoints
 from .policies import AdapterPolicy, LivePolicy, NoAdapterPolicy
 from .weights_gate import WeightsGate
 
@@ -218,17 +219,18 @@ class ModelService:
                                         vocab_size=self.vocab_size, end_of_turn_id=self.renderer.end_of_turn_id)
 
         self.trainer: Trainer | None = None
-        self.step = latest_step(paths.checkpoints_dir)
+        # the newest checkpoint whose files are whole; rank 0 also clears what a killed run left half done
+        resume = resume_point(paths, repair=self._writes_checkpoints)
+        self.step = resume.step if resume is not None else 0
         # engine steps and writes of the shared weights; the policy version is the step
         self.gate = WeightsGate(self.device, version=self.step)
         # one training call at a time; also excludes loading a step's adapter (PEFT's module tree changes)
         self.train_lock = threading.RLock()
         self._train_stream: torch.cuda.Stream | None = None  # the trainer's CUDA stream (made on first use)
         self._helpers_step: int | None = None  # dedicated rank 0: the step whose adapter the serving ranks hold
-        if self.step > 0 or (paths.checkpoint(0) / "adapter_config.json").is_file():
-            checkpoint = paths.checkpoint(self.step)
-            self.trainer = Trainer.from_adapter(self.model, checkpoint, gate=self.gate, dp=self.dp, tp=self.tp)
-            self.trainer.load_state(checkpoint)
+        if resume is not None:
+            self.trainer = Trainer.from_adapter(self.model, resume.path, gate=self.gate, dp=self.dp, tp=self.tp)
+            self.trainer.load_state(resume.path)
         elif resolved.adapter_dir is not None:  # continue from a PEFT adapter: it is step 0
             self.trainer = Trainer.from_adapter(self.model, resolved.adapter_dir, gate=self.gate, dp=self.dp,
                                                 tp=self.tp)
@@ -275,6 +277,12 @@ class ModelService:
             write_atomically(checkpoint, lambda tmp: trainer.save(tmp, step=step))
         elif self.tp is not None:
             trainer.save(None, step=step)
+
+    def _tidy_checkpoints(self, step: int, config: TrainConfig | TrainSFTConfig) -> None:
+        """After checkpoint `step` was saved (rank 0): older checkpoints' optimizer state goes, and the
+        retention of `config` applies (checkpoint_care.py); the live step always stays."""
+        if self._writes_checkpoints:
+            tidy_checkpoints(self.paths, step, config, live_step=self.step)
 
     def _make_engine(self, config: EngineConfig) -> Engine | HFEngine:
         """tempering's engine when it has model code for the architecture, else the transformers one
@@ -338,6 +346,7 @@ class ModelService:
 
         Raises:
             UnknownModelError: if there is no checkpoint of `step`.
+            CheckpointError: if a file of its adapter is damaged (named in the message).
         """
         if step is None:
             return self._live
@@ -361,6 +370,7 @@ class ModelService:
                 name = self._step_adapters.get(step)
             if name is None:
                 name = f"step-{step:04d}"
+                verify_checkpoint(checkpoint, training_state=False)  # a damaged file is named, never loaded
                 run_in_own_thread(self.peft_model.load_adapter, str(checkpoint), adapter_name=name, is_trainable=False)
                 self.peft_model.set_adapter(ADAPTER_NAME)
                 with self._step_adapters_lock:
@@ -516,6 +526,8 @@ class ModelService:
                     self._send_adapter(trainer, new_step)
                     timings["time/step_send_adapter_s"] = time.perf_counter() - sending
                 self._publish(new_step)
+            if config.save_checkpoint:
+                self._tidy_checkpoints(new_step, config)
         release_free_memory()
         if log_step:
             writing = time.perf_counter()
@@ -579,6 +591,7 @@ class ModelService:
                                                    version=new_step).values
                         self._send_adapter(trainer, new_step)
                 self._publish(new_step)
+            self._tidy_checkpoints(new_step, config)
         release_free_memory()
         metrics["time/step_wall_s"] = time.perf_counter() - start
         append_history(self.paths.history, {"step": data_step, **metrics})

@@ -58,8 +58,12 @@ class ModelPaths:
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints_dir / f"{step:04d}"
 
+    @property
+    def trajectories_dir(self) -> Path:
+        return self.model_dir / "trajectories"
+
     def trajectories(self, split: str, step: int) -> Path:
-        return self.model_dir / "trajectories" / check_name(split, what="split") / f"{step:04d}.jsonl"
+        return self.trajectories_dir / check_name(split, what="split") / f"{step:04d}.jsonl"
 
     @property
     def plots_dir(self) -> Path:

@@ -56,6 +56,7 @@ from .data_parallel import DataParallel
 from .decoder import PackedDecoder
 from .gemma3_decoder import Gemma3PackedDecoder
 from .logprobs import selective_logprobs
+from .memory_errors import memory_knob_named
 from .losses import token_weights
 from .moe import MoEPackedDecoder, expert_modules_of, expert_target_modules
 from .objective import STATS, rl_objective
@@ -233,15 +234,20 @@ class Trainer:
         (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
     def load_state(self, directory: Path) -> None:
-        """Restore the optimizer, update count and RNG state saved by `save` (what a checkpoint has)."""
+        """Restore the optimizer, update count and RNG state saved by `save` (what a checkpoint has;
+        an older checkpoint keeps no optimizer state: its AdamW moments then start from zero).
+
+        Raises:
+            CheckpointError: naming a file that cannot be read (truncated, corrupted).
+        """
         device = self.params[0].device
         path = directory / "optimizer.pt"
         if path.is_file():
             if self.tp is not None:  # the full state, as one GPU saves it: this rank's slices, cut on the host
-                state = torch.load(path, map_location="cpu", weights_only=True)
+                state = _load_file(path, map_location="cpu")
                 state = shard_optimizer_state(state, [n for n, _ in self.named_params], self.tp)
             else:
-                state = torch.load(path, map_location=device, weights_only=True)
+                state = _load_file(path, map_location=device)
             self.optimizer.load_state_dict(state)  # moves the state to its parameters' device
         state_path = directory / "trainer_state.json"
         if state_path.is_file():
@@ -251,7 +257,7 @@ class Trainer:
                 self.rng.setstate(_tupled(state["python_rng"]))
         rng_path = directory / "rng.pt"
         if rng_path.is_file():
-            rng = torch.load(rng_path, weights_only=True)
+            rng = _load_file(rng_path)
             torch.set_rng_state(rng["torch"])
             device = self.params[0].device
             if rng["cuda"] and device.type == "cuda":  # one state, or (older checkpoints) one per visible GPU
@@ -289,6 +295,8 @@ class Trainer:
         Raises:
             ConfigError: if `sequences` is empty.
             ValueError: with `sharing`, if the step has several updates (`config.batch_size`) or a `scorer`.
+            OutOfMemoryError: the device (or, on a CPU, the host) ran out of memory; the step was undone
+                and the message names `config.micro_batch_tokens`, the setting that bounds its memory.
         """
         failed = True
         try:
@@ -296,7 +304,10 @@ class Trainer:
                 raise ConfigError("nothing to train on: every sequence was filtered out")
             if sharing is not None and (scorer is not None or self.count_updates(sequences, config) != 1):
                 raise ValueError("a shared step has one optimizer update (config.batch_size None) and no scorer")
-            metrics = self._undoable(lambda: self._step(sequences, config, on_update, version, scorer, sharing), commit)
+            longest = max(len(s.token_ids) for s in sequences)
+            with memory_knob_named(config, longest_tokens=longest, device=self.params[0].device):
+                metrics = self._undoable(lambda: self._step(sequences, config, on_update, version, scorer, sharing),
+                                         commit)
             failed = False
             return metrics
         finally:
@@ -444,9 +455,12 @@ class Trainer:
 
         Raises:
             DistributedError: when another rank's part failed (this rank's own error propagates).
+            OutOfMemoryError: this rank ran out of memory computing its micro-batches; names the knob.
         """
         device = self.params[0].device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        longest = max((len(s.token_ids) for s in sequences), default=0)
+        with (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
+              memory_knob_named(config, longest_tokens=longest, device=device)):
             objective = lambda row: rl_objective(self._row_logprobs, row, config)
             self._shared_rows = None
             try:
@@ -550,8 +564,14 @@ class Trainer:
     ) -> StepMetrics:
         """Supervised updates: each (sequences, learning rate) batch is one optimizer update of the
         mean cross-entropy over its trained tokens. `config` is a TrainSFTConfig. Undone on failure,
-        and `version` published with the last update, like `step`."""
-        return self._undoable(lambda: self._sft(batches, config, on_update, version), commit)
+        and `version` published with the last update, like `step`.
+
+        Raises:
+            OutOfMemoryError: the device ran out of memory (the update was undone); names the knob.
+        """
+        longest = max((len(s.token_ids) for sequences, _ in batches for s in sequences), default=0)
+        with memory_knob_named(config, longest_tokens=longest, device=self.params[0].device):
+            return self._undoable(lambda: self._sft(batches, config, on_update, version), commit)
 
     def _sft(self, batches, config, on_update, version=None) -> StepMetrics:
         start = time.perf_counter()
@@ -726,6 +746,15 @@ def _attach_exact_logprobs(sequences: list[TokenizedSequence], scorer, *, weight
     for seq, values in zip(rescore, scores):
         seq.exact_logprobs = [math.nan] + [v if trained else math.nan for v, trained in zip(values, seq.loss_mask[1:])]
     return sum(s.num_completion_tokens for s in rescore)
+
+
+def _load_file(path: Path, **options: Any) -> Any:
+    """`torch.load(path, weights_only=True)`, a file that cannot be read named in a CheckpointError."""
+    try:
+        return torch.load(path, weights_only=True, **options)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc}); it is truncated "
+                              f"or corrupted. Delete {path.parent} to resume from the checkpoint before it") from exc
 
 
 def _jsonable(value: Any) -> Any:
