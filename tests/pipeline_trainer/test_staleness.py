@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 from openai.types.chat.chat_completion import Choice
 
 import tempering as art
@@ -57,3 +60,48 @@ def test_the_pipeline_trains_with_the_decoupled_objective_unless_told_otherwise(
     explicit = art.PipelineTrainer(model, None, rollout, [], group_size=2,
                                    train_config=art.TrainConfig(decoupled=False, loss_fn="cispo"))
     assert not explicit.train_config.decoupled and explicit.train_config.loss_fn == "cispo"
+
+
+class _CountingModel:
+    """Just what PipelineTrainer calls on a model: its step, a training call that advances it, a log."""
+
+    _backend = None
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.calls = 0  # training calls begun
+        self.trained: list[list] = []
+
+    async def get_step(self) -> int:
+        return self.step
+
+    async def train(self, groups, config=None):
+        self.calls += 1
+        await asyncio.sleep(0.02)
+        self.trained.append([g.trajectories[0].metadata["scenario"] for g in groups])
+        self.step += 1
+        return SimpleNamespace(step=self.step, metrics={})
+
+    async def log(self, *args, **kwargs):
+        await asyncio.sleep(0.01)  # writes a file: the rollout workers run meanwhile
+        return {}
+
+
+def test_a_dropped_stale_group_lets_the_workers_start_its_replacement():
+    # scenario 0's rollout, started at step 0, finishes while step 2 trains: the trainer drops it
+    # (2 steps stale) when it takes the last batch. The slot it held must go back to the workers, or
+    # that batch waits forever for a group nobody starts.
+    model = _CountingModel()
+
+    async def rollout(model, scenario, config):
+        while scenario == 0 and model.calls < 2:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.001)
+        return art.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], reward=0.0,
+                              metadata={"scenario": scenario})
+
+    pipeline = art.PipelineTrainer(model, None, rollout, range(8), group_size=1, groups_per_step=2,
+                                   max_staleness=1, max_steps=3, pbar=False)
+    result = asyncio.run(asyncio.wait_for(pipeline.train(), 10))
+    assert result.num_steps == 3 and result.num_stale_groups_dropped == 1
+    assert 0 not in sum(model.trained, []) and all(len(batch) == 2 for batch in model.trained)

@@ -298,8 +298,10 @@ class PipelineTrainer:
         async with self._changed:
             while True:
                 fresh = [g for g in self._ready if group_staleness(g, self._version) <= self.max_staleness]
-                self._result.num_stale_groups_dropped += len(self._ready) - len(fresh)
-                self._ready = fresh
+                if len(fresh) < len(self._ready):  # their slots free up: workers may start replacements
+                    self._result.num_stale_groups_dropped += len(self._ready) - len(fresh)
+                    self._ready = fresh
+                    self._changed.notify_all()
                 done = self._is_exhausted and self._num_running == 0
                 if len(self._ready) >= self.groups_per_step or (done and self._ready):
                     batch, self._ready = self._ready[:self.groups_per_step], self._ready[self.groups_per_step:]
