@@ -20,8 +20,9 @@ def demo(
     num_val: Annotated[int, typer.Option(help="held-out validation problems")] = 64,
     path: Annotated[Path, typer.Option(help="storage root")] = Path(".tempering"),
     seed: Annotated[int, typer.Option(help="seed of the problem sets")] = 0,
-    max_staleness: Annotated[int | None, typer.Option(
-        help="pipeline the steps (rollouts run while the model trains), trained tokens at most this many steps old")] = None,
+    max_staleness: Annotated[int, typer.Option(
+        min=0, help="the next step's rollouts run while the model trains (PipelineTrainer), trained tokens at most this "
+                    "many steps old; 0: the explicit loop, each step's rollouts gathered, then trained on")] = 1,
     base_model: Annotated[str, typer.Option(help="model to train: SmolLM2-135M-Instruct, gemma-3-270m, or a "
                                                  "model directory")] = "SmolLM2-135M-Instruct",
     task: Annotated[str | None, typer.Option(help="addition, or repeat-word (for a pretrained model that cannot follow "
@@ -44,7 +45,7 @@ def demo(
                                  param_hint="--dedicated")
     result = run_demo(
         path=path, steps=steps, groups_per_step=groups_per_step, group_size=group_size,
-        learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness, base_model=base_model,
+        learning_rate=learning_rate, num_val=num_val, seed=seed, max_staleness=max_staleness or None, base_model=base_model,
         task=task, gpus=gpus, dedicated=dedicated, echo=typer.echo,
     )
     typer.echo("")
