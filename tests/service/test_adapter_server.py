@@ -55,6 +55,10 @@ def test_the_base_and_each_adapter_are_served_by_name_from_one_engine_without_a_
     async def main():
         client = client_of(served)
         assert [m.id for m in (await client.models.list()).data] == [BASE, "export", "ckpt"]
+        for name in (BASE, "export"):  # GET /v1/models/{id}: the base's hub id holds a "/"
+            assert (await client.models.retrieve(name)).id == name
+        with pytest.raises(NotFoundError, match="valid names"):
+            await client.models.retrieve("HuggingFaceTB/nope")
         alone = {name: await greedy(client, name) for name in (BASE, "export", "ckpt")}
         together = await asyncio.gather(*(greedy(client, name) for name in (BASE, "export", "ckpt", BASE, "export")))
         with pytest.raises(NotFoundError, match="valid names"):

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import ConfigError, EngineError, TemperingError, UnknownModelError
 from .auth import require_api_key
 from .jobs import TrainingConflict
-from .openai_routes import build_openai_router
+from .openai_routes import build_model_lookup_router, build_openai_router
 from .registry import ServiceRegistry
 
 __all__ = ["create_app"]
@@ -138,6 +138,7 @@ def create_app(
         from .adapter_routes import build_adapter_router
 
         app.include_router(build_adapter_router(adapters), dependencies=auth)
+    app.include_router(build_model_lookup_router(registry), dependencies=auth)  # last: its id is the rest of the path
 
     @app.get("/health", dependencies=auth)
     async def health() -> dict[str, str]:

@@ -64,7 +64,7 @@ from .request_checks import check_tokens, checked_tools, reject_unsupported, val
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .structured import compile_checked, request_spec, tool_call_spec
 
-__all__ = ["build_openai_router"]
+__all__ = ["build_model_lookup_router", "build_openai_router"]
 
 
 async def _generated(request: Request, service: Any, future: Any) -> Any:
@@ -92,25 +92,35 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def build_openai_router(registry: ServiceRegistry) -> APIRouter:
+def _model_object(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "tempering",
+            "structured_outputs": llguidance_installed()}
+
+
+def build_model_lookup_router(registry: ServiceRegistry) -> APIRouter:
+    """GET /v1/models/{id} (`client.models.retrieve(id)`). A served name may hold "/" (a base model's
+    hub id, "HuggingFaceTB/SmolLM2-135M-Instruct"), so the id is the rest of the path: include this
+    router after the training routes, whose /v1/models/{name}/step, /history, ... come first."""
     router = APIRouter(dependencies=[Depends(valid_unicode)])
 
-    def model_object(name: str, created: int) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": created, "owned_by": "tempering",
-                "structured_outputs": llguidance_installed()}
+    @router.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        """One served name; 404 naming the valid ones otherwise."""
+        names = registry.served_names()
+        if model_id not in names:
+            raise UnknownModelError(f"model {model_id!r} does not exist; valid names: {names}")
+        return _model_object(model_id, int(time.time()))
+
+    return router
+
+
+def build_openai_router(registry: ServiceRegistry) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(valid_unicode)])
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         created = int(time.time())
-        return {"object": "list", "data": [model_object(n, created) for n in registry.served_names()]}
-
-    @router.get("/v1/models/{model_id}")  # served names have no "/"; /v1/models/{name}/step etc. are the train routes
-    async def retrieve_model(model_id: str) -> dict[str, Any]:
-        """One served name (`client.models.retrieve(id)`); 404 naming the valid ones otherwise."""
-        names = registry.served_names()
-        if model_id not in names:
-            raise UnknownModelError(f"model {model_id!r} does not exist; valid names: {names}")
-        return model_object(model_id, int(time.time()))
+        return {"object": "list", "data": [_model_object(n, created) for n in registry.served_names()]}
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
