@@ -469,6 +469,7 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
     service = backend._registry.get(model.name)
     engine = service.engine
     out["kv_cache_tokens"] = engine.runner.num_blocks * engine.blocks.block_size
+    out["host_kv_cache_tokens"] = engine.blocks.num_host_blocks * engine.blocks.block_size  # KV offloading
     client = model.openai_client()
     log = GatherLog()
     rollout = make_rollout(workload, args.context_cap, log, client_of=lambda m: client, model_name_of=lambda m: m.name)
@@ -494,7 +495,8 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
     for run in range(args.gathers):
         log.clear()
         stats = engine.stats
-        before = (stats.num_prefill_tokens, stats.num_cached_tokens, stats.num_decode_tokens, stats.num_preemptions)
+        before = (stats.num_prefill_tokens, stats.num_cached_tokens, stats.num_decode_tokens, stats.num_preemptions,
+                  stats.num_offloaded_tokens, stats.num_restored_tokens)
         start = time.perf_counter()
         groups = await gather(rollout, model, workload.scenarios(args.groups, offset=run * args.groups), args.group_size)
         wall = time.perf_counter() - start
@@ -502,7 +504,10 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
         record["engine"] = {"prefilled_tokens": stats.num_prefill_tokens - before[0],
                             "cached_tokens": stats.num_cached_tokens - before[1],
                             "decoded_tokens": stats.num_decode_tokens - before[2],
-                            "preemptions": stats.num_preemptions - before[3]}
+                            "preemptions": stats.num_preemptions - before[3],
+                            # the host tier (EngineConfig.kv_offloading_size): token slots copied out, and back
+                            "offloaded_tokens": stats.num_offloaded_tokens - before[4],
+                            "restored_tokens": stats.num_restored_tokens - before[5]}
         gathers.append(record)
         batches.append((groups, list(log.turns)))
     out["gathers"] = gathers

@@ -134,3 +134,66 @@ def test_the_free_queue_stays_bounded_when_cache_hits_keep_reviving_free_blocks(
     assert len(bm._free_queue) <= 2 * len(bm.blocks)
     assert bm.num_free_blocks == 7
     assert sorted(bm._take_free().block_id for _ in range(7)) == list(range(1, 8))
+
+
+def _run_transfers(bm, device, host):
+    """The copies the engine runs before a step's forward, on stand-ins for the two caches."""
+    for to_host, block, slot in bm.take_transfers():
+        if to_host:
+            host[slot] = device[block]
+        else:
+            device[block] = host[slot]
+
+
+def test_the_host_tier_gives_back_evicted_prefixes_with_their_own_content():
+    # an agent's conversations, each re-sent longer, outgrow the device cache: every block taken from
+    # the cache, on the device or copied back from the host, must hold its own tokens' K/V
+    rng = random.Random(0)
+    bm = BlockManager(12, 4, num_host_blocks=24)
+    device, host = {}, {}  # block -> the tokens whose K/V it holds; host slot -> the same
+    conversations = [list(range(100 * c, 100 * c + 9)) for c in range(6)]
+    for _ in range(60):
+        c = rng.randrange(len(conversations))
+        s = seq(conversations[c])
+        bm.allocate_prefix(s)
+        n = s.num_uncomputed_tokens
+        if not bm.can_allocate(s, n):
+            bm.free(s)
+            _run_transfers(bm, device, host)
+            continue
+        bm.allocate(s, n)
+        _run_transfers(bm, device, host)
+        for i in range(s.num_cached_tokens // 4):
+            assert device[s.block_table[i]] == tuple(s.block_tokens(i, 4))
+        for i in range(s.num_cached_tokens // 4, len(s.block_table)):  # the step's forward
+            device[s.block_table[i]] = tuple(s.block_tokens(i, 4))
+        s.num_computed_tokens += n
+        bm.free(s)
+        conversations[c] += [rng.randrange(1000, 2000) for _ in range(rng.randint(1, 6))]
+        if len(conversations[c]) > 40:
+            conversations[c] = list(range(100 * c, 100 * c + 9))
+    assert bm.num_offloaded_blocks > 20 and bm.num_restored_blocks > 20
+    assert bm.num_free_blocks == 11
+
+
+def test_a_prefix_evicted_from_the_device_is_copied_back_instead_of_recomputed():
+    bm = BlockManager(5, 4, num_host_blocks=8)  # 4 usable blocks
+    a = seq(range(13))
+    prefill(bm, a)  # 4 blocks, the first 3 full (hashed)
+    bm.free(a)
+    b = seq(range(100, 109))
+    prefill(bm, b)  # takes a's last 3 blocks: its 2 full ones among them go to the host tier
+    assert [t[0] for t in bm.take_transfers()] == [True, True]
+    bm.free(b)
+    again = seq(range(13))
+    bm.allocate_prefix(again)
+    assert again.num_cached_tokens == 12  # block 0 still on the device, blocks 1-2 back from the host
+    assert [t[0] for t in bm.take_transfers()].count(False) == 2
+    assert bm.num_restored_blocks == 2
+    without = BlockManager(5, 4)
+    for s in (seq(range(13)), seq(range(100, 109))):
+        prefill(without, s)
+        without.free(s)
+    recomputed = seq(range(13))
+    without.allocate_prefix(recomputed)
+    assert recomputed.num_cached_tokens == 4

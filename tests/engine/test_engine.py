@@ -278,3 +278,38 @@ def test_a_batch_that_mixes_adapters_is_grouped_by_adapter_one_segment_each():
     assert [s.i for s, _ in batch.prefill] == [8, 7]
     alone = ScheduledBatch(decode=[seq(0, "a"), seq(1, "a")])
     assert _grouped_by_adapter(alone).decode == alone.decode  # one adapter: untouched
+
+
+def test_conversations_that_outgrow_the_kv_cache_come_back_from_the_host_tier(setup):
+    # three conversations re-sent turn after turn through a cache that holds about one of them:
+    # with the host tier, each turn's re-sent conversation is copied back instead of prefilled,
+    # and every answer is the one a roomy cache gives
+    engine, model, tokenizer, renderer, _ = setup
+
+    def converse(eng):
+        conversations = [prompt(renderer, q) for q in QUESTIONS]
+        answers = []
+        for turn in range(3):
+            futures = [eng.submit(c, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                  policy=BasePolicy()) for c in conversations]
+            outs = [f.result(timeout=300)[0].token_ids for f in futures]
+            answers.append(outs)
+            conversations = [c + o + tokenizer.encode(f" Tool result {turn}: {i * 7 + turn}.") for i, (c, o)
+                             in enumerate(zip(conversations, outs))]
+        return answers
+
+    def small(**config):
+        return Engine(engine_model_for(model, 8192), tokenizer, stop_token_ids=renderer.stop_token_ids,
+                      lock=threading.RLock(), config=EngineConfig(num_kv_blocks=10, block_size=16, max_num_seqs=1, **config))
+
+    tiered, plain = small(kv_offloading_size=0.05), small()
+    try:
+        roomy = converse(engine)
+        assert converse(tiered) == roomy
+        assert converse(plain) == roomy
+        assert tiered.stats.num_restored_tokens > 0 and tiered.stats.num_offloaded_tokens > 0
+        assert tiered.stats.num_prefill_tokens < plain.stats.num_prefill_tokens
+        assert plain.stats.num_restored_tokens == 0
+    finally:
+        tiered.close()
+        plain.close()

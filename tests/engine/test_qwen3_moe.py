@@ -222,3 +222,21 @@ def test_the_expert_lora_kernels_add_what_the_grouped_gemms_add(dtype, rank):
         if mask is not None:  # the rows of tokens the adapter does not serve are y's own
             untouched = ~mask[batch.token]
             assert torch.equal(got[untouched], y[untouched])
+
+
+def test_a_prefix_copied_back_from_the_host_tier_keeps_its_routed_experts():
+    """The cache holds one prompt; the second evicts the first into the host tier. The first,
+    sent again, is copied back with the experts each token was routed to, not the slots' new ones."""
+    model = tiny_moe()
+    engine = engine_for(model, num_kv_blocks=5, kv_offloading_size=0.001)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, return_routed_experts=True)
+        a, b = list(range(1, 50)), list(range(60, 109))
+        [first] = engine.submit(a, params, policy=BasePolicy()).result(timeout=60)
+        engine.submit(b, params, policy=BasePolicy()).result(timeout=60)
+        [again] = engine.submit(a, params, policy=BasePolicy()).result(timeout=60)
+        assert engine.stats.num_restored_tokens >= 32
+        assert again.token_ids == first.token_ids
+        assert (again.routed_experts == first.routed_experts).all()
+    finally:
+        engine.close()

@@ -27,6 +27,14 @@ class EngineConfig:
             the KV cache takes (the rest is left to the trainer and activations).
         cpu_kv_cache_bytes: on CPU, the KV cache size.
         enable_prefix_caching: share the KV blocks of identical prompt prefixes.
+        scheduling_policy: the order waiting requests start in: "lpm" (longest prefix match, SGLang's
+            name): those whose prompt's prefix is in the KV cache first, e.g. an agent's next
+            turn, which re-sends the conversation its last turn left there (scheduler.py); "fcfs":
+            first come first served (vLLM's default).
+        kv_offloading_size: host memory (GiB) for KV blocks evicted from the device cache, found
+            again by prefix lookups and copied back instead of recomputed (block_manager.py,
+            kv_offload.py); vLLM's name. 0: none. Agent workloads, whose conversations outgrow the
+            device cache while their tools run, gain most. Pinned when the engine starts.
         use_cuda_graphs: capture decode steps in CUDA graphs (GPU only).
         max_graph_batch_size: largest decode batch captured in a graph.
         batch_invariant: compute every token the same way whatever shares its batch and whether it
@@ -51,6 +59,8 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.5
     cpu_kv_cache_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "lpm"
+    kv_offloading_size: float = 0.0
     use_cuda_graphs: bool = True
     max_graph_batch_size: int = 256
     batch_invariant: bool = False
@@ -65,6 +75,17 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' (the checkpoint's weights) or 'dummy' (random weights), "
                               f"got {self.load_format!r}")
+        if self.scheduling_policy not in ("lpm", "fcfs"):
+            raise ConfigError(f"scheduling_policy must be 'lpm' (longest cached prefix first) or 'fcfs' (first come "
+                              f"first served), got {self.scheduling_policy!r}")
+        if self.kv_offloading_size < 0:
+            raise ConfigError(f"kv_offloading_size must be >= 0 (GiB of host memory), got {self.kv_offloading_size}")
+        if self.kv_offloading_size > 0 and not self.enable_prefix_caching:
+            raise ConfigError("kv_offloading_size needs enable_prefix_caching=True (blocks are found again by their "
+                              "prefix hash): turn prefix caching on or set kv_offloading_size=0")
+        if self.kv_offloading_size > 0 and self.tensor_parallel_size > 1:
+            raise ConfigError("kv_offloading_size (the host tier of the KV cache) runs on one GPU per model: set "
+                              "tensor_parallel_size=1 or kv_offloading_size=0")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.batch_invariant:

@@ -73,7 +73,9 @@ class EngineStats:
 
     num_steps: int = 0  # forwards launched (a tensor-parallel follower: the leader's steps it has run)
     num_prefill_tokens: int = 0  # prompt tokens computed (cache hits excluded)
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (the host tier's included)
+    num_offloaded_tokens: int = 0  # token slots of the blocks copied to the host tier (KV offloading)
+    num_restored_tokens: int = 0  # token slots of the blocks copied back from it instead of prefilled
     num_decode_tokens: int = 0
     num_preemptions: int = 0
 
@@ -125,7 +127,10 @@ class Engine:
         self.is_follower = tp is not None and not tp.is_leader
         self._batch_adapters: dict[str, EngineAdapter] = {}  # the scheduled batch's, resolved once (_step)
         self.runner = ModelRunner(model, self.config, self._adapter_for_batch, max_seq_len, link=self.link)
-        self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
+        host = self.runner.host_cache
+        self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                   enable_prefix_caching=self.config.enable_prefix_caching,
+                                   num_host_blocks=host.num_slots if host is not None else 0)
         self.scheduler = Scheduler(self.config, self.blocks)
         if self.runner.routing is not None:
             self.scheduler.on_preempt = self._keep_routing
@@ -579,6 +584,8 @@ class Engine:
         if sampled is not None:
             self._process(sampled)
         batch = _grouped_by_adapter(self._without_unloaded_adapters(self.scheduler.schedule()))
+        if self.blocks.transfers:  # KV blocks to and from the host tier, queued before this step's forward
+            self.runner.transfer(self.blocks.take_transfers())
         if masks is not None:  # let the helper into its fill call (the GIL: see MaskWorker)
             masks.wait_filling()
         prepared = self.runner.prepare(batch, newest) if batch else None
@@ -598,6 +605,8 @@ class Engine:
             stats.num_steps += 1
             stats.num_decode_tokens += len(batch.decode)
             stats.num_preemptions = self.scheduler.num_preemptions
+            stats.num_offloaded_tokens = self.blocks.num_offloaded_blocks * self.config.block_size
+            stats.num_restored_tokens = self.blocks.num_restored_blocks * self.config.block_size
             for seq, n in batch.prefill:
                 stats.num_prefill_tokens += n
                 if seq.num_computed_tokens == seq.num_cached_tokens:  # its first chunk

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from .config import EngineConfig
 from .context import PrefillSpan, StepContext
 from .grammar import GrammarMask, PendingMasks, ReadyMasks
+from .kv_offload import HostKVCache
 from .layers.attention import paged_decode_attention
 from .lora import EngineAdapter, LoRASegment
 from .memory import cuda_free_bytes
@@ -184,6 +185,12 @@ class ModelRunner:
         # a mixture of experts records each cached token's experts beside its K/V (routing.py)
         allocate_routing = getattr(model, "allocate_routing", None)
         self.routing = allocate_routing(self.num_blocks * self.block_size) if allocate_routing is not None else None
+        self.host_cache = None  # the host tier (KV offloading), in blocks of the same size
+        if config.kv_offloading_size > 0:
+            num_slots = int(config.kv_offloading_size * 2**30 // self.block_bytes)
+            if num_slots:
+                self.host_cache = HostKVCache(self.kv_cache, self.routing.ids if self.routing is not None else None,
+                                              num_slots)
         if self.is_cuda:  # before any graph is captured
             # the caching allocator's unused blocks go back to the driver (cuda_free_bytes did so
             # already when it sized the cache; a num_kv_blocks from the config skips it): a graph's
@@ -263,6 +270,11 @@ class ModelRunner:
             seq.table_row = -1
 
     # ---- one step -------------------------------------------------------------------------------
+
+    def transfer(self, transfers: list[tuple[bool, int, int]]) -> None:
+        """Queue the copies of KV blocks to and from the host tier (`BlockManager.take_transfers`)
+        on the device's stream, before the next step's forward."""
+        self.host_cache.run(transfers)
 
     @torch.inference_mode()
     def prepare(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> PreparedStep:

@@ -2,8 +2,8 @@
 
 Every step takes all running sequences that are decoding (one token each) and fills the rest of
 the token budget with prefill work: first the unfinished chunks of running prompts, then new
-sequences from the waiting queue (their cached prefix skipped). Prefill and decode share one
-flat batch. When the cache cannot hold the next token of a decoding sequence, the most recently
+sequences from the waiting queue (their cached prefix skipped), those with the longest cached
+prefix first (`_admission_order`). Prefill and decode share one flat batch. When the cache cannot hold the next token of a decoding sequence, the most recently
 started sequence is preempted: its blocks are freed and it is recomputed later (its prefix often
 still cached).
 """
@@ -18,7 +18,9 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .sequence import Sequence, SequenceStatus
 
-__all__ = ["ScheduledBatch", "Scheduler"]
+__all__ = ["MAX_BYPASS", "ScheduledBatch", "Scheduler"]
+
+MAX_BYPASS = 1024  # admissions of later requests a waiting request lets pass before it goes first
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.on_preempt: Callable[[Sequence], None] | None = None  # called before a victim's blocks are freed
+        self.max_bypass = MAX_BYPASS
 
     @property
     def has_work(self) -> bool:
@@ -97,25 +100,63 @@ class Scheduler:
                 budget -= chunk
                 num_seqs += 1
 
-        # 3. new sequences, first come first served
-        while self.waiting and budget > 0 and num_seqs < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_pending:  # preempted while its last token was being sampled: wait for it
-                break
-            if not seq.block_table:
-                self.blocks.allocate_prefix(seq)
-            chunk = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_allocate(seq, chunk):
-                self.blocks.free(seq)  # do not hold cached blocks while waiting
-                break
-            self.waiting.popleft()
-            self.blocks.allocate(seq, chunk)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.prefill.append((seq, chunk))
-            budget -= chunk
-            num_seqs += 1
+        # 3. new sequences (their cached prefix skipped), in admission order
+        if self.waiting and budget > 0 and num_seqs < self.config.max_num_seqs:
+            admitted = 0
+            for seq in self._admission_order():
+                if budget <= 0 or num_seqs >= self.config.max_num_seqs:
+                    break
+                if seq.num_pending:  # preempted while its last token was being sampled: wait for it
+                    continue
+                if not seq.block_table:
+                    self.blocks.allocate_prefix(seq)
+                chunk = min(seq.num_uncomputed_tokens, budget)
+                if not self.blocks.can_allocate(seq, chunk):
+                    self.blocks.free(seq)  # do not hold cached blocks while waiting
+                    break
+                self.blocks.allocate(seq, chunk)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                batch.prefill.append((seq, chunk))
+                budget -= chunk
+                num_seqs += 1
+                admitted += 1
+            if admitted:
+                self._drop_admitted()
         return batch
+
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting sequences in the order they may start: longest cached prefix first ("lpm", as
+        SGLang's scheduler calls it), first come first served among equals.
+
+        An agent's next turn re-sends the conversation whose KV its last turn just left in the
+        cache. First come first served would start the requests that waited longest, whose
+        prefixes the running ones have since evicted: when the conversations outgrow the cache,
+        every turn would recompute its whole conversation. Admitting the turns whose prefix is
+        resident keeps a working set that fits cycling through the cache; the others wait and
+        recompute once. A request that later ones have passed over `MAX_BYPASS` times starts
+        first, whatever its prefix (no request waits forever under a steady load of cached ones).
+        """
+        waiting = self.waiting
+        if len(waiting) == 1 or self.config.scheduling_policy == "fcfs":
+            return list(waiting)
+        cached = self.blocks.num_cached_blocks
+        limit = self.max_bypass
+        keys = [(s.num_bypassed < limit, -cached(s), i) for i, s in enumerate(waiting)]
+        keys.sort()
+        return [waiting[i] for _, _, i in keys]
+
+    def _drop_admitted(self) -> None:
+        """Remove the sequences admitted this step from the queue; count the bypasses of those left."""
+        still: collections.deque[Sequence] = collections.deque()
+        passed = 0  # admitted sequences that had queued after the one being kept
+        for seq in reversed(self.waiting):
+            if seq.status is SequenceStatus.RUNNING:
+                passed += 1
+            else:
+                seq.num_bypassed += passed
+                still.appendleft(seq)
+        self.waiting = still
 
     def _newest_running(self, exclude: list[Sequence]) -> Sequence:
         for seq in reversed(self.running):

@@ -48,8 +48,9 @@ class Sequence:
     num_cached_tokens: int = 0
     num_first_cached_tokens: int = 0  # num_cached_tokens when first scheduled (before any preemption)
     block_table: list[int] = field(default_factory=list)
-    num_hashed_blocks: int = 0  # leading blocks whose chained hash is known (prefix cache)
-    last_block_hash: int | None = None
+    num_hashed_blocks: int = 0  # leading blocks of block_table published in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its leading full blocks, computed once
+    num_bypassed: int = 0  # times a later request was admitted before it while it waited (scheduler.py)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)  # per sampled token: the version that sampled it
