@@ -66,3 +66,65 @@ def test_preemption_when_blocks_run_out_and_everything_still_finishes():
     assert all(s.status is SequenceStatus.FINISHED for s in seqs)
     assert sch.num_preemptions > 0
     assert sch.blocks.num_free_blocks == 8
+
+
+def cached_make(policy, num_blocks=9, host_blocks=0):
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_kv_blocks=num_blocks,
+                          scheduling_policy=policy)
+    return Scheduler(config, BlockManager(num_blocks, 4, num_host_blocks=host_blocks))
+
+
+def test_longest_prefix_first_starts_the_turn_whose_conversation_is_cached():
+    # room for one prompt of 5 blocks; the later request re-sends a conversation still in the cache
+    order = {}
+    for policy in ("fcfs", "lpm"):
+        sch = cached_make(policy)
+        old = seq(17, max_tokens=1, first=100)
+        sch.add(old)
+        run_step(sch, finish_after=1)  # computed, finished: its 4 full blocks stay cached
+        fresh, again = seq(18, first=500), seq(18, first=100)  # `again` extends `old`
+        sch.add(fresh)
+        sch.add(again)
+        order[policy] = [s for s, _ in run_step(sch).prefill]
+        assert len(order[policy]) == 1
+    assert order["fcfs"][0].token_ids[0] == 500
+    assert order["lpm"][0].token_ids[0] == 100 and order["lpm"][0].num_cached_tokens == 16
+
+
+def test_a_request_passed_over_max_bypass_times_goes_first():
+    sch = cached_make("lpm", num_blocks=64)
+    sch.max_bypass = 2
+    warm = seq(9, max_tokens=1, first=100)
+    sch.add(warm)
+    run_step(sch, finish_after=1)
+    sch.config.max_num_seqs = 1  # one admission a step
+    head = seq(9, max_tokens=1, first=700)  # nothing of it cached
+    sch.add(head)
+    for i in range(4):  # a steady stream of requests whose prefix is cached
+        sch.add(seq(9 + i, max_tokens=1, first=100))
+    started = []
+    for _ in range(3):
+        started += [s for s, _ in run_step(sch, finish_after=1).prefill]
+    assert started[0].token_ids[0] == 100 and started[1].token_ids[0] == 100
+    assert started[2] is head and head.num_bypassed == 2
+
+
+def test_a_prefix_in_the_host_tier_waits_for_room_instead_of_being_recomputed():
+    sch = cached_make("fcfs", num_blocks=7, host_blocks=16)  # 6 usable blocks
+    first = seq(17, max_tokens=1, first=100)
+    sch.add(first)
+    run_step(sch, finish_after=1)  # 5 blocks, 4 of them full (cached)
+    other = seq(13, max_tokens=12, first=500)  # grows to 6 blocks: evicts `first`'s 4 into the host tier
+    sch.add(other)
+    for _ in range(11):
+        run_step(sch)
+    assert len(other.block_table) == 6 and sch.blocks.num_offloaded_blocks == 4
+    back = seq(18, max_tokens=1, first=100)  # `first` and one more token
+    sch.add(back)
+    run_step(sch)  # `other` holds every block: `back` waits, nothing copied back, nothing prefilled
+    assert back.status is SequenceStatus.WAITING and not back.block_table
+    assert sch.blocks.num_restored_blocks == 0
+    sch.finish(other)
+    batch = run_step(sch)
+    assert batch.prefill == [(back, 2)]  # its 16 cached tokens copied back, 2 computed
+    assert sch.blocks.num_restored_blocks == 4 and back.num_cached_tokens == 16

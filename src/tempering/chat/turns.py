@@ -25,7 +25,9 @@ __all__ = ["TurnCache"]
 
 @dataclass(slots=True)
 class _Turn:
-    ids: list[int]
+    ids: array.array  # prompt + completion as 4-byte integers: a list's elements are objects that
+    # every full garbage collection visits (4,096 remembered turns of a long conversation were most
+    # of the objects a collection of the agent workload walked), an array's are not
     raw_completion: str  # the completion's text as the model wrote it (tool calls unparsed)
     num_prompt_tokens: int
     prompt_text: str | None  # the rendered prompt that `ids[:num_prompt_tokens]` encode, when known
@@ -37,9 +39,10 @@ class _Turn:
         decoded whole took 3-6 ms of the server's thread per request (5,000 ids, 2-core CPU)."""
         if self.text is None:  # two threads may both make it: the same text
             if self.prompt_text is None:
-                self.text = tokenizer.decode(self.ids, skip_special_tokens=False)
+                self.text = tokenizer.decode(self.ids.tolist(), skip_special_tokens=False)
             else:
-                self.text = self.prompt_text + tokenizer.decode(self.ids[self.num_prompt_tokens:], skip_special_tokens=False)
+                completion = self.ids[self.num_prompt_tokens:].tolist()
+                self.text = self.prompt_text + tokenizer.decode(completion, skip_special_tokens=False)
         return self.text
 
 
@@ -74,7 +77,9 @@ class TurnCache:
                 None: the ids are decoded when a later request first looks the turn up.
         """
         # the text is made when a later request first looks for it: most RL rollouts are one turn
-        turn = _Turn(list(prompt_ids) + list(completion_ids), raw_completion, len(prompt_ids), prompt_text)
+        ids = array.array("i", prompt_ids)
+        ids.extend(completion_ids)
+        turn = _Turn(ids, raw_completion, len(prompt_ids), prompt_text)
         k = self.key(content, call_ids)
         with self._lock:
             self._turns.setdefault(k, []).append(turn)
@@ -103,7 +108,7 @@ class TurnCache:
                 turn_text = turn.full_text(self.tokenizer)
                 if text.startswith(turn_text):
                     rest = text[len(turn_text):]
-                    return turn.ids + (self.tokenize(rest) if rest else [])
+                    return turn.ids.tolist() + (self.tokenize(rest) if rest else [])
         return self.tokenize(text)
 
     def tokenize(self, text: str) -> list[int]:

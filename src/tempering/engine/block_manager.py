@@ -159,21 +159,30 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
-    def allocate_prefix(self, seq: Sequence) -> None:
+    def allocate_prefix(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
         """For a sequence with no blocks yet, take the cached blocks of its longest cached prefix,
-        on the device and then in the host tier (those are copied back into free blocks).
+        on the device and then in the host tier.
 
-        At least one token is left uncomputed so that the prefill produces logits to sample from.
-        Sets `num_computed_tokens` and `num_cached_tokens`.
+        The host tier's blocks are copied back into free blocks only if the free blocks also hold
+        the `max_new_tokens` (default: all) that the sequence computes next: a sequence that then
+        could not start would give its copied blocks back, and their copies, and the cached blocks
+        they evicted, would be made again each step it waits. At least one token is left
+        uncomputed so that the prefill produces logits to sample from. Sets `num_computed_tokens`
+        and `num_cached_tokens`.
+
+        Returns:
+            False if the host tier holds more of the prefix than the free blocks can take now
+            (nothing copied): the sequence should wait rather than recompute it.
         """
         assert not seq.block_table
         seq.num_hashed_blocks = 0
         if self.enable_prefix_caching:
-            usable = (len(seq.token_ids) - 1) // self.block_size  # never the block holding the last token
+            bs = self.block_size
+            usable = (len(seq.token_ids) - 1) // bs  # never the block holding the last token
             hashes = self.block_hashes(seq, usable)
             i = 0
             while i < usable:
-                block = self._lookup(hashes[i], tuple(seq.block_tokens(i, self.block_size)))
+                block = self._lookup(hashes[i], tuple(seq.block_tokens(i, bs)))
                 if block is None:
                     break
                 if block.ref_count == 0:  # taken back from the free queue (its entry goes stale)
@@ -181,21 +190,36 @@ class BlockManager:
                 block.ref_count += 1
                 seq.block_table.append(block.block_id)
                 i += 1
-            while i < usable and self._num_free:  # the host tier
-                h, tokens = hashes[i], tuple(seq.block_tokens(i, self.block_size))
+            found = []  # the host tier's blocks that continue the prefix: (hash, tokens, host slot)
+            while i + len(found) < usable and self.host:
+                j = i + len(found)
+                h, tokens = hashes[j], tuple(seq.block_tokens(j, bs))
                 entry = self.host.get(h)
                 if entry is None or entry[1] != tokens:
                     break
-                self.host.move_to_end(h)  # before _take_free, whose offload may need a host slot
-                block = self._take_free()
-                block.hash, block.token_ids = h, tokens
-                self.hash_to_block[h] = block.block_id
-                self.transfers.append((False, block.block_id, entry[0]))
-                self.num_restored_blocks += 1
-                seq.block_table.append(block.block_id)
-                i += 1
+                found.append((h, tokens, entry[0]))
+            if found:
+                computed = (i + len(found)) * bs
+                rest = len(seq.token_ids) - computed
+                chunk = rest if max_new_tokens is None else min(rest, max_new_tokens)
+                if len(found) + (computed + chunk + bs - 1) // bs - (i + len(found)) <= self._num_free:
+                    for h, _, _ in found:  # before _take_free, whose offloads may need host slots
+                        self.host.move_to_end(h)
+                    for h, tokens, slot in found:
+                        block = self._take_free()
+                        block.hash, block.token_ids = h, tokens
+                        self.hash_to_block[h] = block.block_id
+                        self.transfers.append((False, block.block_id, slot))
+                        seq.block_table.append(block.block_id)
+                    self.num_restored_blocks += len(found)
+                    i += len(found)
+                else:
+                    seq.num_hashed_blocks = i
+                    seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+                    return False
             seq.num_hashed_blocks = i
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        return True
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Add blocks so that `num_new_tokens` more tokens of `seq` fit; the caller checked can_allocate.

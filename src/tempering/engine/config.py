@@ -27,10 +27,12 @@ class EngineConfig:
             the KV cache takes (the rest is left to the trainer and activations).
         cpu_kv_cache_bytes: on CPU, the KV cache size.
         enable_prefix_caching: share the KV blocks of identical prompt prefixes.
-        scheduling_policy: the order waiting requests start in: "lpm" (longest prefix match, SGLang's
-            name): those whose prompt's prefix is in the KV cache first, e.g. an agent's next
-            turn, which re-sends the conversation its last turn left there (scheduler.py); "fcfs":
-            first come first served (vLLM's default).
+        scheduling_policy: the order waiting requests start in: "fcfs", first come first served
+            (vLLM's default); "lpm" (longest prefix match, SGLang's name): those whose prompt's
+            prefix is cached first, e.g. an agent's next turn, which re-sends the conversation its
+            last turn left in the cache (scheduler.py). Without a host tier, "lpm" saves prefill
+            when conversations outgrow the KV cache and come back at once; with one, "fcfs" keeps
+            more conversations running (benchmarks/RESULTS.md, agent RL).
         kv_offloading_size: host memory (GiB) for KV blocks evicted from the device cache, found
             again by prefix lookups and copied back instead of recomputed (block_manager.py,
             kv_offload.py); vLLM's name. 0: none. Agent workloads, whose conversations outgrow the
@@ -59,7 +61,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.5
     cpu_kv_cache_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "lpm"
+    scheduling_policy: str = "fcfs"
     kv_offloading_size: float = 0.0
     use_cuda_graphs: bool = True
     max_graph_batch_size: int = 256

@@ -2,8 +2,8 @@
 
 Every step takes all running sequences that are decoding (one token each) and fills the rest of
 the token budget with prefill work: first the unfinished chunks of running prompts, then new
-sequences from the waiting queue (their cached prefix skipped), those with the longest cached
-prefix first (`_admission_order`). Prefill and decode share one flat batch. When the cache cannot hold the next token of a decoding sequence, the most recently
+sequences from the waiting queue (their cached prefix skipped), first come first served or those
+with the longest cached prefix first (`_admission_order`). Prefill and decode share one flat batch. When the cache cannot hold the next token of a decoding sequence, the most recently
 started sequence is preempted: its blocks are freed and it is recomputed later (its prefix often
 still cached).
 """
@@ -108,8 +108,9 @@ class Scheduler:
                     break
                 if seq.num_pending:  # preempted while its last token was being sampled: wait for it
                     continue
-                if not seq.block_table:
-                    self.blocks.allocate_prefix(seq)
+                if not seq.block_table and not self.blocks.allocate_prefix(seq, budget):
+                    self.blocks.free(seq)  # its prefix is in the host tier: wait for room to copy it back
+                    break
                 chunk = min(seq.num_uncomputed_tokens, budget)
                 if not self.blocks.can_allocate(seq, chunk):
                     self.blocks.free(seq)  # do not hold cached blocks while waiting
@@ -126,16 +127,18 @@ class Scheduler:
         return batch
 
     def _admission_order(self) -> list[Sequence]:
-        """The waiting sequences in the order they may start: longest cached prefix first ("lpm", as
-        SGLang's scheduler calls it), first come first served among equals.
+        """The waiting sequences in the order they may start: first come first served ("fcfs"), or
+        longest cached prefix first ("lpm", as SGLang's scheduler calls it), in arrival order among equals.
 
         An agent's next turn re-sends the conversation whose KV its last turn just left in the
         cache. First come first served would start the requests that waited longest, whose
         prefixes the running ones have since evicted: when the conversations outgrow the cache,
         every turn would recompute its whole conversation. Admitting the turns whose prefix is
         resident keeps a working set that fits cycling through the cache; the others wait and
-        recompute once. A request that later ones have passed over `MAX_BYPASS` times starts
-        first, whatever its prefix (no request waits forever under a steady load of cached ones).
+        recompute once. (With a host tier, KV offloading, the evicted prefixes come back by copy
+        and first come first served keeps more conversations decoding at once.) A request that
+        later ones have passed over `MAX_BYPASS` times starts first, whatever its prefix (no
+        request waits forever under a steady load of cached ones).
         """
         waiting = self.waiting
         if len(waiting) == 1 or self.config.scheduling_policy == "fcfs":
