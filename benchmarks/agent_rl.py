@@ -20,7 +20,8 @@ Measured (tempering, in this process, through `LocalBackend`):
 - gather: wall time, generated tokens/s, prompt tokens sent against those served from the prefix
   cache (the response's `usage.prompt_tokens_details.cached_tokens`) and against those re-sent
   (turn t > 0 re-sends turn t-1's prompt and completion), the prefill the engine actually computed
-  (preemptions' recomputation included) and preemptions, per-turn latency p50/p99;
+  (preemptions' recomputation included) and preemptions, per-turn latency p50/p99, and with
+  `--kv-offloading-size` the tokens copied to the host tier and back instead of prefilled;
 - host share: the same gather with the engine answering at once (the `endpoint_overhead.py`
   method: the client, HTTP, JSON, chat template and tokenization alone), over the real gather;
 - train: `model.train` on the gathered groups (checkpoint and the new adapter served included),
@@ -32,9 +33,10 @@ Measured (tempering, in this process, through `LocalBackend`):
 `--vllm` first serves the same model directory (config, tokenizer, chat template; random weights)
 and a rank-8 LoRA through vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`: LoRA,
 prefix caching, the hermes tool parser, prompt-token details) in a subprocess, and drives it with
-the same client code and conversations; its KV cache is held to tempering's size (same tokens).
+the same client code and conversations; its KV cache is held to tempering's size (same tokens),
+and `--kv-offloading-size` gives it the same host memory (its native KV offloading).
 
-    python benchmarks/agent_rl.py --device cuda --model 8b --vllm --vllm-path /root/vlibs
+    python benchmarks/agent_rl.py --device cuda --model 8b --vllm --vllm-path /root/vlibs --kv-offloading-size 48
     python benchmarks/agent_rl.py --device cuda --model 30b-a3b --skip-pipelined
     python benchmarks/agent_rl.py                       # CPU smoke test: the default model, 2 x 4, 3 turns
 
@@ -396,9 +398,12 @@ async def run_vllm(args, workload: Workload, model_dir: Path, lora_dir: Path, kv
     """The gather through vLLM's server: a warm-up gather, then the timed one (the same scenarios as tempering's)."""
     from openai import AsyncOpenAI
 
+    extra = list(args.vllm_arg)
+    if args.kv_offloading_size:  # the same host tier for vLLM: its native KV offloading
+        extra += ["--kv-offloading-backend", "native", "--kv-offloading-size", str(args.kv_offloading_size)]
     server = VLLMServer(model_dir, lora_dir, path=args.vllm_path, python=args.vllm_python, max_model_len=args.context_cap,
                         kv_cache_bytes=kv_cache_bytes, dtype="bfloat16" if args.device == "cuda" else "float32",
-                        extra=args.vllm_arg, timeout_s=args.vllm_timeout_s)
+                        extra=extra, timeout_s=args.vllm_timeout_s)
     try:
         client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
         log = GatherLog()
@@ -461,6 +466,8 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
 
     engine_config = {"load_format": "dummy"} if args.model is not None else {}  # random weights drawn in place
     engine_config.update(json.loads(args.engine_config or "{}"))
+    if args.kv_offloading_size is not None:
+        engine_config["kv_offloading_size"] = args.kv_offloading_size
     model = art.TrainableModel(name="agent", project="bench", base_model=base_model)
     backend = art.LocalBackend(path=root, device=device, engine_config=engine_config)
     start = time.perf_counter()
@@ -593,6 +600,9 @@ def main() -> None:
     parser.add_argument("--gathers", type=int, default=1, help="timed gathers (each with new scenarios)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-config", default=None, help="JSON of EngineConfig fields for tempering")
+    parser.add_argument("--kv-offloading-size", type=float, default=None,
+                        help="GiB of host memory for evicted KV blocks: tempering's EngineConfig.kv_offloading_size "
+                             "and, with --vllm, vLLM's native KV offloading of the same size")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-pipelined", action="store_true")
     parser.add_argument("--skip-host-share", action="store_true")

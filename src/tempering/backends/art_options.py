@@ -218,6 +218,9 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
     ArtOption("engine_args", "block_size", "mapped", "EngineConfig.block_size", to=_set("engine", "block_size")),
     ArtOption("engine_args", "num_gpu_blocks_override", "mapped", "EngineConfig.num_kv_blocks",
               to=_set("engine", "num_kv_blocks")),
+    ArtOption("engine_args", "kv_offloading_size", "mapped", "EngineConfig.kv_offloading_size",
+              "GiB of host memory for KV blocks evicted from the GPU (vLLM's native KV offloading); agents' "
+              "conversations come back by copy instead of prefill", to=_set("engine", "kv_offloading_size", float)),
     ArtOption("engine_args", "enforce_eager", "mapped", "EngineConfig.use_cuda_graphs = not enforce_eager",
               to=_set("engine", "use_cuda_graphs", lambda v: not v)),
     ArtOption("engine_args", "max_model_len", "mapped", "the model's max sequence length",

@@ -23,6 +23,7 @@ class EngineArgs(TypedDict, total=False):
     enable_chunked_prefill: bool | None
     preemption_mode: str | None
     swap_space: float
+    kv_offloading_size: float
     cpu_offload_gb: float
     disable_log_stats: bool
     disable_log_requests: bool

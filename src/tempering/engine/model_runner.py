@@ -191,6 +191,9 @@ class ModelRunner:
             if num_slots:
                 self.host_cache = HostKVCache(self.kv_cache, self.routing.ids if self.routing is not None else None,
                                               num_slots)
+        log.info("KV cache: %d tokens (%.1f GiB)%s", (self.num_blocks - 1) * self.block_size,
+                 self.num_blocks * self.block_bytes / 2**30,
+                 f"; host tier: {self.host_cache.num_slots * self.block_size} tokens" if self.host_cache else "")
         if self.is_cuda:  # before any graph is captured
             # the caching allocator's unused blocks go back to the driver (cuda_free_bytes did so
             # already when it sized the cache; a num_kv_blocks from the config skips it): a graph's
