@@ -128,3 +128,21 @@ def test_a_prefix_in_the_host_tier_waits_for_room_instead_of_being_recomputed():
     batch = run_step(sch)
     assert batch.prefill == [(back, 2)]  # its 16 cached tokens copied back, 2 computed
     assert sch.blocks.num_restored_blocks == 4 and back.num_cached_tokens == 16
+
+
+def test_the_host_tier_cuts_the_prefill_of_conversations_that_outgrow_the_cache():
+    # benchmarks/scheduler_replay.py, small: 24 conversations of 4 turns through a 12k-token cache
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "scheduler_replay.py"
+    spec = importlib.util.spec_from_file_location("scheduler_replay", path)
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    shape = dict(replay.SHAPES["8b"], kv_tokens=12_000)
+    runs = {gib: replay.replay(shape, policy="fcfs", host_gib=gib, conversations=24, turns=4, system_tokens=300,
+                               tool_delay_s=0.05, hbm_gb_s=3000, pcie_gb_s=40, seed=0) for gib in (0.0, 4.0)}
+    without, tiered = runs[0.0], runs[4.0]
+    assert without["restored_tokens"] == 0 and tiered["restored_tokens"] > 0
+    assert tiered["prefilled_tokens"] < 0.6 * without["prefilled_tokens"]
+    assert tiered["prompt_tokens_sent"] == without["prompt_tokens_sent"]
