@@ -302,6 +302,8 @@ def test_conversations_that_outgrow_the_kv_cache_come_back_from_the_host_tier(se
         return Engine(engine_model_for(model, 8192), tokenizer, stop_token_ids=renderer.stop_token_ids,
                       lock=threading.RLock(), config=EngineConfig(num_kv_blocks=10, block_size=16, max_num_seqs=1, **config))
 
+    with pytest.raises(ConfigError, match="kv_offloading_size is 1e[+]06 GiB but this host has"):
+        small(kv_offloading_size=1e6)  # more than the host has: a clear error before anything is pinned
     tiered, plain = small(kv_offloading_size=0.05), small()
     try:
         roomy = converse(engine)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-__all__ = ["cuda_free_bytes", "release_free_memory"]
+__all__ = ["available_host_bytes", "cuda_free_bytes", "release_free_memory"]
 
 
 def release_free_memory() -> None:
@@ -37,3 +37,16 @@ def cuda_free_bytes(device) -> tuple[int, int]:
 
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info(device)
+
+
+def available_host_bytes() -> int | None:
+    """Bytes of host memory available to new allocations (`MemAvailable` of /proc/meminfo; Linux),
+    or None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -34,13 +34,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 from .config import EngineConfig
 from .context import PrefillSpan, StepContext
 from .grammar import GrammarMask, PendingMasks, ReadyMasks
 from .kv_offload import HostKVCache
 from .layers.attention import paged_decode_attention
 from .lora import EngineAdapter, LoRASegment
-from .memory import cuda_free_bytes
+from .memory import available_host_bytes, cuda_free_bytes
 from .models import LlamaFamilyModel
 from .sampler import SamplingTensors, sample, sampling_flags
 from .scheduler import ScheduledBatch
@@ -187,6 +188,13 @@ class ModelRunner:
         self.routing = allocate_routing(self.num_blocks * self.block_size) if allocate_routing is not None else None
         self.host_cache = None  # the host tier (KV offloading), in blocks of the same size
         if config.kv_offloading_size > 0:
+            available = available_host_bytes()
+            if available is not None and config.kv_offloading_size * 2**30 > 0.9 * available:
+                raise ConfigError(
+                    f"kv_offloading_size is {config.kv_offloading_size:g} GiB but this host has "
+                    f"{available / 2**30:.1f} GiB of memory available: the host tier is pinned (locked in RAM) "
+                    f"when the engine starts, so set kv_offloading_size to at most {0.9 * available / 2**30:.0f} "
+                    f"GiB (or 0 for none)")
             num_slots = int(config.kv_offloading_size * 2**30 // self.block_bytes)
             if num_slots:
                 self.host_cache = HostKVCache(self.kv_cache, self.routing.ids if self.routing is not None else None,
