@@ -27,6 +27,9 @@ Measured (tempering, in this process, through `LocalBackend`):
 - train: `model.train` on the gathered groups (checkpoint and the new adapter served included),
   with the check that every sampled token is a trained token (multi-turn: no re-tokenization);
 - iteration: gather + train, sequential, and `PipelineTrainer` pipelined (`--iterations`);
+- profile (CUDA, `--profile-window-s S`): S seconds of the gather under torch.profiler: the GPU's
+  busy fraction, its time per kernel class (attention, GEMM, LoRA, copies, sampling...) and the
+  engine steps in the window (mean duration and decode rows);
 - bound (CUDA): the least time the GPU needs for the gather's work at its measured HBM bandwidth
   and bf16 GEMM rate (roofline.py's `agent_gather_bound`), and the fraction of it reached.
 
@@ -503,18 +506,26 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
         log.clear()
         stats = engine.stats
         before = (stats.num_prefill_tokens, stats.num_cached_tokens, stats.num_decode_tokens, stats.num_preemptions,
-                  stats.num_offloaded_tokens, stats.num_restored_tokens)
+                  stats.num_offloaded_tokens, stats.num_restored_tokens, stats.num_steps)
+        profiling = None
+        if args.profile_window_s and device == "cuda" and run == 0:  # a window of the gather, from the middle
+            profiling = asyncio.create_task(profile_window(engine, stats.num_decode_tokens + args.profile_after_tokens,
+                                                           args.profile_window_s))
         start = time.perf_counter()
         groups = await gather(rollout, model, workload.scenarios(args.groups, offset=run * args.groups), args.group_size)
         wall = time.perf_counter() - start
         record = summarize(log, wall)
+        if profiling is not None:
+            record["profile"] = await profiling
         record["engine"] = {"prefilled_tokens": stats.num_prefill_tokens - before[0],
                             "cached_tokens": stats.num_cached_tokens - before[1],
                             "decoded_tokens": stats.num_decode_tokens - before[2],
                             "preemptions": stats.num_preemptions - before[3],
                             # the host tier (EngineConfig.kv_offloading_size): token slots copied out, and back
                             "offloaded_tokens": stats.num_offloaded_tokens - before[4],
-                            "restored_tokens": stats.num_restored_tokens - before[5]}
+                            "restored_tokens": stats.num_restored_tokens - before[5],
+                            "steps": stats.num_steps - before[6],  # mean decode rows = decoded_tokens / steps
+                            "mean_step_ms": round(wall * 1e3 / max(1, stats.num_steps - before[6]), 2)}
         gathers.append(record)
         batches.append((groups, list(log.turns)))
     out["gathers"] = gathers
@@ -573,6 +584,48 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
     return out
 
 
+KERNEL_CLASSES = (  # (class, substrings of kernel names), first match wins
+    ("attention", ("attention", "attn", "_decode_split", "_merge_splits", "flash", "fmha")),
+    ("lora", ("lora",)),
+    ("moe", ("moe", "expert", "grouped")),
+    ("gemm", ("gemm", "matmul", "cutlass", "nvjet", "sm90_", "sm80_", "cublas", "_mm_")),
+    ("sampling", ("sampl", "argmax", "softmax", "logsumexp", "topk", "gumbel")),
+    ("copy", ("memcpy", "memset", "copy", "index", "gather", "scatter", "cat")),
+    ("norm, rotary, activation", ("norm", "rotary", "rope", "silu", "gelu", "act_")),
+)
+
+
+async def profile_window(engine, after_decode_tokens: int, window_s: float) -> dict:
+    """The GPU's time over `window_s` of the gather, once the engine has decoded `after_decode_tokens`
+    (torch.profiler, CUDA activity): busy fraction, time per kernel class, and the engine steps in
+    the window (their mean duration and decode rows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    while engine.stats.num_decode_tokens < after_decode_tokens:
+        await asyncio.sleep(0.05)
+    steps, decoded = engine.stats.num_steps, engine.stats.num_decode_tokens
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        await asyncio.sleep(window_s)
+        wall = time.perf_counter() - start
+    steps, decoded = engine.stats.num_steps - steps, engine.stats.num_decode_tokens - decoded
+    by_class: dict[str, float] = {}
+    top = []
+    for event in prof.key_averages():
+        us = event.self_device_time_total
+        if us <= 0:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, keys in KERNEL_CLASSES if any(x in name for x in keys)), "other")
+        by_class[kind] = by_class.get(kind, 0.0) + us
+        top.append((us, event.key[:80]))
+    busy = sum(by_class.values()) / 1e6
+    return {"window_s": round(wall, 2), "gpu_busy": round(busy / wall, 3), "steps": steps,
+            "mean_step_ms": round(wall * 1e3 / max(1, steps), 2), "mean_decode_rows": round(decoded / max(1, steps), 1),
+            "share_of_wall": {k: round(v / 1e6 / wall, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": [(name, round(us / 1e3, 1)) for us, name in sorted(top, reverse=True)[:12]]}
+
+
 def progress(phase: str, data) -> None:
     """A phase's figures on stderr as soon as they are known (a run cut short still reports them)."""
     print(f"[agent_rl] {phase}: {json.dumps(data)}", file=sys.stderr, flush=True)
@@ -603,6 +656,10 @@ def main() -> None:
     parser.add_argument("--kv-offloading-size", type=float, default=None,
                         help="GiB of host memory for evicted KV blocks: tempering's EngineConfig.kv_offloading_size "
                              "and, with --vllm, vLLM's native KV offloading of the same size")
+    parser.add_argument("--profile-window-s", type=float, default=0.0,
+                        help="CUDA: profile this many seconds of the first timed gather (per kernel class, GPU busy)")
+    parser.add_argument("--profile-after-tokens", type=int, default=60_000,
+                        help="start the profile once the gather has decoded this many tokens")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-pipelined", action="store_true")
     parser.add_argument("--skip-host-share", action="store_true")
