@@ -105,7 +105,12 @@ class BlockManager:
         if block.hash in self.host:
             self.host.move_to_end(block.hash)
             return
-        slot = self._host_free.pop() if self._host_free else self.host.popitem(last=False)[1][0]
+        if self._host_free:
+            slot = self._host_free.pop()
+        elif self.host:
+            slot = self.host.popitem(last=False)[1][0]  # the least recently used
+        else:  # every slot holds a block being copied back in this step: this one is not kept
+            return
         self.host[block.hash] = (slot, block.token_ids)
         self.transfers.append((True, block.block_id, slot))
         self.num_offloaded_blocks += 1
@@ -203,14 +208,20 @@ class BlockManager:
                 rest = len(seq.token_ids) - computed
                 chunk = rest if max_new_tokens is None else min(rest, max_new_tokens)
                 if len(found) + (computed + chunk + bs - 1) // bs - (i + len(found)) <= self._num_free:
-                    for h, _, _ in found:  # before _take_free, whose offloads may need host slots
-                        self.host.move_to_end(h)
+                    # out of the LRU's reach while free blocks are taken for them: an offload of a
+                    # taken block's old content must not reuse a slot whose copy back is not queued yet
+                    for h, _, _ in found:
+                        del self.host[h]
                     for h, tokens, slot in found:
                         block = self._take_free()
                         block.hash, block.token_ids = h, tokens
                         self.hash_to_block[h] = block.block_id
                         self.transfers.append((False, block.block_id, slot))
                         seq.block_table.append(block.block_id)
+                        if h in self.host:  # the same content offloaded meanwhile from another block
+                            self._host_free.append(slot)  # reused only by copies queued after this one
+                        else:
+                            self.host[h] = (slot, tokens)
                     self.num_restored_blocks += len(found)
                     i += len(found)
                 else:
