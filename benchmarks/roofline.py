@@ -42,8 +42,10 @@ import torch
 
 
 def measure_device(device: torch.device, *, copy_bytes: int = 2 << 30, gemm_n: int = 8192) -> dict:
-    """HBM bandwidth (GB/s: the faster of a copy's bytes read + written and a sum's bytes read) and bf16
-    GEMM rate (TFLOP/s) of `device`, measured now: the best of 10 timed repetitions after 3 warm-ups each."""
+    """HBM bandwidth (GB/s: the faster of a copy's bytes read + written and a sum's bytes read), bf16
+    GEMM rate (TFLOP/s) and PCIe bandwidth each way (GB/s: 256 MiB to and from pinned host memory,
+    what the KV cache's host tier moves) of `device`, measured now: the best of 10 timed repetitions
+    after 3 warm-ups each."""
     src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     a = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device=device)
@@ -65,12 +67,18 @@ def measure_device(device: torch.device, *, copy_bytes: int = 2 << 30, gemm_n: i
     copy_s = best(lambda: dst.copy_(src))
     read_s = best(lambda: src.sum(dtype=torch.float32))
     gemm_s = best(lambda: torch.mm(a, b))
-    del src, dst, a, b
+    pcie_bytes = 256 << 20
+    host = torch.empty(pcie_bytes // 2, dtype=torch.bfloat16, pin_memory=True)
+    staged = src[:pcie_bytes // 2]
+    d2h_s = best(lambda: host.copy_(staged, non_blocking=True))
+    h2d_s = best(lambda: staged.copy_(host, non_blocking=True))
+    del src, dst, a, b, host, staged
     torch.cuda.empty_cache()
     copy, read = 2 * copy_bytes / copy_s / 1e9, copy_bytes / read_s / 1e9
     return {"gpu": torch.cuda.get_device_name(device), "hbm_gb_s": round(max(copy, read), 1),
             "copy_gb_s": round(copy, 1), "read_gb_s": round(read, 1),
-            "bf16_tflops": round(2 * gemm_n**3 / gemm_s / 1e12, 1)}
+            "bf16_tflops": round(2 * gemm_n**3 / gemm_s / 1e12, 1),
+            "d2h_gb_s": round(pcie_bytes / d2h_s / 1e9, 1), "h2d_gb_s": round(pcie_bytes / h2d_s / 1e9, 1)}
 
 
 @dataclass(frozen=True)
