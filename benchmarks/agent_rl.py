@@ -402,8 +402,9 @@ async def run_vllm(args, workload: Workload, model_dir: Path, lora_dir: Path, kv
     from openai import AsyncOpenAI
 
     extra = list(args.vllm_arg)
-    if args.kv_offloading_size:  # the same host tier for vLLM: its native KV offloading
-        extra += ["--kv-offloading-backend", "native", "--kv-offloading-size", str(args.kv_offloading_size)]
+    offload = args.vllm_kv_offloading_size if args.vllm_kv_offloading_size is not None else args.kv_offloading_size
+    if offload:  # the same host tier for vLLM: its native KV offloading
+        extra += ["--kv-offloading-backend", "native", "--kv-offloading-size", str(offload)]
     server = VLLMServer(model_dir, lora_dir, path=args.vllm_path, python=args.vllm_python, max_model_len=args.context_cap,
                         kv_cache_bytes=kv_cache_bytes, dtype="bfloat16" if args.device == "cuda" else "float32",
                         extra=extra, timeout_s=args.vllm_timeout_s)
@@ -673,6 +674,8 @@ def main() -> None:
                         help="the interpreter that runs vLLM's server (default: this one)")
     parser.add_argument("--vllm-kv-tokens", type=int, default=None,
                         help="vLLM's KV cache in tokens (default: what tempering's cache holds on this GPU)")
+    parser.add_argument("--vllm-kv-offloading-size", type=float, default=None,
+                        help="GiB of vLLM's native KV offloading (default: --kv-offloading-size; 0: none)")
     parser.add_argument("--vllm-timeout-s", type=float, default=900)
     args = parser.parse_args()
     shapes = GPU_WORKLOAD if args.device == "cuda" else CPU_WORKLOAD
