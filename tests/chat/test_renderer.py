@@ -92,6 +92,48 @@ def test_a_prompt_sent_again_is_tokenized_once_and_the_oldest_texts_are_forgotte
     assert calls == [texts[0], texts[1], texts[2], texts[0]]
 
 
+def test_prompts_that_share_a_system_turn_tokenize_it_once_and_get_the_whole_texts_ids(tokenizer):
+    calls = []
+
+    class Counting:
+        added_tokens_decoder = tokenizer.added_tokens_decoder
+
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return tokenizer(text, **kwargs)
+
+    turns = TurnCache(Counting())
+    renderer = ChatRenderer(tokenizer)
+    messages = [{"role": "system", "content": "You are an agent. " * 50}, {"role": "user", "content": "go  on\n "}]
+    system = renderer.render_text(messages[:1], TOOLS)
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):  # a group's first turns
+        text = renderer.render_text(messages, TOOLS, tool_choice=choice)
+        assert turns.tokenize(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    # the probe, then each piece once: the system turn (up to its <|im_end|>) is not tokenized again
+    pieces = [c for c in calls[2:] for c in ([c] if isinstance(c, str) else c)]
+    assert len([p for p in pieces if "You are an agent." in p]) == 1
+    assert system.startswith(pieces[0]) and pieces[0].endswith("</tool_call>")
+
+
+def test_a_text_is_not_cut_before_a_token_that_strips_the_whitespace_before_it(tokenizer):
+    from tokenizers import AddedToken
+
+    class Stripping:
+        def __init__(self, **im_end) -> None:  # <|im_end|> (id 2) as it would be added with these options
+            self.added_tokens_decoder = {**tokenizer.added_tokens_decoder,
+                                         2: AddedToken("<|im_end|>", normalized=False, special=True, **im_end)}
+
+        def __call__(self, text, **kwargs):
+            return tokenizer(text, **kwargs)
+
+    turns = TurnCache(Stripping(lstrip=True))
+    text = "<|im_start|>user\nhi <|im_end|>\n<|im_start|>assistant\n"
+    assert turns.tokenize(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert list(turns._texts) == ["<|im_start|>user\nhi <|im_end|>\n", "<|im_start|>assistant\n"]
+    # a token matched only as a whole word depends on the character before it: no text is cut
+    assert TurnCache(Stripping(single_word=True))._pieces is None
+
+
 def test_the_end_of_turn_is_the_stop_id_the_template_closes_an_assistant_turn_with(tokenizer):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # SmolLM2's generation config's eos_token_id
     # transformers 5.24 converts SmolLM2's GGUF with <|im_end|> as the tokenizer's EOS, 5.17 with <|im_start|>
