@@ -29,10 +29,15 @@ class HostKVCache:
     """Host slots of KV blocks, and the copies between them and the device cache.
 
     Args:
-        kv_cache: the device cache [L, 2, num_blocks, block_size, kv_heads, head_dim].
-        routing: the routed experts' ids [L_moe, num_blocks * block_size, k] (mixture of
-            experts), or None.
-        num_slots: host slots (blocks).
+        kv_cache: the device cache [L, 2, num_blocks, block_size, kv_heads, head_dim], in the
+            model's dtype; a host slot takes L * 2 * block_size * kv_heads * head_dim of it.
+        routing: the routed experts' ids [L_moe, num_blocks * block_size, k], uint8 or int16
+            (a mixture of experts, routing.py), or None.
+        num_slots: host slots (blocks); the engine sizes them from `EngineConfig.kv_offloading_size`
+            and checks them against the host's available memory first (model_runner.py).
+
+    Raises:
+        RuntimeError: from torch, when the host cannot pin that much memory.
     """
 
     def __init__(self, kv_cache: torch.Tensor, routing: torch.Tensor | None, num_slots: int) -> None:
