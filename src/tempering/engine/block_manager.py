@@ -181,6 +181,7 @@ class BlockManager:
         """
         assert not seq.block_table
         seq.num_hashed_blocks = 0
+        ready = True
         if self.enable_prefix_caching:
             bs = self.block_size
             usable = (len(seq.token_ids) - 1) // bs  # never the block holding the last token
@@ -225,12 +226,10 @@ class BlockManager:
                     self.num_restored_blocks += len(found)
                     i += len(found)
                 else:
-                    seq.num_hashed_blocks = i
-                    seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
-                    return False
+                    ready = False
             seq.num_hashed_blocks = i
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
-        return True
+        return ready
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Add blocks so that `num_new_tokens` more tokens of `seq` fit; the caller checked can_allocate.

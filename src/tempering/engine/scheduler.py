@@ -3,9 +3,10 @@
 Every step takes all running sequences that are decoding (one token each) and fills the rest of
 the token budget with prefill work: first the unfinished chunks of running prompts, then new
 sequences from the waiting queue (their cached prefix skipped), first come first served or those
-with the longest cached prefix first (`_admission_order`). Prefill and decode share one flat batch. When the cache cannot hold the next token of a decoding sequence, the most recently
-started sequence is preempted: its blocks are freed and it is recomputed later (its prefix often
-still cached).
+with the longest cached prefix first (`_admission_order`). Prefill and decode share one flat
+batch. When the cache cannot hold the next token of a decoding sequence, the most recently started
+sequence is preempted: its blocks are freed and it is recomputed later (its prefix often still
+cached).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class Scheduler:
                 num_seqs += 1
                 admitted += 1
             if admitted:
-                self._drop_admitted()
+                self._drop_admitted(admitted)
         return batch
 
     def _admission_order(self) -> list[Sequence]:
@@ -149,8 +150,14 @@ class Scheduler:
         keys.sort()
         return [waiting[i] for _, _, i in keys]
 
-    def _drop_admitted(self) -> None:
-        """Remove the sequences admitted this step from the queue; count the bypasses of those left."""
+    def _drop_admitted(self, admitted: int) -> None:
+        """Remove the `admitted` sequences started this step from the queue; count the bypasses of those left."""
+        waiting = self.waiting
+        while admitted and waiting[0].status is SequenceStatus.RUNNING:  # from the head (first come first served)
+            waiting.popleft()
+            admitted -= 1
+        if not admitted:
+            return
         still: collections.deque[Sequence] = collections.deque()
         passed = 0  # admitted sequences that had queued after the one being kept
         for seq in reversed(self.waiting):
