@@ -19,10 +19,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*_pattern keys did not match an
 def test_the_merged_export_loads_in_transformers_and_answers_as_tempering_serves_the_adapter(
         trained_run, exported_adapter, default_model_dir, tmp_path):
     """Greedy answers to held-out demo problems: the same tokens and rewards. Logprobs: transformers on
-    the merged model equals transformers with PEFT's unmerged adapter within 1e-5 (the merge), and
-    tempering's served logprobs within 1e-5 on average; their largest difference is float32 noise
-    between two forwards, which tempering's engine shows against transformers on the base model alone
-    too (1.6e-5 on these prompts, 2 CPU threads)."""
+    the merged model equals transformers with PEFT's unmerged adapter, and tempering's served logprobs,
+    within 1e-5 on average; the largest difference of either is float32 noise between two forwards
+    (the merge rounds each weight once more), which tempering's engine shows against transformers on
+    the base model alone too (1.6e-5 on these prompts, 2 CPU threads; 1.3e-5 merged against unmerged on
+    another CPU), so the largest is held to 5e-5."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,7 +48,7 @@ def test_the_merged_export_loads_in_transformers_and_answers_as_tempering_serves
         server.add_adapter("run", exported_adapter)
         served, _ = server.resolve("run")
         task = AdditionTask(temperature=0.0, max_tokens=12)
-        differences = []
+        differences, merge_differences = [], []
         for scenario in task.scenarios(3, seed=7):
             messages = [{"role": "user", "content": scenario.prompt}]
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -60,12 +61,12 @@ def test_the_merged_export_loads_in_transformers_and_answers_as_tempering_serves
                 logprobs, peft_logprobs = (torch.log_softmax(m(ids).logits[0, len(prompt) - 1:-1].float(), -1)
                                            .gather(1, tokens)[:, 0] for m in (merged, unmerged))
             assert generated.tolist() == sample.token_ids
-            assert (logprobs - peft_logprobs).abs().max() <= 1e-5
+            merge_differences.append((logprobs - peft_logprobs).abs())
             differences.append((logprobs - torch.tensor(sample.logprobs)).abs())
             text = tokenizer.decode(generated, skip_special_tokens=True)
             assert task.reward(text, scenario) == task.reward(sample.text, scenario)
-        differences = torch.cat(differences)
-        assert differences.mean() <= 1e-5 and differences.max() <= 5e-5, differences
+        for differences in (torch.cat(merge_differences), torch.cat(differences)):
+            assert differences.mean() <= 1e-5 and differences.max() <= 5e-5, differences
     finally:
         server.close()
 
