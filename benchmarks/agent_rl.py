@@ -416,9 +416,10 @@ async def run_vllm(args, workload: Workload, model_dir: Path, lora_dir: Path, kv
         out = {"startup_s": round(server.startup_s, 1), "command": server.command}
         for run in range(args.gathers):
             log.clear()
+            scenarios = workload.scenarios(args.groups, offset=run * args.groups)  # the dataset: not timed
             before = vllm_metrics(server.url)
             start = time.perf_counter()
-            await gather(rollout, None, workload.scenarios(args.groups, offset=run * args.groups), args.group_size)
+            await gather(rollout, None, scenarios, args.group_size)
             wall = time.perf_counter() - start
             after = vllm_metrics(server.url)
             delta = {k.removeprefix("vllm:").removesuffix("_total"): after[k] - before[k] for k in after}
@@ -490,8 +491,9 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
         runs = []
         for run in range(1 + args.gathers):  # the first warms up connections and caches
             log.clear()
+            scenarios = workload.scenarios(args.groups, offset=run * args.groups)
             start = time.perf_counter()
-            await gather(rollout, model, workload.scenarios(args.groups, offset=run * args.groups), args.group_size)
+            await gather(rollout, model, scenarios, args.group_size)
             runs.append(summarize(log, time.perf_counter() - start))
         out["host_only_gathers"] = runs[1:]
         await backend.close()
@@ -512,8 +514,9 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
         if args.profile_window_s and device == "cuda" and run == 0:  # a window of the gather, from the middle
             profiling = asyncio.create_task(profile_window(engine, stats.num_decode_tokens + args.profile_after_tokens,
                                                            args.profile_window_s))
+        scenarios = workload.scenarios(args.groups, offset=run * args.groups)
         start = time.perf_counter()
-        groups = await gather(rollout, model, workload.scenarios(args.groups, offset=run * args.groups), args.group_size)
+        groups = await gather(rollout, model, scenarios, args.group_size)
         wall = time.perf_counter() - start
         record = summarize(log, wall)
         if profiling is not None:
@@ -573,9 +576,9 @@ async def run_tempering(args, workload: Workload, base_model: str, root: Path, d
         service.engine.submit = instant_engine(service)
         try:
             log.clear()
+            scenarios = workload.scenarios(args.groups, offset=(args.gathers - 1) * args.groups)
             start = time.perf_counter()
-            await gather(rollout, model, workload.scenarios(args.groups, offset=(args.gathers - 1) * args.groups),
-                         args.group_size)
+            await gather(rollout, model, scenarios, args.group_size)
             host = time.perf_counter() - start
         finally:
             service.engine.submit = real_submit

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..engine import EngineConfig
+from ..engine.memory import freeze_heap
 from ..errors import BackendError, ConfigError, DistributedError
 from ..parallel import Driver
 from ..service.hub import ModelHub
@@ -261,6 +262,7 @@ class LocalBackend:
             server = ServerThread(create_app(self._registry, api_key=self._api_key), host=self._host, port=self._port)
             server.start()
             self._server = server
+            freeze_heap()  # the HTTP stack's objects too, as the model's were (engine/memory.py)
 
     async def _prepare_backend_for_training(self, model: TrainableModelRef, config: Any = None) -> tuple[str, str]:
         self._check_open()

@@ -1,12 +1,34 @@
 """Freed memory: heap memory given back to the operating system (CPU runs), and a GPU's free memory
-once PyTorch's caching allocator has given back the blocks it holds unused."""
+once PyTorch's caching allocator has given back the blocks it holds unused; the startup heap kept
+out of the garbage collector's scans."""
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 
-__all__ = ["available_host_bytes", "cuda_free_bytes", "release_free_memory"]
+__all__ = ["available_host_bytes", "cuda_free_bytes", "freeze_heap", "release_free_memory", "unfreeze_heap"]
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive now out of the cyclic garbage collector's scans
+    (`gc.freeze`), once a model is loaded.
+
+    The modules a served model imports (torch, transformers, FastAPI, pydantic, openai) leave about
+    550k container objects, and each full collection walked all of them: 0.3 s a collection, about
+    1 s of every agent gather's 9-10 s of host work (128 conversations x 6 turns, the engine
+    answering at once; CPU). Frozen objects are still freed by reference counting; only a cycle
+    among them waits for `unfreeze_heap`. vLLM freezes its heap after startup the same way.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def unfreeze_heap() -> None:
+    """Give the frozen objects back to the collector (`gc.unfreeze`), before collecting the cycles
+    of a closed model (its services' engine callbacks)."""
+    gc.unfreeze()
 
 
 def release_free_memory() -> None:

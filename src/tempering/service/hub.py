@@ -27,7 +27,7 @@ import torch
 
 from ..engine import EngineConfig
 from ..engine.cpu_threads import run_in_own_thread
-from ..engine.memory import release_free_memory
+from ..engine.memory import freeze_heap, release_free_memory, unfreeze_heap
 from ..errors import ConfigError, DistributedError, UnknownModelError
 from ..parallel import Driver
 from ..storage import (
@@ -172,6 +172,7 @@ class ModelHub:
                         _write_json_atomically(paths.model_json, model_json)
                         mark_resume(paths.history, service.step)  # steps logged after the last checkpoint
                         self.registry.add(name, service)
+                        freeze_heap()  # the loaded model's and its modules' objects: out of every later collection
                         return service.step
             if base_model is not None:
                 self._check_same_base(paths, name, base_model, service)
@@ -407,6 +408,7 @@ class ModelHub:
         for service in self.registry.clear():
             service.close()
         self.train_executor.shutdown(wait=False, cancel_futures=True)
+        unfreeze_heap()
         gc.collect()  # the services' reference cycles (engine callbacks), then the heap back to the OS
         release_free_memory()
         if torch.cuda.is_initialized():  # and the freed GPU blocks to the driver, for other processes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from ..engine import EngineConfig, SamplingParams
 from ..engine.grammar import GrammarSpec
 from ..engine.cpu_threads import run_in_own_thread
+from ..engine.memory import freeze_heap, unfreeze_heap
 from ..errors import UnknownModelError
 from ..parallel import RankInfo, join, serve, settle
 from ..storage import ModelPaths
@@ -74,6 +76,7 @@ class WorkerHub:
                                                device=self.info.device, engine_config=engine_config,
                                                max_seq_len=max_seq_len, dtype=dtype_named(dtype),
                                                dp=self.dp, dedicated=dedicated, on_run_failure=_exit_run)
+            freeze_heap()
         return self.services[name].step
 
     def sees_file(self, *, path: str, text: str) -> bool:
@@ -87,6 +90,8 @@ class WorkerHub:
         service = self.services.pop(name, None)
         if service is not None:
             service.close()
+            unfreeze_heap()
+            gc.collect()  # its reference cycles
 
     def follow_train(self, *, name: str, sequences: list, config: TrainConfig, new_step: int) -> None:
         run_in_own_thread(self._service(name).follow_train, sequences, config, new_step)
