@@ -44,6 +44,35 @@ def test_triton_paged_decode_matches_sdpa(heads, kv_heads, dim, window):
     assert (out.float() - ref.float()).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64), (12, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("rows", [8, 40, 130])
+def test_cascade_decode_attention_equals_each_row_reading_its_own_keys(heads, kv_heads, dim, rows):
+    """Rows whose first blocks are the same cache blocks (an agent's system prompt): the shared prefix
+    read once per tile of rows, merged with each row's own keys, is the attention each row computes
+    alone, for prefixes of 0, one block, a few tiles and every row's whole context but one key;
+    padding rows (no keys) stay zero."""
+    from tempering.engine.layers.triton_attention import paged_decode_attention
+
+    torch.manual_seed(0)
+    device, page, num_blocks = "cuda", 16, 4096
+    k_cache = torch.randn(num_blocks, page, kv_heads, dim, device=device, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    shared_blocks = 20
+    lens = torch.randint(shared_blocks * page + 1, 60 * page, (rows,), device=device, dtype=torch.int32)
+    lens[-1] = 0  # a CUDA-graph bucket's padding row
+    lens[0] = shared_blocks * page + 1
+    tables = torch.randint(1, num_blocks, (rows, 64), device=device, dtype=torch.int32)
+    tables[:, :shared_blocks] = tables[0, :shared_blocks]
+    q = torch.randn(rows, heads, dim, device=device, dtype=torch.bfloat16)
+    scale = dim ** -0.5
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, scale)
+    for prefix in (0, page, 9 * page, shared_blocks * page):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                     shared_prefix=torch.tensor([prefix], device=device))
+        assert (out.float() - ref.float()).abs().max() < 2e-2, prefix
+        assert out[-1].abs().max() == 0
+
+
 @pytest.mark.parametrize("window", [None, 24, 100], ids=["all-keys", "window-24", "window-100"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (9, 3, 64), (8, 8, 64), (32, 8, 128), (32, 2, 128),
                                                 (4, 1, 256)])

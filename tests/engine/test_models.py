@@ -266,6 +266,49 @@ def test_sampling_inside_the_decode_graph_draws_what_the_eager_step_draws(lora):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_cascade_attention_over_a_shared_system_prompt_gives_the_logprobs_transformers_gives(arch):
+    """12 conversations sharing a 320-token system prompt through the prefix cache, decoded with
+    cascade attention (graphs and eager steps; Gemma 3's sliding layers read their own keys): each
+    row's greedy tokens score as transformers scores them, and the shared prefix was used."""
+    g = torch.Generator().manual_seed(6)
+    system = torch.randint(1, 128, (320,), generator=g).tolist()
+    prompts = [system + torch.randint(1, 128, (n,), generator=g).tolist() for n in range(3, 15)]
+    model, reference = tiny(arch, "cuda", torch.bfloat16), tiny(arch, "cuda", torch.bfloat16)
+    engine = Engine(engine_model_for(model, 512), NullTokenizer(), stop_token_ids=[0], lock=threading.RLock(),
+                    config=EngineConfig(num_kv_blocks=512, block_size=16, cascade_attention=True), max_seq_len=512)
+    try:
+        engine.submit(system + [5], SamplingParams(max_tokens=1)).result(timeout=300)  # the prompt in the cache
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        futures = [engine.submit(p, params) for p in prompts]
+        for p, f in zip(prompts, futures):
+            [a] = f.result(timeout=300)
+            with torch.no_grad():
+                logits = reference(torch.tensor([p + a.token_ids], device="cuda")).logits[0, len(p) - 1:-1].float()
+            chosen = torch.log_softmax(logits, -1).gather(1, torch.tensor(a.token_ids, device="cuda")[:, None])[:, 0]
+            assert (chosen.cpu() - torch.tensor(a.logprobs)).abs().max() < 0.1
+        assert engine.runner.graphs.shared_prefix.item() == 320  # the last step's 12 rows shared 20 blocks
+    finally:
+        engine.close()
+
+
+def test_the_shared_prefix_of_a_decode_batch_is_the_blocks_every_row_holds():
+    import numpy as np
+
+    from tempering.engine.model_runner import shared_prefix_len
+
+    tables = np.tile(np.arange(1, 41, dtype=np.int32), (8, 1))
+    lens = [600] * 8
+    assert shared_prefix_len(tables, lens, 16) == 37 * 16  # whole blocks before every row's newest key
+    tables[3, 30:] += 100  # one row's own blocks from block 30
+    assert shared_prefix_len(tables, lens, 16) == 30 * 16
+    assert shared_prefix_len(tables, [600] * 7 + [400], 16) == 25 * 16  # the shortest row's whole blocks
+    tables[5, 10] = 999
+    assert shared_prefix_len(tables, lens, 16) == 0  # 160 keys: each row reads its own
+    assert shared_prefix_len(tables[:7], lens[:7], 16) == 0  # fewer than 8 rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_bucket_whose_capture_failed_runs_eagerly_is_tried_again_and_its_adapter_can_be_unloaded(monkeypatch):
     """A decode graph whose capture fails (here: forced) leaves its bucket to run eagerly, with the
     tokens a graph gives; the capture is tried again after `retry_after` eager steps, `max_attempts`

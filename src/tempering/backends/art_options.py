@@ -221,6 +221,10 @@ ART_OPTIONS: tuple[ArtOption, ...] = (
     ArtOption("engine_args", "kv_offloading_size", "mapped", "EngineConfig.kv_offloading_size",
               "GiB of host memory for KV blocks evicted from the GPU (vLLM's native KV offloading); agents' "
               "conversations come back by copy instead of prefill", to=_set("engine", "kv_offloading_size", float)),
+    ArtOption("engine_args", "disable_cascade_attn", "mapped", "EngineConfig.cascade_attention = not disable_cascade_attn",
+              "vLLM allows it by default; tempering's engine runs it only when asked (False here turns it on): "
+              "decode rows sharing a long prefix read its keys once per tile of rows",
+              to=_set("engine", "cascade_attention", lambda v: not v)),
     ArtOption("engine_args", "enforce_eager", "mapped", "EngineConfig.use_cuda_graphs = not enforce_eager",
               to=_set("engine", "use_cuda_graphs", lambda v: not v)),
     ArtOption("engine_args", "max_model_len", "mapped", "the model's max sequence length",

@@ -24,6 +24,7 @@ class EngineArgs(TypedDict, total=False):
     preemption_mode: str | None
     swap_space: float
     kv_offloading_size: float
+    disable_cascade_attn: bool
     cpu_offload_gb: float
     disable_log_stats: bool
     disable_log_requests: bool

@@ -37,6 +37,12 @@ class EngineConfig:
             again by prefix lookups and copied back instead of recomputed (block_manager.py,
             kv_offload.py); vLLM's name. 0: none. Agent workloads, whose conversations outgrow the
             device cache while their tools run, gain most. Pinned when the engine starts.
+        cascade_attention: (CUDA) when every decode row of a step starts with the same cached
+            blocks, at least 256 keys of them and 8 rows (vLLM's thresholds; an
+            agent's system prompt and tool schemas, shared through the prefix cache), attention
+            reads those keys once per tile of rows instead of once per row, then merges
+            (layers/triton_attention.py); vLLM's and FlashInfer's name. Same attention, another
+            order of the sums. Not in batch-invariant mode, nor for sliding-window layers.
         use_cuda_graphs: capture decode steps in CUDA graphs (GPU only).
         max_graph_batch_size: largest decode batch captured in a graph.
         batch_invariant: compute every token the same way whatever shares its batch and whether it
@@ -63,6 +69,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     kv_offloading_size: float = 0.0
+    cascade_attention: bool = False
     use_cuda_graphs: bool = True
     max_graph_batch_size: int = 256
     batch_invariant: bool = False

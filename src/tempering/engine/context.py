@@ -37,6 +37,9 @@ class StepContext:
         num_decode: number of decode rows.
         decode_block_tables: [num_decode, max_blocks] int64 (padding points at scratch block 0).
         decode_context_lens: [num_decode] int64, keys per decode row including its new token.
+        decode_shared_prefix: [1] int64, cascade attention: the leading keys (whole blocks) that
+            every decode row reads from the same cache blocks, `decode_block_tables[0]`'s (0:
+            none); None where cascade attention is off.
         prefill: the prefill chunks.
         prefill_key_slots: [Nk] int64, on GPU: the cache slots of every prefill chunk's keys
             (cached prefix and new tokens), chunk after chunk, for a packed varlen attention.
@@ -57,6 +60,7 @@ class StepContext:
     num_decode: int
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
+    decode_shared_prefix: torch.Tensor | None = None
     prefill: list[PrefillSpan] = field(default_factory=list)
     prefill_key_slots: torch.Tensor | None = None
     cu_q: torch.Tensor | None = None

@@ -72,6 +72,8 @@ class DecodeGraphs:
             warm-ups run collectives; `stage` of a graph not captured runs it eagerly.
         on_capture: called as on_capture(bucket, adapter, sample) right before a graph's warm-ups
             (a tensor-parallel leader tells its followers to capture too).
+        cascade: the graphs run cascade attention, reading the shared prefix's length from a
+            static buffer (`stage`'s `shared_prefix`; EngineConfig.cascade_attention).
 
     A capture that fails (memory the trainer holds at that moment, say) is logged and its bucket
     runs eagerly; the leader tries it again after `retry_after` eager steps of it, `max_attempts`
@@ -83,7 +85,8 @@ class DecodeGraphs:
 
     def __init__(self, model: Any, kv_cache: torch.Tensor, *, max_batch_size: int, max_blocks_per_seq: int,
                  last_tokens: torch.Tensor, forward_only: bool = False,
-                 on_capture: Callable[[int, EngineAdapter | None, bool], None] | None = None) -> None:
+                 on_capture: Callable[[int, EngineAdapter | None, bool], None] | None = None,
+                 cascade: bool = False) -> None:
         self.model = model
         self.forward_only = forward_only
         self.on_capture = on_capture
@@ -98,6 +101,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.zeros(size, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(size, dtype=torch.int32, device=device)
+        # cascade attention: the keys every row shares (0: none; the graphs then skip the prefix kernel's work)
+        self.shared_prefix = torch.zeros(1, dtype=torch.long, device=device) if cascade else None
         self.temperature = torch.ones(size, dtype=torch.float32, device=device)  # sampling graphs' options
         self.seeds = torch.zeros(size, dtype=torch.long, device=device)
         self.counters = torch.zeros(size, dtype=torch.long, device=device)
@@ -119,7 +124,7 @@ class DecodeGraphs:
 
     def stage(self, input_ids: torch.Tensor, sources: torch.Tensor | None, positions: torch.Tensor,
               slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-              adapter: EngineAdapter | None, sample: bool) -> StagedDecode:
+              adapter: EngineAdapter | None, sample: bool, shared_prefix: torch.Tensor | None = None) -> StagedDecode:
         """Queue the copies of a decode-only batch's inputs (all on the device) into the buffers of
         its graph, capturing the graph on first use; `replay` then runs it.
 
@@ -130,6 +135,7 @@ class DecodeGraphs:
             adapter: the LoRA of every row, or None.
             sample: the graph also samples (fused Gumbel-max; `replay` copies the options in): the
                 ids land in `last_tokens[:B]` and their logprobs in `logprobs[:B]`.
+            shared_prefix: [1] int64, cascade attention's shared keys (graphs made with `cascade`).
 
         Nothing staged reads `last_tokens` or the buffers a masked sampling reads, so a step can be
         staged before the previous step's deferred sampling is queued (`sample_masked`), taking
@@ -147,6 +153,11 @@ class DecodeGraphs:
         self.slot_mapping[:B].copy_(slot_mapping)
         self.block_tables[:B, :width].copy_(block_tables)
         self.context_lens[:B].copy_(context_lens)
+        if self.shared_prefix is not None:
+            if shared_prefix is not None:
+                self.shared_prefix.copy_(shared_prefix)
+            else:
+                self.shared_prefix.zero_()
         if bucket > B:  # padding rows: scratch slot, no keys
             self.slot_mapping[B:bucket].zero_()
             self.context_lens[B:bucket].zero_()
@@ -169,6 +180,8 @@ class DecodeGraphs:
         self.positions[:bucket].zero_()
         self.slot_mapping[:bucket].zero_()
         self.context_lens[:bucket].zero_()
+        if self.shared_prefix is not None:
+            self.shared_prefix.zero_()
         self._capture((bucket, id(adapter) if adapter is not None else 0, sample), adapter)
 
     def replay(self, staged: StagedDecode, sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -196,6 +209,7 @@ class DecodeGraphs:
             num_decode=bucket,
             decode_block_tables=self.block_tables[:bucket],
             decode_context_lens=self.context_lens[:bucket],
+            decode_shared_prefix=self.shared_prefix,
         )
         lora = [LoRASegment(0, bucket, adapter)] if adapter is not None else []
         sources = self.sources[:bucket]

@@ -142,6 +142,32 @@ class PreparedStep:
     staged: StagedDecode | None = None  # a decode step whose inputs are in its CUDA graph's buffers
 
 
+CASCADE_MIN_TOKENS, CASCADE_MIN_ROWS = 256, 8  # a shared prefix shorter, or fewer rows: each row reads its own
+
+
+def shared_prefix_len(tables: np.ndarray, lens: list[int], block_size: int) -> int:
+    """Cascade attention's shared prefix of a decode batch: the keys of the leading blocks that every
+    row's table holds, whole blocks before each row's newest key, or 0 when shorter than
+    CASCADE_MIN_TOKENS or the batch has fewer than CASCADE_MIN_ROWS rows.
+
+    Args:
+        tables: [B, >= max blocks] the rows' block tables (any int dtype).
+        lens: [B] each row's keys, its newest token included.
+
+    Returns:
+        tokens, a multiple of `block_size`.
+    """
+    if len(lens) < CASCADE_MIN_ROWS:
+        return 0
+    full = min(lens) // block_size  # blocks whose every key each row reads
+    if full * block_size < CASCADE_MIN_TOKENS:
+        return 0
+    leading = tables[:, :full]
+    same = (leading == leading[0]).all(axis=0)
+    shared = full if same.all() else int(same.argmin())
+    return shared * block_size if shared * block_size >= CASCADE_MIN_TOKENS else 0
+
+
 class ModelRunner:
     """Owns the KV cache and runs steps.
 
@@ -211,6 +237,7 @@ class ModelRunner:
         # FlashAttention takes half precision; a float32 model's prefill runs SDPA over its block tables
         self.use_varlen = self.is_cuda and HAS_VARLEN and model.dtype in (torch.bfloat16, torch.float16)
         self.batch_invariant = config.batch_invariant and self.is_cuda  # prefill queries run the decode kernel
+        self.cascade = config.cascade_attention and self.is_cuda and HAS_TRITON and not self.batch_invariant
         self.max_blocks_per_seq = -(-max_seq_len // self.block_size)
         self.tables = np.zeros((64, self.max_blocks_per_seq), dtype=np.int32)  # row per live sequence
         self.free_rows = list(range(63, -1, -1))
@@ -231,7 +258,7 @@ class ModelRunner:
                 model, self.kv_cache,
                 max_batch_size=min(config.max_graph_batch_size, config.max_num_seqs),
                 max_blocks_per_seq=self.max_blocks_per_seq, last_tokens=self.last_tokens,
-                forward_only=self.is_follower, on_capture=on_capture,
+                forward_only=self.is_follower, on_capture=on_capture, cascade=self.cascade,
             )
 
     @property
@@ -353,8 +380,11 @@ class ModelRunner:
         f_temp, f_top_p = floats.add([p.temperature for p in params]), floats.add([p.top_p for p in params])
         if decode:
             width = max(len(s.block_table) for s in decode)
-            f_tables = ints.add(self.tables[rows, :width].ravel())
+            decode_tables = self.tables[rows, :width]
+            f_tables = ints.add(decode_tables.ravel())
             f_lens = ints.add(lens)
+            if self.cascade:
+                f_shared = ints.add([shared_prefix_len(decode_tables, lens, bs)])
         if self.use_varlen and spans:
             f_keys, f_cu = ints.add(np.concatenate(key_slots)), ints.add(cu_q + cu_k)
         if token_tables:  # each prefill token's blocks and key count, as a decode row would have them
@@ -371,6 +401,8 @@ class ModelRunner:
         if batch.decode:
             ctx.decode_block_tables = i(f_tables).view(len(batch.decode), width)
             ctx.decode_context_lens = i(f_lens)
+            if self.cascade:
+                ctx.decode_shared_prefix = i(f_shared)
         if token_tables:
             ctx.prefill_block_tables = i(f_p_tables).view(-1, p_width)
             ctx.prefill_context_lens = i(f_p_lens)
@@ -407,7 +439,8 @@ class ModelRunner:
         # the RL rollout case samples inside the graph: no top-k/top-p, no top logprobs, no grammar
         prepared.staged = self.graphs.stage(
             prepared.ids, prepared.sources, prepared.positions, ctx.slot_mapping, ctx.decode_block_tables,
-            ctx.decode_context_lens, lora[0].adapter if lora else None, prepared.fused and not prepared.has_grammar)
+            ctx.decode_context_lens, lora[0].adapter if lora else None, prepared.fused and not prepared.has_grammar,
+            shared_prefix=ctx.decode_shared_prefix)
 
     @torch.inference_mode()
     def launch(self, prepared: PreparedStep) -> LaunchedStep | None:
@@ -532,7 +565,8 @@ class ModelRunner:
             self.model.bind_lora(lora, ids.shape[0])
         if message.graph is not None:  # the leader replays a graph of `bucket` rows: so does this rank
             staged = self.graphs.stage(ids, None, message.positions, ctx.slot_mapping, ctx.decode_block_tables,
-                                       ctx.decode_context_lens, lora[0].adapter if lora else None, message.graph[1])
+                                       ctx.decode_context_lens, lora[0].adapter if lora else None, message.graph[1],
+                                       shared_prefix=ctx.decode_shared_prefix)
             self.graphs.replay(staged, None)
         else:
             self.model.forward(ids, message.positions, ctx, self.kv_cache, lora)

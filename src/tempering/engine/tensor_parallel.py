@@ -41,7 +41,8 @@ STEP, CAPTURE, STOP, PAUSE = 1, 2, 3, 4
 # optional StepContext tensors, in message order, with the dtype they are rebuilt in
 _FIELDS = (("decode_block_tables", torch.long), ("decode_context_lens", torch.long),
            ("prefill_key_slots", torch.long), ("cu_q", torch.int32), ("cu_k", torch.int32),
-           ("prefill_block_tables", torch.long), ("prefill_context_lens", torch.long))
+           ("prefill_block_tables", torch.long), ("prefill_context_lens", torch.long),
+           ("decode_shared_prefix", torch.long))
 
 
 @dataclass(slots=True)

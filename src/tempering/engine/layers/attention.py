@@ -74,13 +74,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return _invariant(q, k_cache, v_cache, ctx, scale, window)
     B = ctx.num_decode
     splits = num_splits(B, split_kv_heads) if gpu and split_kv_heads is not None else None
+    shared = ctx.decode_shared_prefix if window is None else None  # cascade attention (not for sliding layers)
     if gpu and not ctx.prefill:  # the CUDA-graph path: no host work, no extra copy
         return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens, scale,
-                                      window=window, num_splits=splits)
+                                      window=window, num_splits=splits, shared_prefix=shared)
     out = torch.empty_like(q)
     if B and gpu:
         out[:B] = paged_decode_attention(q[:B], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
-                                         scale, window=window, num_splits=splits)
+                                         scale, window=window, num_splits=splits, shared_prefix=shared)
     elif B:
         out[:B] = _decode_sdpa(q[:B], k_cache, v_cache, ctx, scale, window)
     if ctx.prefill:
