@@ -10,7 +10,10 @@ prompt and each conversation's own history hit the prefix cache, as with the rea
 
 A step's time is modelled, not measured: `--step-s` (the weights read once) + `--prefill-us` per
 prefilled token + the KV cache the step's rows attend over read at `--hbm-gb-s` + the host tier's
-copies at `--pcie-gb-s`. Calibration: at the 8B shape, first come first served without a host tier
+copies at `--pcie-gb-s`; with `--cascade`, runs are added in which the decode rows' shared prefix
+(EngineConfig.cascade_attention: the leading blocks every row holds, `shared_prefix_len`) is read
+once per 16 rows, as if the L2 cache served none of the repeats otherwise (the most it can gain).
+Calibration: at the 8B shape, first come first served without a host tier
 prefills 1.12M tokens with 27 preemptions here; the H100 run of `agent_rl.py` prefilled 1.14M with
 26 (RESULTS.md, agent RL). The prefill and the copies counted are exact for this scheduler; the
 time is a model for comparing policies, not a figure for the engine.
@@ -27,8 +30,11 @@ import json
 import random
 import time
 
+import numpy as np
+
 from tempering.engine.block_manager import BlockManager
 from tempering.engine.config import EngineConfig
+from tempering.engine.model_runner import shared_prefix_len
 from tempering.engine.request import BasePolicy, GenerationRequest
 from tempering.engine.sampling_params import SamplingParams
 from tempering.engine.scheduler import Scheduler
@@ -43,7 +49,7 @@ SHAPES = {
 
 
 def replay(shape: dict, *, policy: str, host_gib: float, conversations: int, turns: int, system_tokens: int,
-           tool_delay_s: float, hbm_gb_s: float, pcie_gb_s: float, seed: int) -> dict:
+           tool_delay_s: float, hbm_gb_s: float, pcie_gb_s: float, seed: int, cascade: bool = False) -> dict:
     rng = random.Random(seed)
     block_size = 16
     num_blocks = shape["kv_tokens"] // block_size
@@ -64,7 +70,7 @@ def replay(shape: dict, *, policy: str, host_gib: float, conversations: int, tur
 
     for c in range(conversations):
         submit(c)
-    now, done, steps, prefilled, copied = 0.0, 0, 0, 0, 0
+    now, done, steps, prefilled, copied, shared_read = 0.0, 0, 0, 0, 0, 0
     sent = sum(len(c["prompt"]) for c in convs)
     arrivals: list[tuple[float, int]] = []
     while done < conversations:
@@ -79,6 +85,12 @@ def replay(shape: dict, *, policy: str, host_gib: float, conversations: int, tur
         copied += transfers
         tokens = sum(n for _, n in batch.prefill)
         context = sum(len(s) for s, _ in batch.items())
+        if cascade and batch.decode:  # the shared prefix read once per tile of 16 rows
+            width = max(len(s.block_table) for s in batch.decode)
+            tables = np.array([s.block_table + [0] * (width - len(s.block_table)) for s in batch.decode])
+            shared = shared_prefix_len(tables, [len(s) for s in batch.decode], block_size)
+            context -= (len(batch.decode) - -(-len(batch.decode) // 16)) * shared
+            shared_read += shared * len(batch.decode)
         now += (shape["step_s"] + tokens * shape["prefill_s"] + context * shape["kv_bytes"] / (hbm_gb_s * 1e9)
                 + transfers * block_size * shape["kv_bytes"] / (pcie_gb_s * 1e9))
         prefilled += tokens
@@ -96,12 +108,12 @@ def replay(shape: dict, *, policy: str, host_gib: float, conversations: int, tur
                     conv["prompt"] = seq.token_ids + [rng.randrange(50_000) for _ in range(conv["tools"][conv["turn"] - 1])]
                     sent += len(conv["prompt"])
                     heapq.heappush(arrivals, (now + tool_delay_s, seq.sample_index))
-    return dict(policy=policy, host_gib=host_gib, modelled_gather_s=round(now, 1), steps=steps,
+    return dict(policy=policy, host_gib=host_gib, cascade=cascade, modelled_gather_s=round(now, 1), steps=steps,
                 prompt_tokens_sent=sent, prefilled_tokens=prefilled,
                 offloaded_tokens=blocks.num_offloaded_blocks * block_size,
                 restored_tokens=blocks.num_restored_blocks * block_size,
                 copied_gb=round(copied * block_size * shape["kv_bytes"] / 1e9, 1),
-                preemptions=scheduler.num_preemptions)
+                preemptions=scheduler.num_preemptions, decode_keys_in_shared_prefixes=shared_read)
 
 
 def main() -> None:
@@ -116,12 +128,14 @@ def main() -> None:
     parser.add_argument("--hbm-gb-s", type=float, default=3000.0)
     parser.add_argument("--pcie-gb-s", type=float, default=40.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cascade", action="store_true", help="add runs with cascade attention's shared prefix")
     args = parser.parse_args()
     shape = SHAPES[args.model]
     start = time.perf_counter()
     runs = [replay(shape, policy=policy, host_gib=float(gib), conversations=args.conversations, turns=args.turns,
                    system_tokens=args.system_tokens, tool_delay_s=args.tool_delay_s, hbm_gb_s=args.hbm_gb_s,
-                   pcie_gb_s=args.pcie_gb_s, seed=args.seed)
+                   pcie_gb_s=args.pcie_gb_s, seed=args.seed, cascade=cascade)
+            for cascade in ((False, True) if args.cascade else (False,))
             for gib in args.host_gib.split(",") for policy in args.policies.split(",")]
     baseline = runs[0]
     for run in runs:
