@@ -118,7 +118,9 @@ def test_adapters_are_added_and_removed_while_serving_and_bad_ones_are_refused(s
     assert post("load_lora_adapter", {"lora_name": "late", "lora_path": str(exported_adapter)}, {}).status_code == 401
     loaded = post("load_lora_adapter", {"lora_name": "late", "lora_path": str(exported_adapter)})
     assert loaded.status_code == 200 and loaded.json()["name"] == "late"
-    assert asyncio.run(greedy(client_of(served), "late")) == asyncio.run(greedy(client_of(served), "export"))
+    (late_ids, late_logprobs), (ids, logprobs) = (asyncio.run(greedy(client_of(served), name)) for name in ("late", "export"))
+    assert late_ids == ids  # the same adapter under two names; "export" may find its prompt cached (float noise)
+    assert max(abs(a - b) for a, b in zip(late_logprobs, logprobs)) < 1e-5
     for body, status, message in [
         ({"lora_name": "late", "lora_path": str(exported_adapter)}, 400, "already served"),
         ({"lora_name": BASE, "lora_path": str(exported_adapter)}, 400, "already served"),

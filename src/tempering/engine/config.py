@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, fields
 
@@ -21,7 +22,10 @@ class EngineConfig:
     Attributes:
         max_num_seqs: most sequences in one step (prefill and decode together).
         max_num_batched_tokens: token budget of one step; longer prompts are prefilled in chunks.
-        block_size: tokens per KV-cache block.
+        block_size: tokens per KV-cache block; None: 16 on a GPU (the decode kernel's pages), 4 on
+            a CPU, where a block costs no kernel tile and an RL group's rollouts, each sending the
+            same short prompt, then recompute at most 3 tokens of its last partial block instead
+            of 15 (`tempering demo`: 115 s against 130 s, benchmarks/RESULTS.md).
         num_kv_blocks: cache size in blocks; None sizes it from memory (below), at most 2**20 blocks.
         gpu_memory_fraction: on GPU, the share of the memory free after loading the weights that
             the KV cache takes (the rest is left to the trainer and activations).
@@ -62,7 +66,7 @@ class EngineConfig:
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
-    block_size: int = 16
+    block_size: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_fraction: float = 0.5
     cpu_kv_cache_bytes: int = 1 << 30
@@ -102,9 +106,15 @@ class EngineConfig:
                               "or batch_invariant=False")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError("num_kv_blocks must be >= 2 (block 0 is a scratch block)")
         if not 0.0 < self.gpu_memory_fraction < 1.0:
             raise ConfigError(f"gpu_memory_fraction must be in (0, 1), got {self.gpu_memory_fraction}")
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with its device-dependent defaults filled in (`block_size`)."""
+        if self.block_size is not None:
+            return self
+        return dataclasses.replace(self, block_size=4 if device_type == "cpu" else 16)

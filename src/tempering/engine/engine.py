@@ -114,7 +114,7 @@ class Engine:
         self.stop_token_ids = list(stop_token_ids)
         self._stop_ids = frozenset(stop_token_ids)
         self.lock = lock
-        self.config = config or EngineConfig()
+        self.config = (config or EngineConfig()).for_device(model.device.type)
         self._peft_model = peft_model
         self._adapters: dict[tuple[str, int], EngineAdapter] = {}
         tp = getattr(model, "tp", None)
