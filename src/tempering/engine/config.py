@@ -23,8 +23,8 @@ class EngineConfig:
         max_num_seqs: most sequences in one step (prefill and decode together).
         max_num_batched_tokens: token budget of one step; longer prompts are prefilled in chunks.
         block_size: tokens per KV-cache block; None: 16 on a GPU (the decode kernel's pages), 4 on
-            a CPU, where a block costs no kernel tile and an RL group's rollouts, each sending the
-            same short prompt, then recompute at most 3 tokens of its last partial block instead
+            a CPU, where a block costs no kernel tile: an RL group's rollouts send the same short
+            prompt, and each recomputes the prompt's last partial block, at most 3 tokens instead
             of 15 (`tempering demo`: 115 s against 130 s, benchmarks/RESULTS.md).
         num_kv_blocks: cache size in blocks; None sizes it from memory (below), at most 2**20 blocks.
         gpu_memory_fraction: on GPU, the share of the memory free after loading the weights that
