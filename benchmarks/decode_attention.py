@@ -7,6 +7,8 @@ decode rows each read a shared prefix of `--shared` keys (an agent's system prom
 schemas) plus their own keys (uniform in `--own`, the conversation so far). One layer's
 attention is timed (`triton.testing.do_bench`, the median) in four ways:
 - `distinct`: every row's keys in blocks of its own (no sharing; what the bytes model counts),
+- `distinct_uniform`: the same number of keys in all, every row the same length (what the
+  split kernel loses to rows of different lengths, whose keys it splits alike),
 - `shared`: the prefix's blocks the same for every row, as the prefix cache leaves them (the
   kernel still reads them once per row; the L2 cache may serve the repeats),
 - `cascade`: the same tables with the shared prefix read once per tile of rows,
@@ -70,6 +72,7 @@ def main() -> None:
         shared[:, :shared_blocks] = distinct[0, :shared_blocks]
         distinct, shared, lens = distinct.to(device), shared.to(device), lens.to(device)
         q = torch.randn(B, heads, dim, device=device, dtype=torch.bfloat16)
+        uniform = torch.full_like(lens, int(lens.float().mean()))
         prefix = torch.tensor([shared_blocks * page], device=device)
         all_bytes = int(lens.sum()) * bytes_per_key
         unique_bytes = (shared_blocks * page + int(lens.sum()) - B * shared_blocks * page) * bytes_per_key
@@ -83,6 +86,8 @@ def main() -> None:
             "mean_keys": round(float(lens.float().mean()), 1),
             "bytes_mb": {"every_row": round(all_bytes / 1e6, 1), "prefix_once": round(unique_bytes / 1e6, 1)},
             "distinct": timed(lambda: paged_decode_attention(q, k_cache, v_cache, distinct, lens, scale), all_bytes),
+            "distinct_uniform": timed(lambda: paged_decode_attention(q, k_cache, v_cache, distinct, uniform, scale),
+                                      int(uniform.sum()) * bytes_per_key),
             "shared": timed(lambda: paged_decode_attention(q, k_cache, v_cache, shared, lens, scale), unique_bytes),
             "cascade": timed(lambda: paged_decode_attention(q, k_cache, v_cache, shared, lens, scale,
                                                             shared_prefix=prefix), unique_bytes),
