@@ -26,9 +26,10 @@ def freeze_heap() -> None:
 
 
 def unfreeze_heap() -> None:
-    """Give the frozen objects back to the collector (`gc.unfreeze`), before collecting the cycles
-    of a closed model (its services' engine callbacks)."""
+    """Give the frozen objects back to the collector (`gc.unfreeze`) and collect: the reference
+    cycles of a closed model (its services' engine callbacks) go."""
     gc.unfreeze()
+    gc.collect()
 
 
 def release_free_memory() -> None:

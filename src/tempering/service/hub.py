@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import gc
 import json
 import os
 import secrets
@@ -408,8 +407,7 @@ class ModelHub:
         for service in self.registry.clear():
             service.close()
         self.train_executor.shutdown(wait=False, cancel_futures=True)
-        unfreeze_heap()
-        gc.collect()  # the services' reference cycles (engine callbacks), then the heap back to the OS
+        unfreeze_heap()  # the services' reference cycles (engine callbacks) collected, then the heap back to the OS
         release_free_memory()
         if torch.cuda.is_initialized():  # and the freed GPU blocks to the driver, for other processes
             torch.cuda.empty_cache()

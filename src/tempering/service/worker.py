@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import faulthandler
-import gc
 import logging
 import os
 import signal
@@ -90,8 +89,7 @@ class WorkerHub:
         service = self.services.pop(name, None)
         if service is not None:
             service.close()
-            unfreeze_heap()
-            gc.collect()  # its reference cycles
+            unfreeze_heap()  # its reference cycles collected
 
     def follow_train(self, *, name: str, sequences: list, config: TrainConfig, new_step: int) -> None:
         run_in_own_thread(self._service(name).follow_train, sequences, config, new_step)
