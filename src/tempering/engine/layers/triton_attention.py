@@ -244,7 +244,8 @@ def paged_decode_attention(
     lse_partial = torch.empty(B, Hq, SP + S, dtype=torch.float32, device=q.device)
     group_pad = max(16, triton.next_power_of_2(group))
     if SP:
-        rows = max(1, PREFIX_ROWS // triton.next_power_of_2(group))
+        prefix_pad = triton.next_power_of_2(group)  # no matrix-unit minimum: the rows fill the tile
+        rows = max(1, PREFIX_ROWS // prefix_pad)
         _shared_prefix_kernel[(triton.cdiv(B, rows), num_kv_heads, SP)](
             q, k_cache, v_cache, block_tables, context_lens, shared_prefix, out_partial, lse_partial,
             scale, B,
@@ -253,7 +254,7 @@ def paged_decode_attention(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
             lse_partial.stride(0), lse_partial.stride(1),
-            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), ROWS=rows, D=D, PAGE=page, NUM_SPLITS=SP,
+            GROUP=group, GROUP_PAD=prefix_pad, ROWS=rows, D=D, PAGE=page, NUM_SPLITS=SP,
             BLOCK_N=block_n, STAGES=num_stages, PRECISION=dot_precision(q.dtype), num_warps=num_warps,
         )
     rows_out, rows_lse = out_partial[:, :, SP:], lse_partial[:, :, SP:]  # the rows' own keys: the splits after
